@@ -1,0 +1,204 @@
+"""TrainConfig: every knob of ``python -m finetune.train``, validated in one place.
+
+Values come from (lowest to highest priority) the defaults below, a JSON file
+(``--config FILE.json``, same keys; dashes or underscores), and CLI flags. The
+resolved config is written to ``train_config.json`` in the run directory and in
+every checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+STAGES = ("ar-sft", "mars")
+DECAYS = ("cosine", "linear", "constant")
+OVERLONG = ("drop", "truncate")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    base_model: str = "tiny-ar-sft"
+    """Model to start from: a mars_core name (tiny-ar-sft, tiny-mars, smollm2), a local transformers dir or a .gguf."""
+    output_dir: str = "runs/finetune"
+    """Run directory: train_config.json, status.json, metrics.jsonl, checkpoint-<step>/; resumed if it has checkpoints."""
+    data: str = "builtin"
+    """Training data: 'builtin' (finetune.tasks train split) or a chat JSONL path."""
+    builtin_examples: int = 2000
+    """Number of built-in task examples to generate when --data builtin."""
+    stage: str = "mars"
+    """'ar-sft' (plain causal SFT, stage 1) or 'mars' (dual-stream MARS loss, stage 2)."""
+    block_size: int = 4
+    """MARS block size B (tokens predicted per forward at most)."""
+    ar_weight: float = 1.0
+    """Weight of the clean-stream (AR) loss in MARS: 1.0 is MARS, 0.0 the no-SFT-loss ablation."""
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to --lr over this many optimizer steps."""
+    decay: str = "cosine"
+    """Learning-rate decay after warmup: cosine, linear or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of --lr (cosine and linear decay)."""
+    max_steps: int | None = None
+    """Optimizer steps to train; if unset, --epochs decides."""
+    epochs: float = 1.0
+    """Passes over the data when --max-steps is unset (fractions allowed)."""
+    batch_size: int = 8
+    """Examples per process per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_length: int = 512
+    """Longest example in tokens (after block padding); see --overlong."""
+    overlong: str = "drop"
+    """Examples longer than --max-length: 'drop' them (counted warning) or 'truncate' the prompt from the left."""
+    seed: int = 0
+    """Seed for data order, initialisation of LoRA weights and dropout."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to biases and norm weights)."""
+    adam_beta2: float = 0.95
+    """AdamW beta2 (beta1 is 0.9)."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this value; 0 disables clipping."""
+    lora: bool = False
+    """Train LoRA adapters (peft) instead of all weights; merged into the weights at every save."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA alpha (scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    save_every: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end, on SIGINT/SIGTERM)."""
+    keep_checkpoints: int = 2
+    """Keep only the newest N checkpoints in --output-dir."""
+    log_every: int = 1
+    """Append a metrics.jsonl line every N optimizer steps."""
+    threads: int | None = None
+    """torch CPU threads per process (default: torch's own choice)."""
+    mixed_precision: str = "no"
+    """accelerate mixed precision: no, bf16 or fp16 (fp16 needs a GPU)."""
+
+    def __post_init__(self):
+        def need(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        need(self.stage in STAGES, f"stage={self.stage!r}; use one of {', '.join(STAGES)}")
+        need(self.decay in DECAYS, f"decay={self.decay!r}; use one of {', '.join(DECAYS)}")
+        need(self.overlong in OVERLONG, f"overlong={self.overlong!r}; use one of {', '.join(OVERLONG)}")
+        need(
+            self.mixed_precision in MIXED_PRECISION,
+            f"mixed_precision={self.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION)}",
+        )
+        need(bool(self.base_model), "base_model is empty; pass --base-model NAME_OR_DIR")
+        need(bool(self.output_dir), "output_dir is empty; pass --output-dir DIR")
+        need(bool(self.data), "data is empty; pass --data builtin or --data FILE.jsonl")
+        need(self.block_size >= 1, f"block_size={self.block_size}; use an integer >= 1 (the paper uses 4)")
+        need(self.ar_weight >= 0, f"ar_weight={self.ar_weight}; use a value >= 0 (1.0 is MARS, 0.0 the ablation)")
+        need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
+        need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
+        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")
+        need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}; use 1 or more (or unset)")
+        need(self.epochs > 0, f"epochs={self.epochs}; use a positive number")
+        need(self.batch_size >= 1, f"batch_size={self.batch_size}; use 1 or more")
+        need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}; use 1 or more")
+        need(self.max_length >= 2, f"max_length={self.max_length}; use at least 2 tokens")
+        need(self.builtin_examples >= 1, f"builtin_examples={self.builtin_examples}; use 1 or more")
+        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}; use 0 or more")
+        need(0 <= self.adam_beta2 < 1, f"adam_beta2={self.adam_beta2}; use a value in [0, 1)")
+        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}; use 0 (off) or a positive norm")
+        need(self.lora_r >= 1, f"lora_r={self.lora_r}; use 1 or more")
+        need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
+        need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
+        need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
+        need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")
+        need(self.log_every >= 1, f"log_every={self.log_every}; use 1 or more")
+        need(self.threads is None or self.threads >= 1, f"threads={self.threads}; use 1 or more (or unset)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "config") -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def field_docs() -> dict[str, str]:
+    """The one-line docstring under each TrainConfig field (used as --help text)."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.train",
+        description="Fine-tune a causal LM with AR-SFT or MARS (see MARS_SPEC.md). "
+        "Runs data-parallel unchanged under `accelerate launch`. "
+        "Re-running with the same --output-dir resumes from its last checkpoint.",
+        epilog="Data: chat JSONL, one {\"messages\": [...]} per line; prompt tokens are not supervised, the last "
+        "assistant turn is (up to its end-of-turn token). Over-long examples (longer than --max-length after "
+        "MARS block padding): --overlong drop skips them and warns with the count; --overlong truncate cuts "
+        "the prompt from the left and keeps the response whole (an example whose response alone is too long is "
+        "dropped). Run directory: train_config.json, status.json, metrics.jsonl, checkpoint-<step>/.",
+    )
+    parser.add_argument("--config", help="JSON file with any of the keys below (CLI flags override it)")
+    docs = field_docs()
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = {"bool": _bool, "int": int, "int | None": int, "float": float, "str": str}[f.type]
+        if f.name == "lora":
+            parser.add_argument(flag, nargs="?", const=True, type=_bool, default=None, help=docs[f.name])
+            continue
+        # default=None marks "not given", so a --config file value is not overridden by a default
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, type=kind, default=None, help=docs[f.name] + shown)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults < --config JSON < explicit flags."""
+    args = build_parser().parse_args(argv)
+    values: dict = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"--config {str(path)!r} does not exist; pass a JSON file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {str(path)!r} must hold a JSON object of TrainConfig keys")
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+    for f in fields(TrainConfig):
+        given = getattr(args, f.name)
+        if given is not None:
+            values[f.name] = given
+    return TrainConfig.from_dict(values, where=args.config or "config")

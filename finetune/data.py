@@ -1,0 +1,228 @@
+"""Chat data for fine-tuning: read, tokenise through the chat template, collate.
+
+Input format: JSONL, one conversation per line::
+
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+
+Roles are ``system``, ``user`` and ``assistant``; the last message must be the
+assistant's. Blank lines are skipped. A malformed row raises ``ValueError``
+naming the file, the line number and what is wrong.
+
+Tokenisation: the prompt is everything before the last assistant turn,
+rendered by the tokenizer's chat template with ``add_generation_prompt=True``
+(exactly what the decoder feeds the model at inference). The supervised
+response is the rest of the rendered conversation up to and including the
+end-of-turn token (whatever the template puts after it, such as a newline, is
+dropped). Prompt tokens get label -100.
+
+Block padding (MARS stage): the response is extended with end-of-turn tokens
+(as labels) until the total length is a multiple of the block size B, so the
+batch padding never shares a block with real tokens (MARS_SPEC.md).
+
+Over-long examples (length > ``max_length`` after block padding), chosen by
+``overlong``:
+- ``"drop"`` (default): the example is skipped; the number skipped is
+  reported in one warning.
+- ``"truncate"``: prompt tokens are removed from the left until it fits; the
+  response is always kept whole. An example whose response alone does not fit
+  is dropped (counted in the same warning).
+
+Padding in a batch is tracked by a boolean ``valid`` mask, never by comparing
+token ids (pad may equal eos, as in SmolLM2).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+OVERLONG = ("drop", "truncate")
+
+
+@dataclass
+class Example:
+    """One tokenised conversation; ``labels`` is -100 on the prompt."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def validate_conversation(row, where: str) -> list[dict]:
+    """Return the ``messages`` list of one parsed row or raise ValueError naming ``where``."""
+    if not isinstance(row, dict) or "messages" not in row:
+        raise ValueError(f'{where}: expected an object with a "messages" list, got {str(row)[:80]!r}')
+    messages = row["messages"]
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise ValueError(f'{where}: "messages" must be a list of at least 2 turns (a prompt and an answer)')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f'{where}: message {i} must be {{"role": str, "content": str}}, got {str(m)[:80]!r}')
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the last message must be the assistant's answer, got role {messages[-1]['role']!r}")
+    if not messages[-1]["content"]:
+        raise ValueError(f"{where}: the last assistant message is empty")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
+    """Read a chat JSONL file into a list of message lists (validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data file {str(path)!r} does not exist; pass a .jsonl path or 'builtin'")
+    conversations = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            conversations.append(validate_conversation(row, where))
+    if not conversations:
+        raise ValueError(f"data file {str(path)!r} has no conversations")
+    return conversations
+
+
+def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0) -> list[list[dict]]:
+    """``data`` is ``"builtin"`` (finetune.tasks' train split) or a chat JSONL path."""
+    if data == "builtin":
+        from finetune import tasks  # written by another helper; imported only when asked for
+
+        rows = tasks.make_examples("train", n_builtin, seed)
+        return [validate_conversation(r, f"builtin example {i}") for i, r in enumerate(rows)]
+    return read_chat_jsonl(data)
+
+
+def end_of_turn_ids(tokenizer, eos_ids=None) -> list[int]:
+    """Ids that end an assistant turn: ``eos_ids`` if given, else eos plus ``<|im_end|>`` if present."""
+    if eos_ids:
+        return list(eos_ids)
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
+        ids.append(im_end)
+    if not ids:
+        raise ValueError("the tokenizer has no eos token and no <|im_end|>; set tokenizer.eos_token")
+    return ids
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], eos_ids: list[int]) -> Example:
+    """Prompt (template + generation prompt) and supervised last assistant turn, up to its end-of-turn token."""
+    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            "the chat template does not render the prompt as a prefix of the conversation; "
+            "use a tokenizer whose template appends turns (ChatML-style)"
+        )
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    response = tokenizer.encode(full_text[len(prompt_text) :], add_special_tokens=False)
+    ends = [i for i, t in enumerate(response) if t in eos_ids]
+    if ends:
+        response = response[: ends[-1] + 1]  # drop what the template adds after end-of-turn
+    else:
+        response = response + [eos_ids[0]]  # template without an end-of-turn token: teach the model to stop
+    return Example(prompt + response, [IGNORE_INDEX] * len(prompt) + response)
+
+
+def pad_to_block(example: Example, block_size: int, eos_id: int) -> Example:
+    """Extend the response with ``eos_id`` (labelled) until the length is a multiple of ``block_size``."""
+    extra = -len(example.input_ids) % block_size
+    return Example(example.input_ids + [eos_id] * extra, example.labels + [eos_id] * extra)
+
+
+def fit_length(example: Example, max_length: int, overlong: str) -> Example | None:
+    """Apply the documented over-long policy; None means drop."""
+    n = len(example.input_ids)
+    if n <= max_length:
+        return example
+    if overlong == "drop":
+        return None
+    n_prompt = next(i for i, t in enumerate(example.labels) if t != IGNORE_INDEX)
+    cut = n - max_length
+    if cut >= n_prompt:  # the response alone does not fit (we never cut into it)
+        return None
+    return Example(example.input_ids[cut:], example.labels[cut:])
+
+
+def build_examples(
+    conversations: list[list[dict]],
+    tokenizer,
+    *,
+    max_length: int,
+    block_size: int | None = None,
+    eos_ids: list[int] | None = None,
+    overlong: str = "drop",
+) -> list[Example]:
+    """Tokenise, block-pad (if ``block_size``) and length-filter conversations."""
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong={overlong!r}; use one of {OVERLONG}")
+    eos_ids = end_of_turn_ids(tokenizer, eos_ids)
+    examples, dropped = [], 0
+    for messages in conversations:
+        ex = tokenize_conversation(tokenizer, messages, eos_ids)
+        if block_size and block_size > 1:
+            # the end-of-turn token this response actually ends with is the one to repeat
+            ex = pad_to_block(ex, block_size, ex.input_ids[-1])
+        ex = fit_length(ex, max_length, overlong)
+        if ex is None:
+            dropped += 1
+        else:
+            examples.append(ex)
+    if dropped:
+        warnings.warn(
+            f"{dropped} of {len(conversations)} examples longer than max_length={max_length} were dropped "
+            f"(overlong={overlong!r}); raise --max-length to keep them",
+            stacklevel=2,
+        )
+    if not examples:
+        raise ValueError(f"no example fits max_length={max_length}; raise --max-length")
+    return examples
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: ``input_ids``, ``labels`` (-100 on pads), ``valid`` (bool)."""
+    n = max(len(e.input_ids) for e in examples)
+    b = len(examples)
+    input_ids = torch.full((b, n), pad_id, dtype=torch.long)
+    labels = torch.full((b, n), IGNORE_INDEX, dtype=torch.long)
+    valid = torch.zeros((b, n), dtype=torch.bool)
+    for i, e in enumerate(examples):  # once per batch, on lists; not in the model's hot path
+        k = len(e.input_ids)
+        input_ids[i, :k] = torch.tensor(e.input_ids)
+        labels[i, :k] = torch.tensor(e.labels)
+        valid[i, :k] = True
+    return {"input_ids": input_ids, "labels": labels, "valid": valid}
+
+
+def epoch_batches(
+    n_examples: int, batch_size: int, epoch: int, seed: int, lengths: list[int] | None = None
+) -> list[list[int]]:
+    """Index lists for one epoch, shuffled deterministically by (seed, epoch); the last partial batch is dropped.
+
+    With ``lengths``, examples of similar length are batched together (shuffle,
+    sort inside windows of 50 batches, shuffle the batches) so less compute is
+    spent on padding; the order still depends only on (seed, epoch), which is
+    what makes resuming mid-epoch exact.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(n_examples, generator=g).tolist()
+    if lengths is not None:
+        window = batch_size * 50
+        order = [
+            i for s in range(0, len(order), window) for i in sorted(order[s : s + window], key=lambda j: lengths[j])
+        ]
+    batches = [order[s : s + batch_size] for s in range(0, n_examples - batch_size + 1, batch_size)]
+    if lengths is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+    return batches

@@ -1,0 +1,507 @@
+"""Fine-tune a causal LM with AR-SFT (stage 1) or MARS (stage 2): ``python -m finetune.train``.
+
+    python -m finetune.train --base-model tiny-ar-sft --data builtin --stage mars \\
+        --block-size 4 --lr 5e-6 --epochs 5 --output-dir runs/mars
+
+The same command under ``accelerate launch --num_processes N [--cpu]`` runs
+data-parallel: each process takes its own slice of every global batch.
+
+Run directory (``--output-dir``; the app reads it while training runs):
+- ``train_config.json``: the resolved TrainConfig
+- ``status.json``: state (running | finished | stopped | failed), step, max_steps, pid,
+  started_at, updated_at, eta_s, last_checkpoint, error
+- ``metrics.jsonl``: one line per logged step: step, loss, loss_mask (null for AR-SFT),
+  loss_ar, lr, tokens_per_s, elapsed
+- ``checkpoint-<step>/``: a plain transformers directory (LoRA already merged) with the
+  tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state,
+  schedule position, step, RNG, LoRA adapter weights when --lora)
+
+Re-running with the same ``--output-dir`` resumes from its newest complete
+checkpoint: step count, optimizer state, data position and RNG continue.
+SIGINT/SIGTERM: the current optimizer step finishes, a checkpoint is saved,
+status becomes "stopped" and the process exits with code 0.
+
+Shape follows nanoGPT/litgpt: ``setup`` (model, data, optimizer, resume) ->
+``main`` (status bookkeeping) -> ``fit`` (the loop), with small helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from finetune.config import TrainConfig, config_from_args
+from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations
+from finetune.losses import ar_loss, mars_loss
+
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.pt"
+
+
+# ----------------------------------------------------------------------------- model loading
+
+
+@dataclass
+class Base:
+    """The starting model and what the loss needs to know about its tokenizer."""
+
+    model: nn.Module
+    tokenizer: object
+    mask_id: int
+    eos_ids: list[int]
+    path: str
+
+
+def load_base(name: str) -> Base:
+    """Load ``name`` through mars_core (names, dirs, GGUF; mask id per MARS_SPEC) in fp32 on CPU."""
+    from mars_core import load_model
+
+    lm = load_model(name, device="cpu", dtype="float32")
+    return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
+
+
+def load_weights(path: str | Path) -> nn.Module:
+    """A checkpoint's weights (the tokenizer and mask id always come from the base model)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+
+
+def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear",  # every projection in attention and MLP; not the LM head
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+class TrainModule(nn.Module):
+    """Wraps the LM so that the loss runs inside ``forward``.
+
+    Data-parallel gradient sync hooks in at the wrapper's forward; the losses call
+    ``model.model`` and ``model.lm_head`` directly (logits on labelled rows only),
+    so they must run inside the module that accelerate wraps.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, mask_id: int):
+        super().__init__()
+        self.model = model
+        self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
+
+    def causal_lm(self) -> nn.Module:
+        """The transformers model (with LoRA layers injected in place when training LoRA)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def forward(self, input_ids, labels, valid):
+        lm = self.causal_lm()
+        if self.stage == "mars":
+            return mars_loss(
+                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight
+            )
+        return ar_loss(lm, input_ids, labels, valid)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def get_lr(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine/linear/constant decay."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.decay == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if cfg.decay == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    return cfg.lr - progress * (cfg.lr - min_lr)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on 1-D parameters (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), foreach=True)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(CHECKPOINT_PREFIX) or not name[len(CHECKPOINT_PREFIX) :].isdigit():
+        return None
+    return int(name[len(CHECKPOINT_PREFIX) :])
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints (those with trainer_state.pt), oldest first."""
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if checkpoint_step(p) is not None and (p / STATE_FILE).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomic write: a reader (the app) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop checks it after each optimizer step. A second signal aborts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+
+    def install(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclass
+class Run:
+    """Everything ``fit`` needs; built by ``setup``."""
+
+    cfg: TrainConfig
+    accelerator: object
+    module: nn.Module  # prepared TrainModule (DDP-wrapped when data-parallel)
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    examples: list[Example]
+    pad_id: int
+    out: Path
+    total_steps: int
+    micro_per_epoch: int
+    start_step: int = 0
+    elapsed_before: float = 0.0  # training seconds spent in earlier (resumed) sessions
+    resumed_from: str | None = None
+    stop: StopFlag = field(default_factory=StopFlag)
+
+
+def check_resumable(out: Path, cfg: TrainConfig) -> None:
+    """Refuse to resume a run whose model-defining settings changed."""
+    saved_path = out / "train_config.json"
+    if not saved_path.is_file():
+        return
+    saved = json.loads(saved_path.read_text())
+    for key in ("base_model", "stage", "lora", "lora_r", "block_size"):
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise ValueError(
+                f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "
+                "use a new --output-dir, or the same settings to resume"
+            )
+
+
+def setup(cfg: TrainConfig) -> Run:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir).resolve()
+    checkpoints = list_checkpoints(out)
+    if checkpoints:
+        check_resumable(out, cfg)
+
+    base = load_base(cfg.base_model)
+    model = base.model
+    resume = checkpoints[-1] if checkpoints else None
+    state = torch.load(resume / STATE_FILE, map_location="cpu", weights_only=False) if resume else None
+    if resume and not cfg.lora:
+        model = load_weights(resume)  # full fine-tuning: the checkpoint holds the trained weights
+    model.float().train()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if cfg.lora:
+        model = add_lora(model, cfg)
+        if state is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, state["lora"])
+
+    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed)
+    examples = build_examples(
+        conversations,
+        base.tokenizer,
+        max_length=cfg.max_length,
+        block_size=cfg.block_size if cfg.stage == "mars" else None,
+        eos_ids=base.eos_ids,
+        overlong=cfg.overlong,
+    )
+    global_batch = cfg.batch_size * accelerator.num_processes
+    micro_per_epoch = len(examples) // global_batch
+    if micro_per_epoch < 1:
+        raise ValueError(
+            f"{len(examples)} examples are fewer than one global batch of {global_batch} "
+            f"(--batch-size {cfg.batch_size} x {accelerator.num_processes} processes): lower --batch-size or add data"
+        )
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
+    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_ids[0]
+
+    module = TrainModule(model, cfg, base.mask_id)
+    optimizer = make_optimizer(module, cfg)
+    module, optimizer = accelerator.prepare(module, optimizer)
+
+    run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        run.start_step = state["step"]
+        run.elapsed_before = state.get("elapsed", 0.0)
+        run.resumed_from = str(resume)
+    return run
+
+
+# ----------------------------------------------------------------------------- batches, logging, saving
+
+
+def get_batch(run: Run, micro_index: int, cache: dict) -> dict[str, torch.Tensor]:
+    """This process's slice of global micro-batch ``micro_index`` (a pure function of seed and index)."""
+    cfg, acc = run.cfg, run.accelerator
+    epoch, k = divmod(micro_index, run.micro_per_epoch)
+    if cache.get("epoch") != epoch:
+        lengths = [len(e.input_ids) for e in run.examples]
+        cache["epoch"] = epoch
+        cache["batches"] = epoch_batches(len(run.examples), cfg.batch_size * acc.num_processes, epoch, cfg.seed, lengths)
+    global_batch = cache["batches"][k]
+    mine = global_batch[acc.process_index * cfg.batch_size : (acc.process_index + 1) * cfg.batch_size]
+    batch = collate([run.examples[i] for i in mine], run.pad_id)
+    return {name: t.to(acc.device) for name, t in batch.items()}
+
+
+def read_metrics(path: Path, up_to_step: int | None = None) -> list[str]:
+    if not path.is_file():
+        return []
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if up_to_step is None:
+        return lines
+    return [ln for ln in lines if json.loads(ln)["step"] <= up_to_step]
+
+
+def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
+    """Write checkpoint-<step>/ atomically (main process only) and prune old ones."""
+    acc = run.accelerator
+    final = run.out / f"{CHECKPOINT_PREFIX}{step}"
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        train_module = acc.unwrap_model(run.module)
+        model = train_module.model
+        lora_state = None
+        if run.cfg.lora:
+            from peft import get_peft_model_state_dict
+
+            lora_state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
+            # Merge into a copy so training continues on the unmerged adapter.
+            model = copy.deepcopy(model).merge_and_unload()
+        tmp = run.out / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        run.tokenizer.save_pretrained(tmp)
+        write_json(tmp / "train_config.json", run.cfg.to_dict())
+        (tmp / "metrics.jsonl").write_text("".join(ln + "\n" for ln in read_metrics(run.out / "metrics.jsonl", step)))
+        state = {
+            "step": step,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": {"decay": run.cfg.decay, "step": step, "total_steps": run.total_steps,
+                          "lr": get_lr(max(step - 1, 0), run.cfg, run.total_steps)},
+            "rng": rng_state(),
+            "elapsed": elapsed,
+            "lora": lora_state,
+            "num_processes": acc.num_processes,
+        }
+        torch.save(state, tmp / STATE_FILE)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run.out)[: -run.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return final
+
+
+class Status:
+    """status.json writer (main process only)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.path = run.out / "status.json"
+        self.data = {
+            "state": "running", "step": run.start_step, "max_steps": run.total_steps, "pid": os.getpid(),
+            "started_at": utc_now(), "updated_at": utc_now(), "eta_s": None,
+            "last_checkpoint": run.resumed_from, "error": None,
+        }  # fmt: skip
+
+    def update(self, **changes):
+        self.data.update(changes, updated_at=utc_now())
+        if self.run.accelerator.is_main_process:
+            write_json(self.path, self.data)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def fit(run: Run, status: Status) -> str:
+    """Train from run.start_step to run.total_steps; returns the final state (finished | stopped)."""
+    cfg, acc, module, optimizer = run.cfg, run.accelerator, run.module, run.optimizer
+    from tqdm.auto import tqdm
+
+    metrics_path = run.out / "metrics.jsonl"
+    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not acc.is_local_main_process,
+               desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)  # fmt: skip
+    batch_cache: dict = {}
+    session_start = time.perf_counter()
+    log_t, log_tokens = session_start, 0
+    step = run.start_step
+    state = "finished"
+    params = [p for p in module.parameters() if p.requires_grad]
+    while step < run.total_steps:
+        lr = get_lr(step, cfg, run.total_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = torch.zeros(3)  # loss, loss_mask, loss_ar summed over micro-batches
+        tokens = 0
+        for micro in range(cfg.grad_accum):
+            batch = get_batch(run, step * cfg.grad_accum + micro, batch_cache)
+            tokens += int(batch["valid"].sum())
+            sync = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if sync else acc.no_sync(module):
+                out = module(**batch)
+                acc.backward(out.loss / cfg.grad_accum)
+            mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros(())
+            sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float().cpu()
+        if cfg.grad_clip > 0:
+            acc.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        log_tokens += tokens
+
+        means = sums / cfg.grad_accum
+        if acc.num_processes > 1:
+            means = acc.reduce(means.to(acc.device), "mean").cpu()
+        stop_now = run.stop.requested
+        if acc.num_processes > 1:  # every process must agree to stop at the same step
+            flag = torch.tensor([1.0 if stop_now else 0.0], device=acc.device)
+            stop_now = bool(acc.reduce(flag, "sum").item() > 0)
+        elapsed = run.elapsed_before + time.perf_counter() - session_start
+        bar.update(1)
+        bar.set_postfix(loss=f"{means[0]:.4f}", lr=f"{lr:.2e}")
+        if step % cfg.log_every == 0 or step == run.total_steps:
+            now = time.perf_counter()
+            total_tokens = log_tokens * acc.num_processes  # every process sees a same-sized slice (approx.)
+            row = {
+                "step": step,
+                "loss": round(float(means[0]), 6),
+                "loss_mask": round(float(means[1]), 6) if cfg.stage == "mars" else None,
+                "loss_ar": round(float(means[2]), 6),
+                "lr": lr,
+                "tokens_per_s": round(total_tokens / max(now - log_t, 1e-9), 1),
+                "elapsed": round(elapsed, 3),
+            }
+            log_t, log_tokens = now, 0
+            if acc.is_main_process:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            done_here = step - run.start_step
+            eta = (time.perf_counter() - session_start) / done_here * (run.total_steps - step)
+            status.update(step=step, eta_s=round(eta, 1))
+        if stop_now:
+            state = "stopped"
+            break
+        if cfg.save_every and step % cfg.save_every == 0 and step < run.total_steps:
+            status.update(last_checkpoint=str(save_checkpoint(run, step, elapsed)))
+    bar.close()
+    elapsed = run.elapsed_before + time.perf_counter() - session_start
+    if step > run.start_step or not list_checkpoints(run.out):
+        status.update(last_checkpoint=str(save_checkpoint(run, step, elapsed)))
+    else:
+        status.update(last_checkpoint=str(list_checkpoints(run.out)[-1]))
+    status.update(step=step, eta_s=0.0 if state == "finished" else None)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(argv)
+    run = setup(cfg)
+    acc = run.accelerator
+    run.stop.install()
+    status = Status(run)
+    if acc.is_main_process:
+        run.out.mkdir(parents=True, exist_ok=True)
+        write_json(run.out / "train_config.json", cfg.to_dict())
+        # A resumed run drops metrics logged after its checkpoint (they are about to be redone).
+        kept = read_metrics(run.out / "metrics.jsonl", run.start_step)
+        (run.out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+        where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
+        n_params = sum(p.numel() for p in run.module.parameters())
+        n_train = sum(p.numel() for p in run.module.parameters() if p.requires_grad)
+        print(
+            f"[finetune.train] {where}; {len(run.examples)} examples, {run.total_steps} steps, "
+            f"{acc.num_processes} process(es), {n_train:,}/{n_params:,} trainable parameters",
+            file=sys.stderr,
+        )
+    status.update()
+    try:
+        state = fit(run, status)
+    except BaseException as exc:  # record why the run died, then let it propagate
+        status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    status.update(state=state)
+    if run.stop.requested and acc.is_main_process:
+        print(f"[finetune.train] {run.stop.signal_name}: saved {status.data['last_checkpoint']}", file=sys.stderr)
+    acc.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as exc:  # boundary errors: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
