@@ -1,0 +1,187 @@
+"""Finetune tab handlers: validate a dataset, show the exact command, start/stop/kill, poll the run.
+
+The job itself is `app.runs.JobManager` (a detached process and its files); these functions
+turn its state into page values. Polling is driven by a gr.Timer, so a refreshed page simply
+picks the job up again from disk.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from app import models
+from app.plots import empty_figure
+from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail, read_metrics, shell_quote
+
+BASE_MODELS = [("tiny-ar-sft (stage 1 → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
+               ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
+DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=200, lr=3e-4, lora=False)
+
+
+def base_choices(jobs) -> list[tuple[str, str]]:
+    return BASE_MODELS + [(f"run: {n}", f"run:{n}") for n, _ in jobs.finished_checkpoints()]
+
+
+def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
+    """(ok, markdown): every line checked with finetune.data.validate_conversation; preview of the first rows."""
+    if not path:
+        return False, "No file uploaded yet."
+    p = Path(path)
+    if p.suffix.lower() not in (".jsonl", ".json"):
+        return False, f"⚠️ `{html.escape(p.name)}` is not a .jsonl file; upload chat JSONL (one {{\"messages\": [...]}} per line)."
+    size = p.stat().st_size
+    if size > MAX_UPLOAD_BYTES:
+        return False, f"⚠️ the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
+    from finetune.data import validate_conversation
+    errors, good = [], []
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"line {lineno}"
+            try:
+                good.append(validate_conversation(json.loads(line), where))
+            except json.JSONDecodeError as e:
+                errors.append(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+            except ValueError as e:
+                errors.append(str(e))
+    parts = [f"**{len(good)} valid conversation(s), {len(errors)} bad line(s)** in `{html.escape(p.name)}`."]
+    if errors:
+        parts.append("Errors (fix these lines; training starts only from a clean file):\n" +
+                     "\n".join(f"- {html.escape(e)}" for e in errors[:max_errors]) +
+                     (f"\n- … and {len(errors) - max_errors} more" if len(errors) > max_errors else ""))
+    if good:
+        parts.append("Preview:\n" + "\n".join(
+            "- " + " · ".join(f"**{m['role']}**: {html.escape(m['content'][:80])}" for m in conv)
+            for conv in good[:5]))
+    ok = bool(good) and not errors
+    if not good and not errors:
+        parts.append("⚠️ the file has no conversations.")
+    return ok, "\n\n".join(parts)
+
+
+def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> FinetuneRequest:
+    base_model = jobs.checkpoint_for(base[4:]) if str(base).startswith("run:") else base
+    if not str(base).startswith("run:") and base not in [v for _, v in BASE_MODELS]:
+        raise ValueError(f"base model {base!r} is not in the list")
+    if data_source == "upload":
+        ok, report = validate_jsonl(upload)
+        if not ok:
+            raise ValueError("the uploaded dataset is not valid: " + report.splitlines()[0].replace("*", ""))
+        data = "<run dir>/data.jsonl"
+    else:
+        data = "builtin"
+    return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=int(block_size),
+                           ar_weight=float(ar_weight), max_steps=int(steps), lr=float(lr), lora=bool(lora))
+
+
+def command_preview(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> str:
+    try:
+        req = make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora)
+    except Exception as exc:
+        return f"⚠️ {models.friendly_error(exc)}"
+    run_dir = jobs.runs_dir / "<name>"
+    if data_source == "upload":
+        req.data = str(run_dir / "data.jsonl")
+    return "```bash\n" + shell_quote(build_command(req, run_dir, jobs.launcher)) + " > " + \
+        str(run_dir / "log.txt") + " 2>&1\n```"
+
+
+def start(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> str:
+    try:
+        req = make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora)
+        name = jobs.start(req, data_file=upload if data_source == "upload" else None)
+    except Exception as exc:
+        return f"⚠️ {models.friendly_error(exc)}"
+    return f"🚀 started run **{name}** in `{jobs.run_dir(name)}`"
+
+
+def stop(jobs) -> str:
+    name = jobs.running_job()
+    if not name:
+        return "Nothing is running."
+    try:
+        return "⏹ " + jobs.stop(name)
+    except Exception as exc:
+        return f"⚠️ {models.friendly_error(exc)}"
+
+
+def kill(jobs) -> str:
+    name = jobs.running_job()
+    if not name:
+        return "Nothing is running."
+    try:
+        return "☠️ " + jobs.kill(name)
+    except Exception as exc:
+        return f"⚠️ {models.friendly_error(exc)}"
+
+
+def loss_figure(metrics: list[dict], name: str) -> go.Figure:
+    if not metrics:
+        return empty_figure("waiting for the first logged step …")
+    fig = go.Figure()
+    steps = [m.get("step") for m in metrics]
+    for key, label, colour in (("loss_mask", "mask stream (noisy half)", "#2563eb"),
+                               ("loss_ar", "AR stream (clean half)", "#16a34a"),
+                               ("loss", "total", "#9ca3af")):
+        ys = [m.get(key) for m in metrics]
+        if any(y is not None for y in ys):
+            fig.add_trace(go.Scatter(x=steps, y=ys, mode="lines", name=label, line=dict(color=colour)))
+    fig.update_layout(title=f"Training loss — {name}", xaxis_title="optimizer step", yaxis_title="cross-entropy",
+                      template="plotly_white", height=320, margin=dict(l=50, r=20, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def _fmt_eta(s) -> str:
+    if s is None:
+        return "—"
+    s = int(s)
+    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{s} s"
+
+
+def status_html(st: dict | None) -> str:
+    if not st:
+        return "<div class='job idle'>No finetune run yet. Pick the settings and press <b>Start</b>.</div>"
+    step, total = st.get("step") or 0, st.get("max_steps") or 0
+    frac = min(1.0, step / total) if total else 0.0
+    state = st["state"]
+    colour = {"running": "#2563eb", "finished": "#16a34a", "stopped": "#d97706"}.get(state, "#dc2626")
+    extra = ""
+    if state == "running":
+        extra = f" · ETA {_fmt_eta(st.get('eta_s'))}"
+    elif st.get("exit_code") is not None:
+        extra = f" · exit code {st['exit_code']}"
+    if st.get("error"):
+        extra += f" · error: {html.escape(str(st['error'])[:200])}"
+    ckpt = st.get("last_checkpoint")
+    ck = f"<div class='ckpt'>checkpoint: <code>{html.escape(ckpt)}</code></div>" if ckpt else ""
+    return (f"<div class='job' data-state='{state}'><div class='job-head'><b>{html.escape(st['name'])}</b> · "
+            f"<span style='color:{colour}' class='job-state'>{state}</span> · step {step} / {total}{extra}</div>"
+            f"<div class='progress'><div style='width:{frac * 100:.1f}%;background:{colour}'></div></div>{ck}</div>")
+
+
+def poll(jobs, seen: dict | None):
+    """Timer tick: (status html, loss figure or skip, log tail or skip, picker choices or skip, seen)."""
+    seen = dict(seen or {})
+    name = jobs.latest_job()
+    if name is None:
+        return status_html(None), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen
+    st = jobs.status(name)
+    metrics = read_metrics(Path(st["run_dir"]))
+    key = (name, len(metrics), st["state"])
+    fig = loss_figure(metrics, name) if seen.get("key") != list(key) else gr.skip()
+    show_log = st["state"] not in ("running", "finished") or seen.get("key") != list(key)
+    tail = log_tail(Path(st["run_dir"])) if show_log else gr.skip()
+    finished = [n for n, _ in jobs.finished_checkpoints()]
+    picker = gr.skip()
+    base = gr.skip()
+    if finished != seen.get("finished"):
+        picker = gr.update(choices=models.model_choices(jobs))
+        base = gr.update(choices=base_choices(jobs))
+    seen.update(key=list(key), finished=finished)
+    return status_html(st), fig, tail, picker, base, seen

@@ -1,0 +1,139 @@
+"""Learn tab: the training attention mask and one live inference step, in the paper's terms.
+
+The mask comes from `finetune.losses.mars_attention_mask` (the one the trainer uses); the
+inference step is the first StepEvent of `mars_core.generate_stream` on the current prompt.
+Nothing here re-implements MARS.
+"""
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+
+MASK_TEXT = """
+**Training input** is `[noisy | clean]`: the clean half is the example; the noisy half is the same
+sequence with every response token replaced by `<|mask|>`. Positions are `0..n-1` in both halves and
+blocks are absolute, `block(i) = i // B`. The four regions of the mask (row = query, column = key):
+
+- **clean → clean**: plain causal (`k ≤ q`) — the ordinary AR-SFT loss is computed here.
+- **noisy → noisy**: causal *inside its own block* only — a mask sees the masks before it in its block.
+- **noisy → clean**: only *earlier* blocks — a block predicts its tokens from the clean past, never from itself.
+- **clean → noisy**: never — the clean stream stays an ordinary causal LM.
+
+Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight = 1` is MARS).
+"""
+
+STEP_TEXT = """
+**One inference step = one forward pass.** The input is the committed tokens not yet in the KV cache
+followed by masks. The output at the last committed token is the ordinary next-token distribution
+`q₀`; the output at mask *j−1* predicts position *+j* (`q_j`). Each candidate `t_j` has a confidence
+`c_j`. `t₀` is always accepted; `t_j` is accepted while every earlier one was and `c_j ≥ τ`. The masks
+are then cropped from the cache and the accepted tokens enter at the next step — no extra forward.
+"""
+
+
+def mask_figure(n: int, block_size: int) -> go.Figure:
+    """Heatmap of mars_attention_mask(n, B) over [noisy | clean] with the four regions named."""
+    if not 2 <= int(n) <= 32:
+        raise ValueError(f"n = {n} is out of range; use 2..32 positions")
+    if not 1 <= int(block_size) <= 16:
+        raise ValueError(f"B = {block_size} is out of range; use 1..16")
+    from finetune.losses import mars_attention_mask
+    n, B = int(n), int(block_size)
+    mask = mars_attention_mask(n, B).to(int).tolist()   # [2n, 2n], True = may attend
+    labels = [f"noisy {i}" for i in range(n)] + [f"clean {i}" for i in range(n)]
+    region = [["noisy→noisy" if q < n and k < n else "noisy→clean" if q < n else
+               "clean→noisy" if k < n else "clean→clean" for k in range(2 * n)] for q in range(2 * n)]
+    hover = [[f"query {labels[q]} (block {q % n // B})<br>key {labels[k]} (block {k % n // B})<br>"
+              f"{region[q][k]}: {'attends' if mask[q][k] else 'blocked'}" for k in range(2 * n)] for q in range(2 * n)]
+    fig = go.Figure(go.Heatmap(z=mask, x=list(range(2 * n)), y=list(range(2 * n)), hovertext=hover,
+                               hoverinfo="text", colorscale=[[0, "#f8fafc"], [1, "#2563eb"]], showscale=False,
+                               xgap=1, ygap=1))
+    for name, (x, y) in {"noisy → noisy": (n / 2 - 0.5, n / 2 - 0.5), "noisy → clean": (1.5 * n - 0.5, n / 2 - 0.5),
+                         "clean → noisy (never)": (n / 2 - 0.5, 1.5 * n - 0.5),
+                         "clean → clean": (1.5 * n - 0.5, 1.5 * n - 0.5)}.items():
+        fig.add_annotation(x=x, y=y, text=f"<b>{name}</b>", showarrow=False, bgcolor="rgba(255,255,255,0.85)",
+                           font=dict(size=13, color="#111827"))
+    fig.add_shape(type="line", x0=n - 0.5, x1=n - 0.5, y0=-0.5, y1=2 * n - 0.5, line=dict(color="#dc2626", width=2))
+    fig.add_shape(type="line", y0=n - 0.5, y1=n - 0.5, x0=-0.5, x1=2 * n - 0.5, line=dict(color="#dc2626", width=2))
+    for b in range(B, n, B):  # block boundaries inside each half
+        for off in (0, n):
+            fig.add_shape(type="line", x0=off + b - 0.5, x1=off + b - 0.5, y0=-0.5, y1=2 * n - 0.5,
+                          line=dict(color="#9ca3af", width=1, dash="dot"))
+            fig.add_shape(type="line", y0=off + b - 0.5, y1=off + b - 0.5, x0=-0.5, x1=2 * n - 0.5,
+                          line=dict(color="#9ca3af", width=1, dash="dot"))
+    ticks = list(range(2 * n))
+    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)",
+                      template="plotly_white", height=560, margin=dict(l=80, r=20, t=50, b=80),
+                      xaxis=dict(title="key position", tickvals=ticks, ticktext=labels, tickangle=-60,
+                                 tickfont=dict(size=9)),
+                      yaxis=dict(title="query position", tickvals=ticks, ticktext=labels, autorange="reversed",
+                                 tickfont=dict(size=9), scaleanchor="x"))
+    return fig
+
+
+def first_step(lm, prompt: str, tau: float, block_size: int):
+    """The first forward pass of MARS decoding on `prompt` (one StepEvent), from mars_core."""
+    from mars_core import DecodeConfig, generate_stream
+    cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max(block_size, 8))
+    stream = generate_stream(lm, [prompt], cfg)
+    try:
+        return next(stream)
+    finally:
+        stream.close()
+
+
+def _tok(lm, t: int) -> str:
+    if t in lm.eos_ids:
+        return "⟨eos⟩"
+    s = lm.tokenizer.decode([t], skip_special_tokens=False)
+    return s.replace("\n", "⏎").replace(" ", "␣") or "∅"
+
+
+def step_html(lm, prompt: str, event, show_last: int = 10) -> str:
+    """Committed tokens, the masks, which output predicts which position, and the verdicts."""
+    row = event.rows[0]
+    ids = lm.encode(prompt)
+    tau, B, n = event.tau, len(row.candidates), row.n_accepted
+    shown = ids[-show_last:]
+    e = html.escape
+    committed = "".join(f'<div class="cell committed" title="prompt position {len(ids) - len(shown) + i}">'
+                        f'{e(_tok(lm, t))}</div>' for i, t in enumerate(shown))
+    masks = "".join(f'<div class="cell maskcell">⟨mask⟩<small>mask {j}</small></div>' for j in range(1, B))
+    p = len(ids)
+    rows = []
+    for j, (t, c) in enumerate(zip(row.candidates, row.confidences)):
+        src = "last committed token" if j == 0 else f"mask {j}"
+        if j == 0:
+            verdict, cls = "accepted — t₀ is always kept (it is the plain AR token)", "acc"
+        elif j < n:
+            verdict, cls = f"accepted — c = {c:.3f} ≥ τ and t₀..t{j - 1} were accepted", "acc"
+        elif j == n and c < tau:
+            verdict, cls = f"rejected — c = {c:.3f} < τ = {tau:.2f}; stops the pass", "stop"
+        elif j == n:
+            verdict, cls = "not used — the sequence ended before it", "stop"
+        else:
+            verdict, cls = f"dropped — t{n} was rejected before it (accepted tokens must be contiguous)", "skip"
+        rows.append(f"<tr class='{cls}'><td>output at {e(src)}</td><td>→ position {p + j}</td>"
+                    f"<td>t{j} = <b>{e(_tok(lm, t))}</b></td><td>{c:.3f}</td><td>{e(verdict)}</td></tr>")
+    accepted = "".join(f'<div class="cell accepted">{e(_tok(lm, t))}</div>' for t in row.accepted_ids)
+    return (f"<div class='learn-step'>"
+            f"<div class='lane'><span class='lane-label'>forward input (…last {len(shown)} committed + {B - 1} masks)</span>"
+            f"<div class='cells'>{committed}{masks}</div></div>"
+            f"<table><thead><tr><th>output</th><th>predicts</th><th>candidate</th><th>confidence</th>"
+            f"<th>verdict (τ = {tau:.2f})</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"<div class='lane'><span class='lane-label'>committed after this step ({n} token{'s' if n != 1 else ''}, "
+            f"one forward)</span><div class='cells'>{accepted}</div></div></div>")
+
+
+def confidence_figure(lm, event) -> go.Figure:
+    """Each candidate's confidence against τ (bars), accepted ones in green."""
+    row = event.rows[0]
+    labels = [f"t{j}: {_tok(lm, t)}" for j, t in enumerate(row.candidates)]
+    colours = ["#22c55e" if j < row.n_accepted else "#f87171" for j in range(len(row.candidates))]
+    fig = go.Figure(go.Bar(x=labels, y=row.confidences, marker_color=colours,
+                           text=[f"{c:.3f}" for c in row.confidences], textposition="outside"))
+    fig.add_hline(y=event.tau, line_dash="dash", line_color="#111827", annotation_text=f"τ = {event.tau:.2f}")
+    fig.update_layout(title="Candidate confidence vs τ (green = accepted)", yaxis=dict(range=[0, 1.1]),
+                      template="plotly_white", height=300, margin=dict(l=50, r=20, t=50, b=40))
+    return fig
