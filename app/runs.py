@@ -25,7 +25,7 @@ STAGES = ("ar-sft", "mars")
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 # accelerate's launcher runs the trainer as a child process; `--cpu --num_processes 1` keeps it on this machine.
 ACCELERATE = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "finetune.train"]
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "2", "--cpu", "-m", "finetune.train"]
 PLAIN = ["-m", "finetune.train"]
 
 
@@ -275,6 +275,7 @@ class JobManager:
         return out
 
     def checkpoint_for(self, name: str) -> str:
+        self.run_dir(name)  # refuses names that could leave the runs directory
         for n, path in self.finished_checkpoints():
             if n == name:
                 return path

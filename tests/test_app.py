@@ -1,0 +1,311 @@
+"""Handler tests of the Gradio app, without a browser.
+
+Pure pieces (the race scheduler, rendering, diff, validation) use hand-made events; the
+handlers run on a random 2-layer Llama written to a temp dir (tests/tiny_fixtures.py) and are
+held against mars_core.generate, which no one in app/ wrote.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from app import explorer, finetune_ui, generate, learn, models, plots  # noqa: E402
+from app.race import SideRecord, race, render_chunks, render_ledger, render_stats, speedup, stop_reason  # noqa: E402
+from app.runs import FinetuneRequest, JobManager, build_command  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- fake events
+@dataclass
+class Row:
+    accepted_ids: list
+    candidates: list
+    confidences: list
+    n_accepted: int
+    done: bool = False
+    active: bool = True
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class Event:
+    step: int
+    tau: float
+    step_time: float
+    rows: list = field(default_factory=list)
+
+
+def fake_stream(costs, log, name, n_tokens=1, tau=0.9):
+    """A decoder whose k-th forward costs costs[k] seconds; records when it is pulled."""
+    for k, c in enumerate(costs):
+        log.append(name)
+        done = k == len(costs) - 1
+        ids = list(range(10 * k, 10 * k + n_tokens))
+        yield Event(k, tau, c, [Row(ids, ids + [99], [0.99] * n_tokens + [0.1], n_tokens, done,
+                                    text=f"<{name}{k}>", finish_reason="eos" if done else None)])
+
+
+def test_race_runs_the_side_with_less_compute_next():
+    log = []
+    # MARS forwards cost 3 s, AR forwards 1 s: after MARS's first pass AR catches up three times.
+    order = [s for s, _ in race(fake_stream([3, 3, 3], log, "mars"), fake_stream([1] * 7, log, "ar"))]
+    assert order == ["mars", "ar", "ar", "ar", "mars", "ar", "ar", "ar", "mars", "ar"]
+    assert log == order  # a side's forward runs only when the scheduler picks it
+
+
+def test_race_ties_go_to_mars_and_the_survivor_runs_alone():
+    order = [s for s, _ in race(fake_stream([1], [], "mars"), fake_stream([1, 1, 1], [], "ar"))]
+    assert order == ["mars", "ar", "ar", "ar"]
+
+
+def _record(events, mode="mars"):
+    rec = SideRecord(mode.upper(), mode)
+    for ev in events:
+        rec.add(ev, lambda t: f"tok{t}")
+    return rec
+
+
+def test_side_record_measures_follow_the_spec_definitions():
+    rec = _record(fake_stream([0.5, 0.5, 1.0], [], "mars", n_tokens=3))
+    assert rec.forwards == 3 and rec.n_tokens == 9
+    assert rec.tokens_per_forward == pytest.approx(3.0)
+    assert rec.compute_time == pytest.approx(2.0)
+    assert rec.tokens_per_s == pytest.approx(4.5)
+    assert rec.finished
+    ar = _record(fake_stream([0.25] * 9, [], "ar"), "ar")
+    value, how = speedup(rec, ar)
+    assert value == pytest.approx(2.25 / 2.0) and "AR time" in how
+
+
+def test_chunks_one_span_per_forward_with_confidence_tooltips_and_tau_marks():
+    events = list(fake_stream([0.1] * 4, [], "mars", n_tokens=2))
+    events[2].tau = events[3].tau = 0.6   # τ moved before step 2
+    rec = _record(events)
+    html = render_chunks(rec)
+    assert html.count('class="chunk n2"') == 4
+    assert html.count("tau-mark") == 1 and "τ→0.60" in html
+    assert "step 1 · 2 tokens" in html and "conf 0.990" in html
+    assert "&lt;mars0&gt;" in html and "<mars0>" not in html   # model text is escaped
+
+
+def test_ledger_names_the_candidate_that_stopped_the_pass():
+    rec = _record(fake_stream([0.1, 0.1], [], "mars", n_tokens=2))
+    text = render_ledger(rec, 0)
+    assert text.count("<tr class='acc'>") == 2 and text.count("<tr class='stop'>") == 1
+    assert "candidate t2 has confidence 0.100 &lt; τ = 0.90" in text
+    full = rec.steps[0]
+    full.n_accepted, full.confidences = 3, [0.99, 0.99, 0.99]
+    assert "block is full" in stop_reason(full)
+
+
+def test_stats_show_both_sides():
+    m, a = _record(fake_stream([1], [], "mars", 2)), _record(fake_stream([1, 1], [], "ar"), "ar")
+    html = render_stats(m, a, "AR (same model)")
+    assert "tokens/forward" in html and "<td class='stat-tokens-mars'>2</td>" in html
+    assert "2.00×" in html  # AR 2 s ÷ MARS 1 s
+
+
+def test_token_diff_aligns_insertions_and_replacements():
+    aligned = plots.token_diff(["a", "b", "c", "d"], ["a", "x", "c", "d", "e"])
+    assert [k for k, _, _ in aligned] == ["equal", "replace", "equal", "equal", "only AR"]
+    fig = plots.diff_figure(["a", "b"], ["a", "b"])
+    assert "2 of 2 aligned tokens equal" in fig.layout.title.text
+
+
+def test_acceptance_rate_per_slot():
+    rec = _record(fake_stream([0.1] * 4, [], "mars", n_tokens=2))
+    rec.steps[0].n_accepted = 1
+    rates = plots.acceptance_by_slot(rec)
+    assert [round(r, 2) for _, r, _ in rates] == [1.0, 0.75, 0.0]
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("args, word", [
+    (("", 0.9, False, 4, 32, 0.0), "empty"),
+    (("hi", 0.3, False, 4, 32, 0.0), "τ 0.3 is out of range"),
+    (("hi", 1.2, False, 4, 32, 0.0), "τ 1.2 is out of range"),
+    (("hi", 0.9, False, 1, 32, 0.0), "block size 1"),
+    (("hi", 0.9, False, 4, 100000, 0.0), "max new tokens 100000"),
+    (("hi", 0.9, False, 4, 32, -1.0), "temperature -1.0"),
+    (("x" * 5000, 0.9, False, 4, 32, 0.0), "5000 characters"),
+])
+def test_generate_inputs_are_validated(args, word):
+    with pytest.raises(ValueError, match=word):
+        generate.check_inputs(*args)
+
+
+def test_tau_off_means_one_token_mode():
+    assert generate.effective_tau(0.7, True) == 1.0
+    assert generate.effective_tau(0.7, False) == 0.7
+
+
+@pytest.mark.parametrize("choice, free, word", [
+    ("evil-model", "", "not in the list"),
+    ("tiny-mars", "/no/such/dir", "does not exist"),
+    ("tiny-mars", "not a hub id!", "not a local path"),
+    ("run:../../etc", "", "not allowed"),
+])
+def test_model_names_are_confined(tmp_path, choice, free, word):
+    jobs = JobManager(tmp_path / "runs")
+    with pytest.raises(ValueError, match=word):
+        models.resolve(choice, free, jobs)
+
+
+def test_hub_ids_and_existing_dirs_pass(tmp_path):
+    assert models.resolve("tiny-mars", "owner/model-1") == "owner/model-1"
+    (tmp_path / "config.json").write_text("{}")
+    assert models.resolve("tiny-mars", str(tmp_path)) == str(tmp_path.resolve())
+
+
+def test_run_names_cannot_leave_the_runs_dir(tmp_path):
+    jobs = JobManager(tmp_path / "runs")
+    for bad in ("../x", "a/b", "", ".hidden", "x" * 80):
+        with pytest.raises(ValueError):
+            jobs.run_dir(bad)
+    assert jobs.run_dir("ok-1").parent == (tmp_path / "runs").resolve()
+
+
+def test_finetune_request_is_validated():
+    with pytest.raises(ValueError, match="stage"):
+        FinetuneRequest(base_model="tiny-ar-sft", stage="rl")
+    with pytest.raises(ValueError, match="learning rate"):
+        FinetuneRequest(base_model="tiny-ar-sft", lr=0)
+    cmd = build_command(FinetuneRequest(base_model="tiny-ar-sft", lora=True, max_steps=7), Path("/r/x"))
+    assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--num_processes"] and "--cpu" in cmd
+    assert cmd[cmd.index("-m", 2) + 1] == "finetune.train"
+    assert cmd[cmd.index("--max-steps") + 1] == "7" and "--lora" in cmd
+    assert cmd[cmd.index("--output-dir") + 1] == "/r/x"
+
+
+def test_uploaded_jsonl_reports_every_bad_line(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad_role = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n{not json\n\n" + json.dumps(bad_role) + "\n")
+    ok, report = finetune_ui.validate_jsonl(str(path))
+    assert not ok
+    assert "1 valid conversation(s), 2 bad line(s)" in report
+    assert "line 2: not valid JSON" in report and "line 4" in report and "robot" in report
+    path.write_text(json.dumps(good) + "\n")
+    assert finetune_ui.validate_jsonl(str(path))[0]
+    other = tmp_path / "data.csv"
+    other.write_text("a,b\n")
+    assert not finetune_ui.validate_jsonl(str(other))[0]
+
+
+def test_taus_are_parsed_and_checked():
+    assert explorer.parse_taus("1.0, 0.9 0.8;0.9") == [1.0, 0.9, 0.8]
+    for bad in ("", "0.2", "abc", "1.5"):
+        with pytest.raises(ValueError):
+            explorer.parse_taus(bad)
+
+
+def test_attention_mask_heatmap_is_the_training_mask():
+    from finetune.losses import mars_attention_mask
+    fig = learn.mask_figure(8, 4)
+    assert fig.data[0].z == tuple(tuple(int(v) for v in row) for row in mars_attention_mask(8, 4).tolist()) or \
+        [list(r) for r in fig.data[0].z] == mars_attention_mask(8, 4).to(int).tolist()
+    names = {a.text for a in fig.layout.annotations}
+    assert {"<b>noisy → noisy</b>", "<b>noisy → clean</b>", "<b>clean → clean</b>",
+            "<b>clean → noisy (never)</b>"} <= names
+    with pytest.raises(ValueError):
+        learn.mask_figure(100, 4)
+
+
+# ----------------------------------------------------------------------------- on a tiny model
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.tiny_fixtures import make_tiny_model_dir
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def _final(outputs):
+    return outputs[-1]
+
+
+def test_race_outputs_equal_mars_core_generate(tiny_dir):
+    from mars_core import DecodeConfig, generate as core_generate
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "What is 12 + 30?", 0.6, False, 4, 20, 0.0))
+    status, mars_html, ar_html, stats, *_rest, state = _final(outs)
+    assert status.startswith("✅"), status
+    mars, ar = state
+    lm = models.get_model(tiny_dir)
+    want_mars = core_generate(lm, ["What is 12 + 30?"], DecodeConfig(mode="mars", tau=0.6, block_size=4,
+                                                                     max_new_tokens=20))[0]
+    want_ar = core_generate(lm, ["What is 12 + 30?"], DecodeConfig(mode="ar", max_new_tokens=20))[0]
+    assert mars.token_ids == want_mars.token_ids and ar.token_ids == want_ar.token_ids
+    assert mars.forwards == want_mars.forwards and ar.forwards == want_ar.forwards
+    assert mars_html.count('class="chunk') == mars.forwards
+    assert "forwards" in stats
+
+
+def test_moving_tau_mid_race_changes_the_next_forward(tiny_dir, monkeypatch):
+    monkeypatch.setattr(generate, "YIELD_EVERY_S", 0.0)
+
+    class Req:
+        session_hash = "test-session"
+    gen = generate.run_race("tiny-mars", tiny_dir, "same", "Sort the list: 3, 1, 2.", 0.9, False, 4, 24, 0.0,
+                            request=Req())
+    outs = [next(gen) for _ in range(4)]
+    msg = generate.set_tau(0.55, False, Req())
+    assert "next forward pass" in msg
+    outs += list(gen)
+    mars, _ = _final(outs)[-1]
+    taus = [s.tau for s in mars.steps]
+    assert taus[0] == pytest.approx(0.9) and taus[-1] == pytest.approx(0.55)
+    assert "τ→0.55" in _final(outs)[1]
+    assert "next run" in generate.set_tau(0.7, False, Req())   # the race ended: nothing to steer
+
+
+def test_bad_inputs_give_a_message_not_an_exception(tiny_dir):
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "hi", 7.0, False, 4, 20, 0.0))
+    assert outs[-1][0].startswith("⚠️") and "τ 7.0" in outs[-1][0]
+    outs = list(generate.load_model_ui("tiny-mars", "/definitely/not/here"))
+    assert outs[-1].startswith("⚠️") and "does not exist" in outs[-1]
+
+
+def test_learn_step_comes_from_the_first_decoder_event(tiny_dir):
+    lm = models.get_model(tiny_dir)
+    event = learn.first_step(lm, "What is 12 + 30?", 0.6, 4)
+    html = learn.step_html(lm, "What is 12 + 30?", event)
+    assert html.count("<tr class=") == 4 and "position" in html
+    assert event.step == 0 and len(event.rows[0].candidates) == 4
+
+
+def test_free_prompt_sweep_agrees_with_ar_at_tau_one(tiny_dir):
+    lm = models.get_model(tiny_dir)
+    rows = explorer.sweep_free(lm, ["What is 2 + 2?", "Reverse the word abc."], [1.0, 0.6], 4, 12)
+    assert rows[0]["tau"] == 1.0 and rows[0]["quality"] == 1.0 and rows[0]["tokens_per_forward"] == 1.0
+    fig = explorer.pareto_figure(rows)
+    assert len(fig.data) == 2
+    assert json.loads(Path(explorer.export_json(rows, {"m": 1})).read_text())["rows"][1]["tau"] == 0.6
+
+
+def test_failed_finetune_run_shows_exit_code_and_log(tmp_path):
+    jobs = JobManager(tmp_path / "runs", launcher="plain")
+    name = jobs.start(FinetuneRequest(base_model=str(tmp_path / "missing-model"), max_steps=2))
+    deadline = time.time() + 120
+    while jobs.is_running(name) and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(0.2)
+    st = jobs.status(name)
+    assert st["state"] == "failed" and st["exit_code"] not in (None, 0)
+    html = finetune_ui.status_html(st)
+    assert "exit code" in html
+    _, _, tail, *_ = finetune_ui.poll(jobs, {})
+    assert "missing-model" in tail
+    assert jobs.finished_checkpoints() == []
+
+
+def test_build_ui_has_the_four_tabs(tmp_path):
+    from app.ui import build_ui
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    labels = {b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"}
+    assert labels == {"Generate", "τ explorer", "Learn", "Finetune"}
