@@ -9,7 +9,7 @@ import string
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from mars_core.loading import wrap_model
@@ -28,6 +28,7 @@ def make_tokenizer(with_mask: bool = True, spare_special: bool = True) -> PreTra
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>",
                                   bos_token=None, unk_token="?")
     tok.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in ("<|pad|>", "<|im_end|>")]})
@@ -48,9 +49,10 @@ def make_model(kind: str, vocab_size: int, seed: int = 0, rows: int | None = Non
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
     else:
         raise ValueError(kind)
-    # Sharper than the default init, so that confidences spread over (0, 1) and MARS accepts runs.
+    # Sharper than the default init, so that confidences spread over (0, 1) and MARS accepts runs
+    # of several tokens at τ = 0.9 on some steps and one token on others.
     with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
+        model.lm_head.weight.mul_(60.0 if kind == "llama" else 120.0)
     return model.eval()
 
 
