@@ -43,22 +43,33 @@ class LossOutput(NamedTuple):
     n_labels: int  # labelled tokens in this batch
 
 
-def mars_attention_mask(n: int, block_size: int) -> torch.Tensor:
-    """Boolean ``[2n, 2n]`` mask over ``[noisy | clean]``; rows are queries."""
+def mars_attention_mask(n: int, block_size: int, noisy_start: int = 0) -> torch.Tensor:
+    """Boolean ``[2n, 2n]`` mask over ``[noisy | clean]``; rows are queries.
+
+    With ``noisy_start = s`` (a multiple of ``block_size``) the noisy half holds
+    only positions ``s..n-1`` and the mask is ``[(n-s) + n, (n-s) + n]``: the
+    noisy rows of earlier blocks are attended by nobody (noisy queries see
+    noisy keys of their own block only, clean queries never see noisy keys),
+    so dropping them changes no kept output.
+    """
     if n < 1 or block_size < 1:
         raise ValueError(f"need n >= 1 and block_size >= 1, got n={n}, block_size={block_size}")
+    assert 0 <= noisy_start < n and noisy_start % block_size == 0, "noisy_start must be a block start inside n"
+    qn = torch.arange(noisy_start, n).unsqueeze(1)  # [m, 1] noisy query positions
+    kn = torch.arange(noisy_start, n).unsqueeze(0)  # [1, m] noisy key positions
     q = torch.arange(n).unsqueeze(1)  # [n, 1]
     k = torch.arange(n).unsqueeze(0)  # [1, n]
-    causal = k <= q  # [n, n]
-    same_block = (q // block_size) == (k // block_size)
-    earlier_block = (k // block_size) < (q // block_size)
-    noisy_rows = torch.cat([same_block & causal, earlier_block], dim=1)  # [n, 2n]
-    clean_rows = torch.cat([torch.zeros(n, n, dtype=torch.bool), causal], dim=1)  # [n, 2n]
-    return torch.cat([noisy_rows, clean_rows], dim=0)  # [2n, 2n]
+    noisy_noisy = ((qn // block_size) == (kn // block_size)) & (kn <= qn)  # [m, m]
+    noisy_clean = (k // block_size) < (qn // block_size)  # [m, n]
+    clean_noisy = torch.zeros(n, n - noisy_start, dtype=torch.bool)  # [n, m]
+    clean_clean = k <= q  # [n, n]
+    noisy_rows = torch.cat([noisy_noisy, noisy_clean], dim=1)  # [m, m + n]
+    clean_rows = torch.cat([clean_noisy, clean_clean], dim=1)  # [n, m + n]
+    return torch.cat([noisy_rows, clean_rows], dim=0)  # [m + n, m + n]
 
 
-def batched_mars_attention_mask(valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[b, 1, 2n, 2n]`` MARS mask that also hides padded keys.
+def batched_mars_attention_mask(valid: torch.Tensor, block_size: int, noisy_start: int = 0) -> torch.Tensor:
+    """``[b, 1, m + n, m + n]`` MARS mask (``m = n - noisy_start``) that also hides padded keys.
 
     ``valid`` is ``[b, n]`` bool (True = real token). Padding is found from this
     mask only, never from token ids (pad may equal eos). Every query may attend
@@ -67,11 +78,18 @@ def batched_mars_attention_mask(valid: torch.Tensor, block_size: int) -> torch.T
     unchanged.
     """
     b, n = valid.shape
-    base = mars_attention_mask(n, block_size).to(valid.device)  # [2n, 2n]
-    keys = torch.cat([valid, valid], dim=1)  # [b, 2n]
-    mask = base.unsqueeze(0) & keys.unsqueeze(1)  # [b, 2n, 2n]
-    mask |= torch.eye(2 * n, dtype=torch.bool, device=valid.device).unsqueeze(0)
-    return mask.unsqueeze(1)  # [b, 1, 2n, 2n]
+    base = mars_attention_mask(n, block_size, noisy_start).to(valid.device)  # [m + n, m + n]
+    keys = torch.cat([valid[:, noisy_start:], valid], dim=1)  # [b, m + n]
+    mask = base.unsqueeze(0) & keys.unsqueeze(1)  # [b, m + n, m + n]
+    mask |= torch.eye(base.shape[0], dtype=torch.bool, device=valid.device).unsqueeze(0)
+    return mask.unsqueeze(1)  # [b, 1, m + n, m + n]
+
+
+def first_noisy_block_start(labels: torch.Tensor, block_size: int) -> int:
+    """Start of the first block holding a noisy query with a label (the output at i-1 predicts label i)."""
+    has_label = (labels != IGNORE_INDEX).any(dim=0)  # [n]
+    first_label = int(has_label.float().argmax())  # one host sync per batch
+    return max(first_label - 1, 0) // block_size * block_size
 
 
 def noisy_input_ids(input_ids: torch.Tensor, labels: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -114,14 +132,24 @@ def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.T
 
 
 def mars_inputs(
-    input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, mask_id: int, block_size: int
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    mask_id: int,
+    block_size: int,
+    noisy_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model inputs for the dual stream: ids ``[b, 2n]``, positions ``[b, 2n]``, mask ``[b, 1, 2n, 2n]``."""
+    """Dual-stream inputs: ids ``[b, m + n]``, positions ``[b, m + n]``, mask ``[b, 1, m + n, m + n]``.
+
+    The noisy half covers positions ``noisy_start..n-1`` (``m`` of them); both
+    halves keep their absolute position ids.
+    """
     b, n = input_ids.shape
-    ids = torch.cat([noisy_input_ids(input_ids, labels, mask_id), input_ids], dim=1)  # [b, 2n]
+    noisy = noisy_input_ids(input_ids, labels, mask_id)[:, noisy_start:]  # [b, m]
+    ids = torch.cat([noisy, input_ids], dim=1)  # [b, m + n]
     half = torch.arange(n, device=input_ids.device)
-    positions = torch.cat([half, half]).expand(b, 2 * n)  # [b, 2n]
-    return ids, positions, batched_mars_attention_mask(valid, block_size)
+    positions = torch.cat([half[noisy_start:], half]).expand(b, -1)  # [b, m + n]
+    return ids, positions, batched_mars_attention_mask(valid, block_size, noisy_start)
 
 
 def mars_loss(
@@ -133,23 +161,33 @@ def mars_loss(
     block_size: int,
     mask_id: int,
     ar_weight: float = 1.0,
+    skip_prompt_blocks: bool = True,
 ) -> LossOutput:
-    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward of length 2n."""
+    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
+
+    With ``skip_prompt_blocks`` the noisy half starts at the first block that
+    predicts a label: the noisy copies of earlier (prompt-only) blocks carry no
+    loss and no later row attends to them, so they are pure waste (about a
+    quarter of the compute for prompts as long as their answers). The result is
+    the same as the full ``[2n]`` forward (a test checks it).
+    """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
     n_labels = int((targets != IGNORE_INDEX).sum())
     assert n_labels > 0, "batch has no labelled tokens"
-    ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size)
+    start = first_noisy_block_start(labels, block_size) if skip_prompt_blocks else 0
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start)
     hidden = model.model(
         input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False
-    ).last_hidden_state  # [b, 2n, d]
-    loss_mask = labelled_cross_entropy(hidden[:, :n], targets, model.lm_head)
+    ).last_hidden_state  # [b, m + n, d]
+    m = n - start
+    loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head)
     if ar_weight == 0.0:
         # The ablation (paper Table 2): no gradient from the clean stream; its CE
         # is still reported so the run's metrics stay comparable.
         with torch.no_grad():
-            loss_ar = labelled_cross_entropy(hidden[:, n:].detach(), targets, model.lm_head)
+            loss_ar = labelled_cross_entropy(hidden[:, m:].detach(), targets, model.lm_head)
         return LossOutput(loss_mask, loss_mask.detach(), loss_ar, n_labels)
-    loss_ar = labelled_cross_entropy(hidden[:, n:], targets, model.lm_head)
+    loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
     loss = loss_mask + ar_weight * loss_ar
     return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)

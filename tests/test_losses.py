@@ -1,0 +1,167 @@
+"""The MARS attention mask and losses (MARS_SPEC.md "Training") on a tiny random Llama."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from finetune.losses import (
+    IGNORE_INDEX,
+    ar_loss,
+    batched_mars_attention_mask,
+    mars_attention_mask,
+    mars_inputs,
+    mars_loss,
+)
+
+VOCAB, MASK_ID = 48, 47
+
+# n = 8, B = 4; rows are queries, columns keys; [noisy 0..7 | clean 0..7].
+EXPECTED_N8_B4 = """
+1000000000000000
+1100000000000000
+1110000000000000
+1111000000000000
+0000100011110000
+0000110011110000
+0000111011110000
+0000111111110000
+0000000010000000
+0000000011000000
+0000000011100000
+0000000011110000
+0000000011111000
+0000000011111100
+0000000011111110
+0000000011111111
+"""
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def make_batch(lengths, prompt_lengths, seed=0):
+    """Right-padded batch; labels -100 on the prompt and on padding; pad id 0 (a real token id on purpose)."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    input_ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    labels = torch.full((len(lengths), n), IGNORE_INDEX)
+    valid = torch.zeros(len(lengths), n, dtype=torch.bool)
+    for i, (k, p) in enumerate(zip(lengths, prompt_lengths)):
+        input_ids[i, :k] = torch.randint(1, VOCAB - 1, (k,), generator=g)
+        labels[i, p:k] = input_ids[i, p:k]
+        valid[i, :k] = True
+    return input_ids, labels, valid
+
+
+def all_logits(model, ids, positions, attn):
+    return model(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+
+
+def test_mask_n8_b4_equals_hand_written_matrix():
+    expected = torch.tensor([[c == "1" for c in row] for row in EXPECTED_N8_B4.split()])
+    assert torch.equal(mars_attention_mask(8, 4), expected)
+
+
+def test_cropped_mask_is_the_full_mask_without_the_dropped_noisy_rows():
+    full = mars_attention_mask(12, 4)
+    keep = list(range(4, 12)) + list(range(12, 24))  # noisy 4..11, clean 0..11
+    assert torch.equal(mars_attention_mask(12, 4, noisy_start=4), full[keep][:, keep])
+
+
+def test_padded_keys_are_hidden_and_pad_rows_attend_to_themselves():
+    valid = torch.tensor([[True] * 6 + [False] * 2])
+    mask = batched_mars_attention_mask(valid, 4)[0, 0]  # [16, 16]
+    assert mask.shape == (16, 16)
+    pad_keys = torch.tensor([6, 7, 14, 15])
+    off_diagonal = mask.clone().fill_diagonal_(False)
+    assert not off_diagonal[:, pad_keys].any()
+    assert mask.diagonal().all()
+    assert torch.equal(mask[:6, :6], mars_attention_mask(8, 4)[:6, :6])
+
+
+@torch.no_grad()
+def test_clean_half_logits_equal_a_plain_causal_forward(model):
+    input_ids, labels, valid = make_batch([12], [5])
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, MASK_ID, 4)
+    clean = all_logits(model, ids, positions, attn)[:, 12:]
+    plain = model(input_ids=input_ids).logits
+    torch.testing.assert_close(clean, plain, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_changing_clean_block_k_leaves_noisy_blocks_up_to_k_unchanged(model, k):
+    n, B = 16, 4
+    input_ids, labels, valid = make_batch([n], [3])
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, MASK_ID, B)
+    changed = ids.clone()
+    block = slice(n + k * B, n + (k + 1) * B)  # clean half, block k
+    changed[:, block] = (changed[:, block] + 1) % (VOCAB - 1)
+    before = all_logits(model, ids, positions, attn)[:, :n]
+    after = all_logits(model, changed, positions, attn)[:, :n]
+    upto = (k + 1) * B
+    assert torch.equal(before[:, :upto], after[:, :upto])  # no leak into blocks <= k
+    assert not torch.allclose(before[:, upto:], after[:, upto:])  # later blocks do read it
+
+
+def reference_ce(logits, labels):
+    """CE from full logits with the usual causal shift (the slow reference)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+@torch.no_grad()
+def test_mars_loss_matches_full_logit_reference_and_ar_weight_zero_is_noisy_ce_alone(model):
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    n = input_ids.shape[1]
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, MASK_ID, 4)
+    logits = all_logits(model, ids, positions, attn)
+    noisy_ce, clean_ce = reference_ce(logits[:, :n], labels), reference_ce(logits[:, n:], labels)
+
+    zero = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0)
+    torch.testing.assert_close(zero.loss, noisy_ce, atol=1e-5, rtol=0)
+    torch.testing.assert_close(zero.loss_ar, clean_ce, atol=1e-5, rtol=0)  # reported, not trained
+
+    half = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.5)
+    torch.testing.assert_close(half.loss, noisy_ce + 0.5 * clean_ce, atol=1e-5, rtol=0)
+    torch.testing.assert_close(half.loss_mask, noisy_ce, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_skipping_prompt_only_noisy_blocks_does_not_change_the_loss(model):
+    input_ids, labels, valid = make_batch([20, 17], [11, 9], seed=2)
+    kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    full = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=False, **kwargs)
+    cropped = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=True, **kwargs)
+    torch.testing.assert_close(cropped.loss, full.loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cropped.loss_mask, full.loss_mask, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_padding_does_not_change_a_rows_logits(model):
+    long_ids, long_labels, long_valid = make_batch([16], [4], seed=3)
+    short_ids, short_labels, short_valid = make_batch([10], [4], seed=4)
+    batch_ids = torch.cat([long_ids, F.pad(short_ids, (0, 6), value=0)])
+    batch_labels = torch.cat([long_labels, F.pad(short_labels, (0, 6), value=IGNORE_INDEX)])
+    batch_valid = torch.cat([long_valid, F.pad(short_valid, (0, 6), value=False)])
+    alone = all_logits(model, *mars_inputs(short_ids, short_labels, short_valid, MASK_ID, 4))
+    batched = all_logits(model, *mars_inputs(batch_ids, batch_labels, batch_valid, MASK_ID, 4))[1:]
+    torch.testing.assert_close(batched[:, :10], alone[:, :10], atol=1e-5, rtol=0)  # noisy half
+    torch.testing.assert_close(batched[:, 16:26], alone[:, 10:], atol=1e-5, rtol=0)  # clean half
+    assert torch.isfinite(batched).all()
+
+
+@torch.no_grad()
+def test_ar_loss_equals_transformers_own_causal_lm_loss(model):
+    input_ids, labels, valid = make_batch([14, 9], [5, 3], seed=5)
+    ours = ar_loss(model, input_ids, labels, valid)
+    theirs = model(input_ids=input_ids, attention_mask=valid.long(), labels=labels).loss
+    torch.testing.assert_close(ours.loss, theirs, atol=1e-5, rtol=0)
+    assert ours.loss_mask is None
