@@ -1,0 +1,151 @@
+"""Side-by-side benchmark: AR with a KV cache vs MARS, measured alternately in one process.
+
+Ratios, not absolute times, are the result (MARS_SPEC "What to measure"):
+  speedup      = AR time / MARS time  (same prompts, batch size, max_new_tokens; both warmed up)
+  forward cost = (MARS time per forward) / (AR time per forward); tokens/forward ÷ forward cost
+                 is roughly the speedup, so this says how close we get to the ceiling.
+The uncached reference (one full forward per step, no cache) is shown beside them, like the
+paper's "no cache" row.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mars_core.decoding import DecodeConfig, generate, reference_generate
+from mars_core.loading import ASSETS
+
+GENERAL_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain what a prime number is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a short tip for learning to code.",
+    "What is 12 times 7?",
+    "Name the largest planet in the solar system.",
+]
+
+
+def default_prompts(model_name: str) -> list[str]:
+    """Held-out task prompts for the embedded models, general questions for anything else."""
+    tasks = ASSETS / "prompts" / "tasks-heldout.txt"
+    if model_name.startswith("tiny-") and tasks.exists():
+        return read_prompts(str(tasks))
+    return list(GENERAL_PROMPTS)
+
+
+def read_prompts(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompts file {path!r} does not exist: give a text file with one prompt per line")
+    prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {path!r} has no prompts: put one prompt per line")
+    return prompts
+
+
+@dataclass
+class BenchRow:
+    batch_size: int
+    prompts: int
+    tokens_per_forward: float      # mean over sequences
+    ar_time: float                 # median seconds for all prompts
+    mars_time: float
+    speedup: float                 # ar_time / mars_time
+    ar_forward_ms: float           # mean ms per batched forward
+    mars_forward_ms: float
+    forward_cost: float            # mars_forward_ms / ar_forward_ms
+    ar_tokens_per_s: float
+    mars_tokens_per_s: float
+    reference_time: float | None   # uncached reference, one row at a time
+    reference_speedup: float | None  # ar_time / reference_time
+    peak_memory_mb: float
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_run(lm, batches, cfg) -> tuple[float, int, list]:
+    """Seconds, batched forwards and results for all batches."""
+    _sync(lm.device)
+    t0 = time.perf_counter()
+    results, forwards = [], 0
+    for batch in batches:
+        out = generate(lm, batch, cfg)
+        forwards += max(r.forwards for r in out)
+        results.extend(out)
+    _sync(lm.device)
+    return time.perf_counter() - t0, forwards, results
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # process peak RSS (Linux: KiB)
+
+
+def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
+          max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None) -> list[BenchRow]:
+    ids = [lm.encode(p) for p in prompts]
+    ar_cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
+    mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+    rows = []
+    for bs in batch_sizes:
+        batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
+        if lm.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(lm.device)
+        _timed_run(lm, batches[:1], ar_cfg)            # warm-up, both sides
+        _timed_run(lm, batches[:1], mars_cfg)
+        ar_t, mars_t = [], []
+        for _ in range(repeats):                       # alternate so drift hits both sides alike
+            t, ar_fwd, ar_res = _timed_run(lm, batches, ar_cfg)
+            ar_t.append(t)
+            t, mars_fwd, mars_res = _timed_run(lm, batches, mars_cfg)
+            mars_t.append(t)
+            if progress:
+                progress(f"batch {bs}: AR {ar_t[-1]:.2f}s, MARS {mars_t[-1]:.2f}s")
+        ar_time, mars_time = statistics.median(ar_t), statistics.median(mars_t)
+        ref_time = None
+        if reference:
+            t0 = time.perf_counter()
+            reference_generate(lm, ids, mars_cfg)
+            ref_time = time.perf_counter() - t0
+        ar_ms, mars_ms = 1000 * ar_time / ar_fwd, 1000 * mars_time / mars_fwd
+        rows.append(BenchRow(
+            batch_size=bs, prompts=len(ids),
+            tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
+            ar_time=ar_time, mars_time=mars_time, speedup=ar_time / mars_time,
+            ar_forward_ms=ar_ms, mars_forward_ms=mars_ms, forward_cost=mars_ms / ar_ms,
+            ar_tokens_per_s=sum(len(r.token_ids) for r in ar_res) / ar_time,
+            mars_tokens_per_s=sum(len(r.token_ids) for r in mars_res) / mars_time,
+            reference_time=ref_time, reference_speedup=(ar_time / ref_time) if ref_time else None,
+            peak_memory_mb=peak_memory_mb(lm.device),
+        ))
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    head = ("batch", "tok/fwd", "AR s", "MARS s", "speedup", "AR ms/fwd", "MARS ms/fwd", "fwd cost",
+            "no-cache s", "no-cache ×", "peak MB")
+    lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
+    for r in rows:
+        ref = f"{r.reference_time:.2f}" if r.reference_time else "-"
+        refx = f"{r.reference_speedup:.2f}" if r.reference_speedup else "-"
+        lines.append(" | ".join([
+            str(r.batch_size), f"{r.tokens_per_forward:.2f}", f"{r.ar_time:.2f}", f"{r.mars_time:.2f}",
+            f"{r.speedup:.2f}", f"{r.ar_forward_ms:.1f}", f"{r.mars_forward_ms:.1f}", f"{r.forward_cost:.2f}",
+            ref, refx, f"{r.peak_memory_mb:.0f}",
+        ]))
+    return "\n".join(lines)
+
+
+def rows_as_dicts(rows: list[BenchRow]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,106 @@
+"""`python -m mars_core generate|bench` — the decoder from the command line.
+
+generate prints the answer as it streams, one `|`-separated chunk per forward pass, then the
+metrics; with --json it prints one JSON object (a stable contract, see the README).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from mars_core.bench import bench, default_prompts, format_table, read_prompts, rows_as_dicts
+from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
+from mars_core.loading import DEFAULT_MODEL, load_model
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded name (tiny-mars, tiny-ar-sft, smollm2), local folder, .gguf or hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is one-token (AR) mode")
+    p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mars_core", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate one answer and show each forward pass")
+    _common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--mode", choices=("mars", "ar"), default="mars")
+    g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--criterion", choices=CRITERIA, default="prob")
+    g.add_argument("--max-accept", type=int, default=None, help="cap on tokens accepted per forward")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    b = sub.add_parser("bench", help="AR vs MARS wall clock, side by side")
+    _common(b)
+    b.set_defaults(max_new_tokens=64)
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    b.add_argument("--prompts", default=None, help="text file, one prompt per line (default: built-in set)")
+    b.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts")
+    b.add_argument("--repeats", type=int, default=3, help="alternating AR/MARS runs; the median is reported")
+    b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return parser
+
+
+def cmd_generate(args) -> int:
+    cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
+                       max_accept=args.max_accept, stop_strings=tuple(args.stop))
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
+    events = []
+    for event in generate_stream(lm, [prompt_ids], cfg):
+        events.append(event)
+        if not args.json:
+            print(event.rows[0].text + "|", end="", flush=True)
+    result = collect(lm, [prompt_ids], events)[0]
+    if args.json:
+        out = {"model": lm.path, "mode": cfg.mode, "tau": cfg.tau, "block_size": cfg.block_size,
+               "mask_id": lm.mask_id, **result.to_dict()}
+        print(json.dumps(out))
+    else:
+        print(f"\n\n[{result.forwards} forwards, {len(result.token_ids)} tokens, "
+              f"{result.tokens_per_forward:.2f} tokens/forward, {result.wall_time:.2f}s, {result.finish_reason}]")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = read_prompts(args.prompts) if args.prompts else default_prompts(args.model)
+    if args.n_prompts < 1:
+        raise ValueError(f"--n-prompts {args.n_prompts} must be >= 1")
+    prompts = prompts[: args.n_prompts]
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
+                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
+                 progress=say)
+    meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "tau": args.tau, "block_size": args.block_size,
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    if not args.json:
+        print(" ".join(f"{k}={v}" for k, v in meta.items()))
+        print(format_table(rows))
+    print(json.dumps({**meta, "rows": rows_as_dicts(rows)}))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

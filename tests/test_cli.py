@@ -1,0 +1,65 @@
+"""The CLI contract: `python -m mars_core generate --json` and `bench` on a tiny local checkpoint."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = make_tokenizer()
+    make_model("llama", len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mars_core", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_contract(model_dir):
+    out = run_cli("generate", "--model", str(model_dir), "--prompt", "What is 2+3?", "--tau", "0.9",
+                  "--block-size", "4", "--max-new-tokens", "12", "--mode", "mars", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("model", "prompt_ids", "token_ids", "text", "forwards", "tokens_per_forward", "steps"):
+        assert key in data
+    assert data["model"] == str(model_dir.resolve())
+    assert [t for s in data["steps"] for t in s] == data["token_ids"]
+    assert data["forwards"] == len(data["steps"])
+    assert data["tokens_per_forward"] == pytest.approx(len(data["token_ids"]) / data["forwards"])
+    # The chat template was applied: the prompt ids start with <|im_start|>.
+    assert data["prompt_ids"][0] == make_tokenizer().convert_tokens_to_ids("<|im_start|>")
+
+
+def test_generate_plain_text_marks_forward_boundaries(model_dir):
+    out = run_cli("generate", "--model", str(model_dir), "--prompt", "hi", "--mode", "ar", "--max-new-tokens", "5",
+                  "--no-chat")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("|") == 5 and "5 forwards, 5 tokens, 1.00 tokens/forward" in out.stdout
+
+
+def test_cli_errors_name_the_value(model_dir):
+    out = run_cli("generate", "--model", str(model_dir), "--prompt", "hi", "--tau", "nan")
+    assert out.returncode == 2 and "tau=nan" in out.stderr
+    out = run_cli("generate", "--model", "no-such-model", "--prompt", "hi")
+    assert out.returncode == 2 and "unknown model 'no-such-model'" in out.stderr
+
+
+def test_bench_prints_table_and_json(model_dir, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is 2+3?\nSort: c a b\nHello\n")
+    out = run_cli("bench", "--model", str(model_dir), "--prompts", str(prompts), "--batch-sizes", "1", "2",
+                  "--max-new-tokens", "8", "--repeats", "1", "--tau", "0.9")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[1].startswith("batch | tok/fwd")
+    data = json.loads(lines[-1])
+    assert [r["batch_size"] for r in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        assert row["speedup"] == pytest.approx(row["ar_time"] / row["mars_time"])
+        assert row["forward_cost"] > 0 and row["reference_time"] > 0 and row["tokens_per_forward"] >= 1
