@@ -1,6 +1,8 @@
 """MARS Playground: `python app.py [--host 127.0.0.1] [--port 7860] [--model tiny-mars]`."""
 import argparse
 import os
+import threading
+import time
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: no telemetry
 
@@ -13,18 +15,22 @@ def main(argv=None):
     parser.add_argument("--runs-dir", default=None, help="where Finetune runs live (default: ./runs)")
     args = parser.parse_args(argv)
 
-    import gradio as gr
-    from app import models, ui
-
-    demo = ui.build_ui(args.model, runs_dir=args.runs_dir or ui.RUNS_DIR)
+    from app import models
     builtin = [v for _, v in models.BUILTIN_MODELS]
-    try:  # load (and warm up) the start-up model so the first race is quick and fair
-        if args.model in builtin:
-            models.get_model(models.resolve(args.model))
-        else:
-            models.get_model(models.resolve("", args.model))
-    except Exception as exc:
-        print(f"warning: could not preload {args.model!r}: {models.friendly_error(exc)}")
+    t0 = time.perf_counter()
+
+    def preload():  # load and warm up the start-up model while the server starts (a race waits for it)
+        try:
+            models.get_model(models.resolve(args.model) if args.model in builtin else models.resolve("", args.model))
+            print(f"[app] model {args.model!r} ready ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as exc:
+            print(f"[app] warning: could not preload {args.model!r}: {models.friendly_error(exc)}", flush=True)
+
+    threading.Thread(target=preload, daemon=True).start()   # torch/transformers import beside gradio's
+
+    import gradio as gr
+    from app import ui
+    demo = ui.build_ui(args.model, runs_dir=args.runs_dir or ui.RUNS_DIR)
     demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, share=False, show_error=False, ssr_mode=False,
         max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, footer_links=[])

@@ -32,10 +32,10 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
         return False, "No file uploaded yet."
     p = Path(path)
     if p.suffix.lower() not in (".jsonl", ".json"):
-        return False, f"⚠️ `{html.escape(p.name)}` is not a .jsonl file; upload chat JSONL (one {{\"messages\": [...]}} per line)."
+        return False, f"⚠ `{html.escape(p.name)}` is not a .jsonl file; upload chat JSONL (one {{\"messages\": [...]}} per line)."
     size = p.stat().st_size
     if size > MAX_UPLOAD_BYTES:
-        return False, f"⚠️ the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
+        return False, f"⚠ the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
     from finetune.data import validate_conversation
     errors, good = [], []
     with open(p, encoding="utf-8", errors="replace") as f:
@@ -60,7 +60,7 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
             for conv in good[:5]))
     ok = bool(good) and not errors
     if not good and not errors:
-        parts.append("⚠️ the file has no conversations.")
+        parts.append("⚠ the file has no conversations.")
     return ok, "\n\n".join(parts)
 
 
@@ -83,7 +83,7 @@ def command_preview(jobs, base, data_source, upload, stage, block_size, ar_weigh
     try:
         req = make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora)
     except Exception as exc:
-        return f"⚠️ {models.friendly_error(exc)}"
+        return f"⚠ {models.friendly_error(exc)}"
     run_dir = jobs.runs_dir / "<name>"
     if data_source == "upload":
         req.data = str(run_dir / "data.jsonl")
@@ -96,8 +96,8 @@ def start(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, 
         req = make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora)
         name = jobs.start(req, data_file=upload if data_source == "upload" else None)
     except Exception as exc:
-        return f"⚠️ {models.friendly_error(exc)}"
-    return f"🚀 started run **{name}** in `{jobs.run_dir(name)}`"
+        return f"⚠ {models.friendly_error(exc)}"
+    return f"▶ started run **{name}** in `{jobs.run_dir(name)}`"
 
 
 def stop(jobs) -> str:
@@ -105,9 +105,9 @@ def stop(jobs) -> str:
     if not name:
         return "Nothing is running."
     try:
-        return "⏹ " + jobs.stop(name)
+        return "■ " + jobs.stop(name)
     except Exception as exc:
-        return f"⚠️ {models.friendly_error(exc)}"
+        return f"⚠ {models.friendly_error(exc)}"
 
 
 def kill(jobs) -> str:
@@ -115,9 +115,9 @@ def kill(jobs) -> str:
     if not name:
         return "Nothing is running."
     try:
-        return "☠️ " + jobs.kill(name)
+        return "✕ " + jobs.kill(name)
     except Exception as exc:
-        return f"⚠️ {models.friendly_error(exc)}"
+        return f"⚠ {models.friendly_error(exc)}"
 
 
 def loss_figure(metrics: list[dict], name: str) -> go.Figure:

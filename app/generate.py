@@ -75,16 +75,16 @@ def load_model_ui(choice, free_text, jobs=None):
     try:
         name = models.resolve(choice, free_text, jobs)
     except Exception as exc:
-        yield f"⚠️ {models.friendly_error(exc)}"
+        yield f"⚠ {models.friendly_error(exc)}"
         return
     if not models.is_loaded(name):
-        yield f"⏳ Loading **{name}** … (first load of a model takes a few seconds)"
+        yield f"Loading **{name}** … (first load of a model takes a few seconds)"
     try:
         lm, secs = models.load_with_timing(name)
     except Exception as exc:
-        yield f"⚠️ Could not load **{name}**: {models.friendly_error(exc)}"
+        yield f"⚠ Could not load **{name}**: {models.friendly_error(exc)}"
         return
-    yield f"✅ {models.describe(lm)} · ready ({secs:.1f} s)"
+    yield f"✓ {models.describe(lm)} · ready ({secs:.1f} s)"
 
 
 def set_tau(tau, tau_off, request: gr.Request | None = None):
@@ -92,7 +92,7 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
     try:
         value = effective_tau(tau, tau_off)
     except ValueError as exc:
-        return f"⚠️ {exc}"
+        return f"⚠ {exc}"
     key = _session(request)
     with _tau_lock:
         control = _tau_controls.get(key)
@@ -135,18 +135,18 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
         name = models.resolve(choice, free_text, jobs)
         ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
     except Exception as exc:
-        yield _outputs(f"⚠️ {models.friendly_error(exc)}", mars, ar, "AR")
+        yield _outputs(f"⚠ {models.friendly_error(exc)}", mars, ar, "AR")
         return
     ar_label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
     ar.label = ar_label
     try:
         for n in dict.fromkeys([name, ar_name]):
             if not models.is_loaded(n):
-                yield _outputs(f"⏳ Loading **{n}** …", mars, ar, ar_label)
+                yield _outputs(f"Loading **{n}** …", mars, ar, ar_label)
             models.get_model(n)
         lm, ar_lm = models.get_model(name), models.get_model(ar_name)
     except Exception as exc:
-        yield _outputs(f"⚠️ Could not load the model: {models.friendly_error(exc)}", mars, ar, ar_label)
+        yield _outputs(f"⚠ Could not load the model: {models.friendly_error(exc)}", mars, ar, ar_label)
         return
 
     from mars_core import DecodeConfig, TauControl, generate_stream
@@ -164,19 +164,19 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
         sides = {"mars": mars, "ar": ar}
         streams = race(generate_stream(lm, [prompt], mars_cfg, tau_control=control),
                        generate_stream(ar_lm, [prompt], ar_cfg))
-        yield _outputs("🏁 Racing …", mars, ar, ar_label)
+        yield _outputs("▶ Racing …", mars, ar, ar_label)
         last = 0.0
         for side, event in streams:
             sides[side].add(event, texts[side])
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:
                 last = now
-                yield _outputs("🏁 Racing …", mars, ar, ar_label)
+                yield _outputs("▶ Racing …", mars, ar, ar_label)
         mars.finished = ar.finished = True
-        yield _outputs(f"✅ Done: MARS {mars.tokens_per_forward:.2f} tokens/forward, "
+        yield _outputs(f"✓ Done: MARS {mars.tokens_per_forward:.2f} tokens/forward, "
                        f"{mars.forwards} forwards vs {ar.forwards} for AR.", mars, ar, ar_label, final=True)
     except Exception as exc:
-        yield _outputs(f"⚠️ Generation failed: {models.friendly_error(exc)}", mars, ar, ar_label)
+        yield _outputs(f"⚠ Generation failed: {models.friendly_error(exc)}", mars, ar, ar_label)
     finally:
         with _tau_lock:
             if _tau_controls.get(key) is control:

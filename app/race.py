@@ -173,16 +173,16 @@ def _tau_text(tau: float) -> str:
 def render_stats(mars: SideRecord, ar: SideRecord, ar_label: str = "AR") -> str:
     sp, how = speedup(mars, ar)
     rows = [
-        ("forwards", f"{mars.forwards}", f"{ar.forwards}"),
-        ("tokens", f"{mars.n_tokens}", f"{ar.n_tokens}"),
-        ("tokens/forward", f"{mars.tokens_per_forward:.2f}", f"{ar.tokens_per_forward:.2f}"),
-        ("tokens/s", f"{mars.tokens_per_s:.1f}", f"{ar.tokens_per_s:.1f}"),
-        ("time (s)", f"{mars.compute_time:.2f}", f"{ar.compute_time:.2f}"),
-        ("status", "done" if mars.finished else ("running" if mars.steps else "waiting"),
+        ("forwards", "forwards", f"{mars.forwards}", f"{ar.forwards}"),
+        ("tokens", "tokens", f"{mars.n_tokens}", f"{ar.n_tokens}"),
+        ("tpf", "tokens/forward", f"{mars.tokens_per_forward:.2f}", f"{ar.tokens_per_forward:.2f}"),
+        ("tps", "tokens/s", f"{mars.tokens_per_s:.1f}", f"{ar.tokens_per_s:.1f}"),
+        ("time", "time (s)", f"{mars.compute_time:.2f}", f"{ar.compute_time:.2f}"),
+        ("status", "status", "done" if mars.finished else ("running" if mars.steps else "waiting"),
          "done" if ar.finished else ("running" if ar.steps else "waiting")),
     ]
-    body = "".join(f"<tr><th>{k}</th><td class='stat-{k.split('/')[0].split(' ')[0]}-mars'>{m}</td>"
-                   f"<td>{a}</td></tr>" for k, m, a in rows)
+    body = "".join(f"<tr><th>{label}</th><td class='stat-{key}-mars'>{m}</td><td class='stat-{key}-ar'>{a}</td></tr>"
+                   for key, label, m, a in rows)
     sp_text = f"{sp:.2f}×" if sp is not None else "—"
     return (f'<table class="stats"><thead><tr><th></th><th>MARS</th><th>{_esc(ar_label)}</th></tr></thead>'
             f'<tbody>{body}</tbody></table>'

@@ -15,7 +15,7 @@ CSS = """
 .race-pane {border: 1px solid #e5e7eb; border-radius: 10px; padding: 10px 12px; background: #fff;}
 .race-pane h3 {margin: 0 0 6px 0;}
 .race-text {white-space: pre-wrap; font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 15px;
-            line-height: 1.9; min-height: 150px; color: #111827;}
+            line-height: 1.9; min-height: 150px; max-height: 460px; overflow-y: auto; color: #111827;}
 .race-text .chunk {border-radius: 4px; padding: 2px 1px; margin: 0 1px; box-shadow: inset 0 -1px 0 #9ca3af;
                    cursor: help;}
 .race-text .placeholder {color: #9ca3af;}
@@ -84,7 +84,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                                 elem_id="model-picker")
             free = gr.Textbox(value=free_value, label="…or a local path / hub id", scale=3, max_length=300,
                               placeholder="/path/to/checkpoint or owner/model (overrides the list)")
-            ar_choice = gr.Dropdown([("same model, τ off (one-token mode)", models.SAME_MODEL)] + models.BUILTIN_MODELS,
+            ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.BUILTIN_MODELS,
                                     value=models.SAME_MODEL, label="AR baseline", scale=2, elem_id="ar-picker")
             load_btn = gr.Button("Load model", scale=1)
         model_status = gr.Markdown("", elem_id="model-status")
@@ -166,7 +166,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                         with gr.Row():
                             mask_n = gr.Slider(2, 32, value=12, step=1, label="sequence length n")
                             mask_b = gr.Slider(1, 8, value=4, step=1, label="block size B")
-                        mask_plot = gr.Plot(label="training attention mask")
+                        mask_plot = gr.Plot(label="training attention mask", elem_id="learn-mask")
                     with gr.Column(scale=2):
                         gr.Markdown(learn.MASK_TEXT)
                 gr.Markdown("### One inference step of the current prompt")
@@ -245,10 +245,10 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 else:
                     rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress)
             except Exception as exc:
-                return f"⚠️ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
+                return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
             path = explorer.export_json(rows, {"model": name, "source": src, "block_size": int(b),
                                                "max_new_tokens": int(mx)})
-            return (f"✅ {len(rows)} τ values on {rows[0]['n']} prompts with **{name}**.",
+            return (f"✓ {len(rows)} τ values on {rows[0]['n']} prompts with **{name}**.",
                     explorer.pareto_figure(rows), explorer.table_rows(rows), path)
 
         sweep_btn.click(run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new],
@@ -271,7 +271,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 event = learn.first_step(lm, p, t, b)
                 return learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
             except Exception as exc:
-                return f"<p>⚠️ {models.friendly_error(exc)}</p>", gr.skip()
+                return f"<p>⚠ {models.friendly_error(exc)}</p>", gr.skip()
 
         step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size], [step_view, conf_plot],
                        concurrency_id="model")

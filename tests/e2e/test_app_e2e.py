@@ -1,0 +1,127 @@
+"""End-to-end: the real app in headless Chromium, on the embedded default model.
+
+Run: `python -m pytest -q tests/e2e` (needs /usr/bin/chromium and the python package playwright).
+Screenshots go to test-artifacts/; the Generate tab is also saved as docs/screenshots/generate.png.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.e2e.conftest import ARTIFACTS, REPO, STARTUP_LIMIT_S
+
+RACE_TIMEOUT_MS = 120_000
+
+
+def prompt_for_model() -> str:
+    from app import models
+    from tests.e2e.conftest import MODEL
+    prompts = models.example_prompts(MODEL)
+    # a held-out task with a longer answer shows multi-token spans best
+    return max(prompts, key=len)
+
+
+def race(page, prompt: str) -> None:
+    page.fill("#prompt textarea", prompt)
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')",
+                           timeout=RACE_TIMEOUT_MS)
+
+
+def stat(page, key: str, side: str = "mars") -> str:
+    return page.inner_text(f"#stats .stat-{key}-{side}").strip()
+
+
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+
+
+def test_startup_is_quick(app_server):
+    _, startup, _ = app_server
+    assert startup <= STARTUP_LIMIT_S, f"start-up took {startup:.1f} s (limit {STARTUP_LIMIT_S} s)"
+
+
+def test_race_fills_both_panes_with_multi_token_chunks(page):
+    race(page, prompt_for_model())
+    mars_chunks = page.query_selector_all("#mars-pane .chunk")
+    ar_chunks = page.query_selector_all("#ar-pane .chunk")
+    assert mars_chunks and ar_chunks, "both panes must fill"
+    sizes = [int(c.get_attribute("data-n")) for c in mars_chunks]
+    assert max(sizes) >= 2, f"MARS accepted at most {max(sizes)} token per forward"
+    assert all(int(c.get_attribute("data-n")) == 1 for c in ar_chunks)
+    tpf = float(stat(page, "tpf"))
+    assert tpf > 1.0, f"MARS tokens/forward = {tpf}"
+    assert float(stat(page, "tpf", "ar")) == 1.0
+    assert int(stat(page, "forwards")) < int(stat(page, "forwards", "ar"))
+    assert re.search(r"\d+\.\d\d×", page.inner_text("#speedup-value"))
+    title = mars_chunks[0].get_attribute("title")
+    assert title.startswith("step 0") and "conf" in title
+    # the plots rendered (plotly draws an svg per figure) and the ledger shows step 0's candidates
+    assert page.query_selector_all(".js-plotly-plot")
+    assert "step 0 of" in page.inner_text("#ledger")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "generate.png"), full_page=True)
+    shots = REPO / "docs" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / "generate.png"), full_page=False)
+
+
+def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
+    page.check("#tau-off input[type=checkbox]")
+    race(page, prompt_for_model())
+    assert float(stat(page, "tpf")) == 1.0
+    assert page.inner_text("#mars-pane .race-text") == page.inner_text("#ar-pane .race-text")
+    # moving τ back during the next race is accepted by the page
+    page.uncheck("#tau-off input[type=checkbox]")
+    page.wait_for_function("document.querySelector('#tau-status')?.innerText.includes('τ')")
+    page.screenshot(path=str(ARTIFACTS / "tau-off.png"), full_page=True)
+
+
+def test_tau_explorer_on_two_prompts(page):
+    from app import models
+    from tests.e2e.conftest import MODEL
+    open_tab(page, "τ explorer")
+    page.get_by_label("my prompts (one per line)").check()
+    two = models.example_prompts(MODEL)[:2]
+    page.fill("#free-prompts textarea", "\n".join(two))
+    page.fill("#taus textarea, #taus input", "1.0, 0.8")
+    page.click("#sweep-btn")
+    page.wait_for_function("document.querySelector('#sweep-status')?.innerText.includes('✓')", timeout=120_000)
+    assert page.query_selector_all("#pareto .js-plotly-plot .scatterlayer .trace")
+    assert "on 2 prompts" in page.inner_text("#sweep-status")
+    page.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
+
+
+def test_learn_tab_lays_out_one_step(page):
+    open_tab(page, "Learn")
+    page.wait_for_selector("#learn-mask .js-plotly-plot")
+    page.click("#learn-step-btn")
+    page.wait_for_selector("#learn-step table")
+    assert len(page.query_selector_all("#learn-step tbody tr")) == 4   # B = 4 candidates
+    page.screenshot(path=str(ARTIFACTS / "learn.png"), full_page=True)
+
+
+def test_finetune_runs_updates_the_loss_and_appears_in_the_picker(page, app_server):
+    open_tab(page, "Finetune")
+    page.fill("#ft-steps input", "3")
+    page.press("#ft-steps input", "Tab")
+    page.wait_for_function("document.querySelector('#ft-command')?.innerText.includes('--max-steps 3')")
+    page.click("#ft-start")
+    page.wait_for_function("document.querySelector('#ft-msg')?.innerText.includes('started run')")
+    name = re.search(r"started run (\S+)", page.inner_text("#ft-msg")).group(1)
+    # a refresh re-attaches: the job lives in the server and on disk, not in the page
+    page.reload()
+    page.wait_for_selector("#generate-btn")
+    open_tab(page, "Finetune")
+    page.wait_for_function(f"document.querySelector('#ft-status')?.innerText.includes('{name}')")
+    page.wait_for_selector("#ft-loss .js-plotly-plot .scatterlayer .trace", timeout=180_000)
+    page.wait_for_function("document.querySelector('#ft-status [data-state]')?.dataset.state === 'finished'",
+                           timeout=180_000)
+    page.screenshot(path=str(ARTIFACTS / "finetune.png"), full_page=True)
+    open_tab(page, "Generate")
+    page.click("#model-picker input")
+    option = page.get_by_role("option", name=re.compile(re.escape(f"run: {name}")))
+    option.wait_for(timeout=10_000)
+    assert option.count() == 1
