@@ -273,7 +273,12 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     torch_dtype = pick_dtype(dtype, dev)
     config = _stock_config(where)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch_dtype, attn_implementation="sdpa")
+    model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch_dtype,
+                                                       attn_implementation="sdpa", output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", []) if not k.startswith("lm_head")]
+    if missing:  # weights named differently (a custom class we mapped onto a stock one): refuse, never run random weights
+        raise ValueError(f"{where} does not fit {type(model).__name__}: missing weights {missing[:5]}; "
+                         "this checkpoint needs its own model class")
     model.to(dev).eval()
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
     return LoadedModel(

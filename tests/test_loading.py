@@ -100,3 +100,15 @@ def test_smollm2_loads_offline_and_answers_paris(monkeypatch):
     assert lm.eos_ids == [2]
     result = generate(lm, ["What is the capital of France?"], DecodeConfig(mode="ar", max_new_tokens=24))[0]
     assert "Paris" in result.text
+
+
+def test_checkpoint_whose_weights_do_not_fit_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    tok = make_tokenizer()
+    make_model("qwen2", len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k.replace("model.layers", "transformer.blocks"): v for k, v in weights.items()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights"):
+        load_model(str(tmp_path))
