@@ -19,7 +19,8 @@ from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail,
 
 BASE_MODELS = [("tiny-ar-sft (stage 1 → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
                ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
-DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=200, lr=3e-4, lora=False)
+DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=200, lr=1e-3, lora=False,
+                batch_size=16)
 
 
 def base_choices(jobs) -> list[tuple[str, str]]:
@@ -75,8 +76,13 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
         data = "<run dir>/data.jsonl"
     else:
         data = "builtin"
+    try:
+        steps, lr = int(steps), float(lr)
+    except (TypeError, ValueError):
+        raise ValueError(f"steps {steps!r} and learning rate {lr!r} must be numbers") from None
     return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=int(block_size),
-                           ar_weight=float(ar_weight), max_steps=int(steps), lr=float(lr), lora=bool(lora))
+                           ar_weight=float(ar_weight), max_steps=steps, lr=lr, lora=bool(lora),
+                           batch_size=DEFAULTS["batch_size"])
 
 
 def command_preview(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> str:
@@ -87,8 +93,9 @@ def command_preview(jobs, base, data_source, upload, stage, block_size, ar_weigh
     run_dir = jobs.runs_dir / "<name>"
     if data_source == "upload":
         req.data = str(run_dir / "data.jsonl")
-    return "```bash\n" + shell_quote(build_command(req, run_dir, jobs.launcher)) + " > " + \
-        str(run_dir / "log.txt") + " 2>&1\n```"
+    return ("The exact command Start runs (in its own process group):\n```bash\n" +
+            shell_quote(build_command(req, run_dir, jobs.launcher), wrap=True) +
+            f" \\\n    > {run_dir / 'log.txt'} 2>&1\n```")
 
 
 def start(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> str:

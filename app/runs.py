@@ -77,9 +77,19 @@ def build_command(req: FinetuneRequest, run_dir: Path, launcher: str = "accelera
     return cmd
 
 
-def shell_quote(cmd: list[str]) -> str:
+def shell_quote(cmd: list[str], wrap: bool = False) -> str:
+    """The argv as one shell command; with wrap, each --flag starts a continued line (same command)."""
     import shlex
-    return " ".join(shlex.quote(c) for c in cmd)
+    words = [shlex.quote(c) for c in cmd]
+    if not wrap:
+        return " ".join(words)
+    lines = [words[0]]
+    for w in words[1:]:
+        if w.startswith("--") or w == "-m":
+            lines.append(w)
+        else:
+            lines[-1] += " " + w
+    return " \\\n    ".join(lines)
 
 
 def _read_json(path: Path) -> dict | None:

@@ -190,7 +190,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     data_source = gr.Radio([("built-in task suite", "builtin"), ("upload chat JSONL", "upload")],
                                            value="builtin", label="dataset", scale=2)
                     upload = gr.File(label="chat JSONL (≤ 20 MB)", file_types=[".jsonl", ".json"],
-                                     type="filepath", scale=2)
+                                     type="filepath", scale=2, height=120)
                 data_report = gr.Markdown("")
                 with gr.Row():
                     stage = gr.Radio([("AR-SFT (stage 1)", "ar-sft"), ("MARS (stage 2)", "mars")],
