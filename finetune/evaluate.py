@@ -174,21 +174,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                     help="write the rows as JSON to FILE (no FILE: print them to stdout instead of the table)")
     ap.add_argument("--html", default=None, metavar="FILE", help="write the Pareto plot as HTML")
+    ap.add_argument("--names", nargs="+", default=None, help="labels for --models in the rows (default: their names)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is fastest for these tiny models on a busy machine)")
     args = ap.parse_args(argv)
     if args.n < 1:
         raise ValueError(f"--n {args.n}: use at least 1 held-out example")
 
+    import torch
+
     from mars_core import load_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models = args.models or list(DEFAULT_MODELS) + ([ABLATION_DIR] if Path(ABLATION_DIR).is_dir() else [])
     examples = make_examples("heldout", args.n, seed=args.seed)
     log = sys.stderr if args.json == "-" else sys.stdout
     rows: list[dict] = []
-    for m in models:
+    if args.names and len(args.names) != len(models):
+        raise ValueError(f"--names has {len(args.names)} labels for {len(models)} models: give one per model")
+    for i, m in enumerate(models):
         lm = load_model(m, device="cpu")
         name = Path(m).name if Path(m).is_dir() else m
         if Path(m).resolve() == Path(ABLATION_DIR).resolve():
             name = "tiny-mars ar_weight=0"
+        if args.names:
+            name = args.names[i]
         t0 = time.time()
         rows += sweep(lm, examples, args.taus, args.block_size, args.max_new_tokens, batch_size=args.batch_size,
                       timing_prompts=args.timing_prompts, model_name=name,

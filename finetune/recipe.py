@@ -200,20 +200,18 @@ def main(argv: list[str] | None = None) -> None:
             log(f"{name}: {settings['max_steps']} steps in {wall / 60:.1f} min -> {dest}")
 
     if "eval" in stages:
-        from finetune.evaluate import TAUS, pareto_figure, sweep
-        from finetune.tasks import make_examples
-        from mars_core import load_model
+        from finetune.evaluate import pareto_figure
 
+        # One evaluation process per model, side by side, one thread each (see finetune.evaluate).
         t0 = time.time()
-        examples = make_examples("heldout", args.eval_n, seed=args.seed)
-        rows = {}
-        for name, path in [("tiny-ar-sft", out / "tiny-ar-sft"), ("tiny-mars", out / "tiny-mars"),
-                           ("tiny-mars ar_weight=0", Path(args.ablation_dir))]:
-            if not path.is_dir():
-                continue
-            lm = load_model(str(path), device="cpu")
-            rows[name] = sweep(lm, examples, TAUS, model_name=name,
-                               progress=lambda f, msg: log(msg))
+        targets = [(name, path) for name, path in [("tiny-ar-sft", out / "tiny-ar-sft"), ("tiny-mars", out / "tiny-mars"),
+                                                   ("tiny-mars ar_weight=0", Path(args.ablation_dir))]
+                   if (path / "model.safetensors").is_file()]
+        files = [work / f"eval-{path.name}.json" for _, path in targets]
+        run_parallel([[sys.executable, "-m", "finetune.evaluate", "--models", str(path), "--names", name,
+                       "--n", str(args.eval_n), "--seed", str(args.seed), "--threads", "1", "--json", str(f)]
+                      for (name, path), f in zip(targets, files)])
+        rows = {name: json.loads(f.read_text()) for (name, _), f in zip(targets, files)}
         info["stages"]["eval"] = {"wall_s": time.time() - t0}
         all_rows = [r for v in rows.values() for r in v]
         (work / "eval.json").write_text(json.dumps(all_rows, indent=1))

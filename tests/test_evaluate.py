@@ -74,3 +74,20 @@ def test_pareto_html_and_table(tmp_path):
     assert out.stat().st_size > 10_000 and "tokens per forward" in out.read_text()
     table = format_table(rows)
     assert "| a | 0.5 | 70.0% | 2.50 | 2.20× | 70% |" in table and "| b | 1 | 80.0% | 1.00 | – |" in table
+
+
+def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
+    from finetune.evaluate import main
+
+    tiny_lm.model.save_pretrained(tmp_path / "m")
+    tiny_lm.tokenizer.save_pretrained(tmp_path / "m")
+    rows = main(["--models", str(tmp_path / "m"), "--names", "tiny", "--n", "2", "--taus", "1.0", "0.9",
+                 "--max-new-tokens", "4", "--timing-prompts", "1", "--threads", "1",
+                 "--json", str(tmp_path / "rows.json"), "--html", str(tmp_path / "p.html")])
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert saved == rows and [(r["model"], r["tau"]) for r in saved] == [("tiny", 1.0), ("tiny", 0.9)]
+    assert {"model", "tau", "accuracy", "tokens_per_forward", "speedup"} <= set(saved[0])
+    assert (tmp_path / "p.html").stat().st_size > 10_000
+    assert "| tiny | 0.9 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--names"):
+        main(["--models", str(tmp_path / "m"), "--names", "a", "b", "--n", "1"])
