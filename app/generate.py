@@ -17,6 +17,9 @@ TAU_MIN, TAU_MAX = 0.5, 1.0
 MAX_PROMPT_CHARS = 4000
 MAX_NEW_TOKENS = 512
 YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed down
+# Slow motion for teaching: after each forward, wait (factor - 1) × its measured time. Both sides are
+# stretched by the same factor, so the relative speed on screen stays the measured one.
+SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50)]
 
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}
@@ -126,12 +129,14 @@ def _outputs(status, mars, ar, ar_label, final=False):
 
 
 def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-             jobs=None, request: gr.Request | None = None):
+             slow_motion=1, jobs=None, request: gr.Request | None = None):
     """Stream MARS and the AR baseline side by side; least compute so far runs the next forward."""
     mars, ar = SideRecord("MARS", "mars"), SideRecord("AR", "ar")
     try:
         prompt, tau, block_size, max_new_tokens, temperature = check_inputs(
             prompt, tau, tau_off, block_size, max_new_tokens, temperature)
+        if slow_motion not in [v for _, v in SLOW_MOTION]:
+            raise ValueError(f"slow motion {slow_motion!r} is not one of {[v for _, v in SLOW_MOTION]}")
         name = models.resolve(choice, free_text, jobs)
         ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
     except Exception as exc:
@@ -168,6 +173,8 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
         last = 0.0
         for side, event in streams:
             sides[side].add(event, texts[side])
+            if slow_motion > 1:
+                time.sleep((slow_motion - 1) * event.step_time)
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:
                 last = now

@@ -120,16 +120,17 @@ STAT_DEFINITIONS = (
     "**tokens/forward** — tokens ÷ forwards (the ceiling of any speedup). "
     "**time** — this side's own compute: the sum of its measured forward-pass times (the two sides take turns on the CPU). "
     "**tokens/s** — tokens ÷ time. "
-    "**speedup ×** — while racing: MARS tokens/s ÷ AR tokens/s; when both have finished: AR time ÷ MARS time for the whole answer."
+    "**speedup ×** — MARS tokens/s ÷ AR tokens/s (= AR time ÷ MARS time when both answers have the same length). "
+    "tokens/forward is its ceiling; the cost of one MARS forward relative to one AR forward decides how close it gets."
 )
 
 
 def speedup(mars: SideRecord, ar: SideRecord) -> tuple[float | None, str]:
-    """(value, how it was computed): AR time ÷ MARS time once both are done, else the throughput ratio."""
-    if mars.finished and ar.finished and mars.compute_time > 0:
-        return ar.compute_time / mars.compute_time, "AR time ÷ MARS time"
+    """(MARS tokens/s ÷ AR tokens/s, how). Equal to AR time ÷ MARS time when both wrote the same
+    number of tokens; unlike the time ratio it stays honest when the two answers differ in length."""
     if mars.tokens_per_s > 0 and ar.tokens_per_s > 0:
-        return mars.tokens_per_s / ar.tokens_per_s, "MARS tok/s ÷ AR tok/s (so far)"
+        how = "MARS tokens/s ÷ AR tokens/s" + ("" if mars.finished and ar.finished else " (so far)")
+        return mars.tokens_per_s / ar.tokens_per_s, how
     return None, ""
 
 

@@ -104,8 +104,10 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     block_size = gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2)
                     max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=96, step=8, label="max new tokens", scale=2)
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)", scale=2)
-                with gr.Row(equal_height=True):
-                    go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=2, elem_id="generate-btn")
+                with gr.Row():
+                    go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=3, elem_id="generate-btn")
+                    slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
+                                              elem_id="slow-motion", container=False)
                     tau_status = gr.Markdown("", elem_id="tau-status")
                 race_status = gr.Markdown("", elem_id="race-status")
                 gr.HTML(legend_html(8))
@@ -224,8 +226,12 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
 
         race_outputs = [race_status, mars_html, ar_html, stats, tpf_plot, acc_plot, diff_plot, ledger_step, ledger,
                         race_state]
-        race_fn = partial(generate.run_race, jobs=jobs)
-        race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature]
+        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, request: gr.Request):
+            # a plain function (not functools.partial) so that Gradio injects the request (τ is per session)
+            yield from generate.run_race(choice, free_text, ar, p, t, off, b, mx, temp, slow, jobs=jobs,
+                                         request=request)
+
+        race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion]
         go_btn.click(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
         prompt.submit(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
         for comp in (tau, tau_off):

@@ -80,8 +80,8 @@ def test_side_record_measures_follow_the_spec_definitions():
     assert rec.tokens_per_s == pytest.approx(4.5)
     assert rec.finished
     ar = _record(fake_stream([0.25] * 9, [], "ar"), "ar")
-    value, how = speedup(rec, ar)
-    assert value == pytest.approx(2.25 / 2.0) and "AR time" in how
+    value, how = speedup(rec, ar)   # 4.5 tok/s vs 9 tokens in 2.25 s = 4 tok/s
+    assert value == pytest.approx(4.5 / 4.0) and how == "MARS tokens/s ÷ AR tokens/s"
 
 
 def test_chunks_one_span_per_forward_with_confidence_tooltips_and_tau_marks():
@@ -109,7 +109,8 @@ def test_stats_show_both_sides():
     m, a = _record(fake_stream([1], [], "mars", 2)), _record(fake_stream([1, 1], [], "ar"), "ar")
     html = render_stats(m, a, "AR (same model)")
     assert "tokens/forward" in html and "<td class='stat-tokens-mars'>2</td>" in html
-    assert "2.00×" in html  # AR 2 s ÷ MARS 1 s
+    assert "2.00×" in html  # MARS 2 tokens in 1 s, AR 2 tokens in 2 s
+
 
 
 def test_token_diff_aligns_insertions_and_replacements():
@@ -309,3 +310,10 @@ def test_build_ui_has_the_four_tabs(tmp_path):
     demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
     labels = {b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"}
     assert labels == {"Generate", "τ explorer", "Learn", "Finetune"}
+    # the race handler must receive the browser session (its τ control is per session)
+    import gradio as gr
+    from gradio.helpers import special_args
+    race_fns = [f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "race_fn"]
+    assert race_fns
+    args = special_args(race_fns[0], inputs=list(range(10)), request=gr.Request())[0]
+    assert isinstance(args[-1], gr.Request)

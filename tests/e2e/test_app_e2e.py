@@ -79,6 +79,21 @@ def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
     page.screenshot(path=str(ARTIFACTS / "tau-off.png"), full_page=True)
 
 
+def test_moving_tau_mid_race_marks_the_change(page):
+    page.click("#slow-motion input")
+    page.get_by_role("option", name="slow motion ×10").click()
+    page.fill("#prompt textarea", prompt_for_model())
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelectorAll('#mars-pane .chunk').length >= 2", timeout=RACE_TIMEOUT_MS)
+    page.fill("#tau input[type=number]", "0.6")
+    page.press("#tau input[type=number]", "Enter")
+    page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')",
+                           timeout=RACE_TIMEOUT_MS)
+    marks = page.query_selector_all("#mars-pane .tau-mark")
+    assert len(marks) == 1 and "0.60" in marks[0].inner_text()
+    page.screenshot(path=str(ARTIFACTS / "tau-moved.png"), full_page=True)
+
+
 def test_tau_explorer_on_two_prompts(page):
     from app import models
     from tests.e2e.conftest import MODEL
