@@ -84,6 +84,8 @@ class TrainConfig:
     """torch CPU threads per process (default: torch's own choice)."""
     mixed_precision: str = "no"
     """accelerate mixed precision: no, bf16 or fp16 (fp16 needs a GPU)."""
+    compile: bool = False
+    """torch.compile the decoder (dynamic shapes): ~1.5x faster steps on CPU after 1-2 min of compiling."""
 
     def __post_init__(self):
         def need(ok: bool, message: str):
@@ -173,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kind = {"bool": _bool, "int": int, "int | None": int, "float": float, "str": str}[f.type]
-        if f.name == "lora":
+        if f.type == "bool":
             parser.add_argument(flag, nargs="?", const=True, type=_bool, default=None, help=docs[f.name])
             continue
         # default=None marks "not given", so a --config file value is not overridden by a default

@@ -292,6 +292,10 @@ def setup(cfg: TrainConfig) -> Run:
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_ids[0]
 
     module = TrainModule(model, cfg, base.mask_id)
+    if cfg.compile:
+        # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
+        decoder = module.causal_lm().model
+        decoder.forward = torch.compile(decoder.forward, dynamic=True)
     optimizer = make_optimizer(module, cfg)
     module, optimizer = accelerator.prepare(module, optimizer)
 
@@ -348,8 +352,15 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
             from peft import get_peft_model_state_dict
 
             lora_state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
-            # Merge into a copy so training continues on the unmerged adapter.
-            model = copy.deepcopy(model).merge_and_unload()
+            # Merge into a copy so training continues on the unmerged adapter; the copy must not
+            # carry a --compile wrapper (it is bound to the original module).
+            decoder = train_module.causal_lm().model
+            compiled = decoder.__dict__.pop("forward", None)
+            try:
+                model = copy.deepcopy(model).merge_and_unload()
+            finally:
+                if compiled is not None:
+                    decoder.forward = compiled
         tmp = run.out / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)
