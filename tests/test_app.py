@@ -317,3 +317,32 @@ def test_build_ui_has_the_four_tabs(tmp_path):
     assert race_fns
     args = special_args(race_fns[0], inputs=list(range(10)), request=gr.Request())[0]
     assert isinstance(args[-1], gr.Request)
+
+
+def test_stop_reaches_the_trainer_under_accelerate_and_a_new_server_reattaches(tmp_path, tiny_dir):
+    """Start with one JobManager, observe and stop with a fresh one (as after an app restart)."""
+    first = JobManager(tmp_path / "runs")
+    name = first.start(FinetuneRequest(base_model=tiny_dir, stage="mars", max_steps=500, batch_size=2,
+                                       extra={"builtin-examples": 64}))
+    second = JobManager(tmp_path / "runs")
+    deadline = time.time() + 180
+    while (second.status(name).get("step") or 0) < 1 and time.time() < deadline:
+        assert second.is_running(name), jobs_log(second, name)
+        time.sleep(0.5)
+    assert second.running_job() == name and second.latest_job() == name
+    with pytest.raises(ValueError, match="one job at a time"):
+        second.start(FinetuneRequest(base_model=tiny_dir))
+    assert "SIGTERM" in second.stop(name)
+    while first.is_running(name) and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(0.3)
+    st = first.status(name)
+    assert st["state"] == "stopped" and st["exit_code"] == 0, jobs_log(first, name)
+    assert Path(st["last_checkpoint"]).is_dir()
+    assert first.finished_checkpoints() == [(name, str(Path(st["last_checkpoint"]).resolve()))]
+    assert models.model_choices(first)[-1] == (f"run: {name} (your finetune)", f"run:{name}")
+
+
+def jobs_log(jobs, name):
+    from app.runs import log_tail
+    return log_tail(jobs.run_dir(name))
