@@ -10,8 +10,10 @@ Run directory (``--output-dir``; the app reads it while training runs):
 - ``train_config.json``: the resolved TrainConfig
 - ``status.json``: state (running | finished | stopped | failed), step, max_steps, pid,
   started_at, updated_at, eta_s, last_checkpoint, error
-- ``metrics.jsonl``: one line per logged step: step, loss, loss_mask (null for AR-SFT),
-  loss_ar, lr, tokens_per_s, elapsed
+- ``metrics.jsonl``: one line per logged step: step, loss (the optimised total), loss_mask
+  (noisy-stream CE; null for AR-SFT), loss_ar (clean-stream CE; reported even when
+  ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
+  previous line), elapsed (training seconds, resumed sessions included)
 - ``checkpoint-<step>/``: a plain transformers directory (LoRA already merged) with the
   tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state,
   schedule position, step, RNG, LoRA adapter weights when --lora)
@@ -312,8 +314,11 @@ def setup(cfg: TrainConfig) -> Run:
 # ----------------------------------------------------------------------------- batches, logging, saving
 
 
-def get_batch(run: Run, micro_index: int, cache: dict) -> dict[str, torch.Tensor]:
-    """This process's slice of global micro-batch ``micro_index`` (a pure function of seed and index)."""
+def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """This process's slice of global micro-batch ``micro_index`` and its real-token count.
+
+    The slice is a pure function of (seed, micro_index), which is what makes resuming exact.
+    """
     cfg, acc = run.cfg, run.accelerator
     epoch, k = divmod(micro_index, run.micro_per_epoch)
     if cache.get("epoch") != epoch:
@@ -323,7 +328,8 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> dict[str, torch.Tensor
     global_batch = cache["batches"][k]
     mine = global_batch[acc.process_index * cfg.batch_size : (acc.process_index + 1) * cfg.batch_size]
     batch = collate([run.examples[i] for i in mine], run.pad_id)
-    return {name: t.to(acc.device) for name, t in batch.items()}
+    n_tokens = sum(len(run.examples[i].input_ids) for i in mine)
+    return {name: t.to(acc.device, non_blocking=True) for name, t in batch.items()}, n_tokens
 
 
 def read_metrics(path: Path, up_to_step: int | None = None) -> list[str]:
@@ -425,44 +431,43 @@ def fit(run: Run, status: Status) -> str:
         lr = get_lr(step, cfg, run.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums = torch.zeros(3)  # loss, loss_mask, loss_ar summed over micro-batches
+        sums = torch.zeros(3, device=acc.device)  # loss, loss_mask, loss_ar summed over micro-batches
         tokens = 0
         for micro in range(cfg.grad_accum):
-            batch = get_batch(run, step * cfg.grad_accum + micro, batch_cache)
-            tokens += int(batch["valid"].sum())
+            batch, n_tokens = get_batch(run, step * cfg.grad_accum + micro, batch_cache)
+            tokens += n_tokens
             sync = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if sync else acc.no_sync(module):
                 out = module(**batch)
                 acc.backward(out.loss / cfg.grad_accum)
-            mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros(())
-            sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float().cpu()
+            mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
+            sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()
         if cfg.grad_clip > 0:
             acc.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        log_tokens += tokens
 
-        means = sums / cfg.grad_accum
-        if acc.num_processes > 1:
-            means = acc.reduce(means.to(acc.device), "mean").cpu()
-        stop_now = run.stop.requested
-        if acc.num_processes > 1:  # every process must agree to stop at the same step
-            flag = torch.tensor([1.0 if stop_now else 0.0], device=acc.device)
-            stop_now = bool(acc.reduce(flag, "sum").item() > 0)
+        # One host sync per step: mean losses, real tokens and the stop flag, summed over processes
+        # (every process must agree to stop at the same step).
+        flag = 1.0 if run.stop.requested else 0.0
+        local = torch.cat([sums / cfg.grad_accum, torch.tensor([float(tokens), flag], device=acc.device)])
+        totals = (acc.reduce(local, "sum") if acc.num_processes > 1 else local).cpu()
+        means = totals[:3] / acc.num_processes
+        log_tokens += int(totals[3])
+        stop_now = bool(totals[4] > 0)
         elapsed = run.elapsed_before + time.perf_counter() - session_start
         bar.update(1)
         bar.set_postfix(loss=f"{means[0]:.4f}", lr=f"{lr:.2e}")
         if step % cfg.log_every == 0 or step == run.total_steps:
             now = time.perf_counter()
-            total_tokens = log_tokens * acc.num_processes  # every process sees a same-sized slice (approx.)
             row = {
                 "step": step,
                 "loss": round(float(means[0]), 6),
                 "loss_mask": round(float(means[1]), 6) if cfg.stage == "mars" else None,
                 "loss_ar": round(float(means[2]), 6),
                 "lr": lr,
-                "tokens_per_s": round(total_tokens / max(now - log_t, 1e-9), 1),
+                "tokens_per_s": round(log_tokens / max(now - log_t, 1e-9), 1),
                 "elapsed": round(elapsed, 3),
             }
             log_t, log_tokens = now, 0
