@@ -205,3 +205,20 @@ def test_smollm2_fine_tunes_for_two_steps(tmp_path):
 
     lm = load_model(str(out / "checkpoint-2"), device="cpu")
     assert lm.model.config.vocab_size == 49152  # no resize: the mask token reuses an existing id
+
+
+def test_config_file_keys_are_overridden_by_flags_and_bad_values_name_the_fix(tmp_path):
+    from finetune.config import TrainConfig, config_from_args
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"stage": "ar-sft", "lr": 0.002, "block-size": 8, "output_dir": "x"}))
+    cfg = config_from_args(["--config", str(path), "--lr", "0.001"])
+    assert (cfg.stage, cfg.lr, cfg.block_size, cfg.output_dir) == ("ar-sft", 0.001, 8, "x")
+    path.write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(ValueError, match="unknown key.*learning_rate"):
+        config_from_args(["--config", str(path)])
+    with pytest.raises(ValueError, match="stage='mask'; use one of ar-sft, mars"):
+        TrainConfig(stage="mask")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        config_from_args(["--batch-size", "0"])
+    assert config_from_args(["--lora"]).lora and not config_from_args(["--lora", "false"]).lora
