@@ -222,3 +222,18 @@ def test_config_file_keys_are_overridden_by_flags_and_bad_values_name_the_fix(tm
     with pytest.raises(ValueError, match="batch_size=0"):
         config_from_args(["--batch-size", "0"])
     assert config_from_args(["--lora"]).lora and not config_from_args(["--lora", "false"]).lora
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    from finetune.config import TrainConfig
+    from finetune.train import get_lr
+
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1, decay="cosine")
+    warm = [get_lr(s, cfg, 20) for s in range(4)]
+    assert warm == sorted(warm) and warm[-1] < 1e-3
+    assert get_lr(4, cfg, 20) == pytest.approx(1e-3)
+    assert get_lr(20, cfg, 20) == pytest.approx(1e-4)
+    assert get_lr(12, cfg, 20) == pytest.approx(0.55e-3)  # cosine midpoint
+    linear = TrainConfig(lr=1e-3, decay="linear", min_lr_ratio=0.0)
+    assert get_lr(5, linear, 10) == pytest.approx(0.5e-3)
+    assert get_lr(7, TrainConfig(lr=1e-3, decay="constant"), 10) == 1e-3
