@@ -23,8 +23,9 @@ checkpoint: step count, optimizer state, data position and RNG continue.
 SIGINT/SIGTERM: the current optimizer step finishes, a checkpoint is saved,
 status becomes "stopped" and the process exits with code 0.
 
-Shape follows nanoGPT/litgpt: ``setup`` (model, data, optimizer, resume) ->
-``main`` (status bookkeeping) -> ``fit`` (the loop), with small helpers.
+Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
+(status bookkeeping around) ``setup`` (model, data, optimizer, resume) and
+``fit`` (the loop), with small helpers.
 """
 
 from __future__ import annotations
@@ -428,6 +429,10 @@ def fit(run: Run, status: Status) -> str:
     state = "finished"
     params = [p for p in module.parameters() if p.requires_grad]
     while step < run.total_steps:
+        if run.stop.requested and acc.num_processes == 1:
+            # Signalled during setup. (Several processes first agree through the per-step reduce.)
+            state = "stopped"
+            break
         lr = get_lr(step, cfg, run.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -484,11 +489,11 @@ def fit(run: Run, status: Status) -> str:
             status.update(last_checkpoint=str(save_checkpoint(run, step, elapsed)))
     bar.close()
     elapsed = run.elapsed_before + time.perf_counter() - session_start
-    if step > run.start_step or not list_checkpoints(run.out):
-        status.update(last_checkpoint=str(save_checkpoint(run, step, elapsed)))
-    else:
-        status.update(last_checkpoint=str(list_checkpoints(run.out)[-1]))
-    status.update(step=step, eta_s=0.0 if state == "finished" else None)
+    if step > run.start_step:
+        save_checkpoint(run, step, elapsed)
+    checkpoints = list_checkpoints(run.out)  # none only if stopped before the first step of a fresh run
+    status.update(step=step, eta_s=0.0 if state == "finished" else None,
+                  last_checkpoint=str(checkpoints[-1]) if checkpoints else None)  # fmt: skip
     return state
 
 
@@ -507,11 +512,21 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(argv)
+    stop = StopFlag()
+    stop.install()  # before setup: a stop during a slow model load is honoured once it finishes
+    try:
+        return train(cfg, stop)
+    finally:
+        stop.uninstall()
+
+
+def train(cfg: TrainConfig, stop: StopFlag) -> int:
     try:
         run = setup(cfg)
     except Exception as exc:
         write_failed_status(cfg, exc)
         raise
+    run.stop = stop
     acc = run.accelerator
     status = Status(run)
     if acc.is_main_process:
@@ -529,17 +544,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     status.update()
-    run.stop.install()
     try:
         state = fit(run, status)
     except BaseException as exc:  # record why the run died, then let it propagate
         status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
-    finally:
-        run.stop.uninstall()
     status.update(state=state)
     if run.stop.requested and acc.is_main_process:
-        print(f"[finetune.train] {run.stop.signal_name}: saved {status.data['last_checkpoint']}", file=sys.stderr)
+        print(f"[finetune.train] {run.stop.signal_name}: stopped at step {status.data['step']}; "
+              f"last checkpoint: {status.data['last_checkpoint']}", file=sys.stderr)  # fmt: skip
     acc.end_training()
     return 0
 
