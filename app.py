@@ -13,7 +13,13 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--model", default="tiny-mars", help="model loaded at start-up (name, path or hub id)")
     parser.add_argument("--runs-dir", default=None, help="where Finetune runs live (default: ./runs)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for decoding (default 1: on a small shared CPU a second thread "
+                             "made tiny-model forwards up to 20x slower and the race unstable)")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: use 1 or more")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported: every thread's pool
 
     from app import models
     builtin = [v for _, v in models.BUILTIN_MODELS]
@@ -21,6 +27,8 @@ def main(argv=None):
 
     def preload():  # load and warm up the start-up model while the server starts (a race waits for it)
         try:
+            import torch
+            torch.set_num_threads(args.threads)
             models.get_model(models.resolve(args.model) if args.model in builtin else models.resolve("", args.model))
             print(f"[app] model {args.model!r} ready ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as exc:

@@ -19,7 +19,7 @@ MAX_NEW_TOKENS = 512
 YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed down
 # Slow motion for teaching: after each forward, wait (factor - 1) × its measured time. Both sides are
 # stretched by the same factor, so the relative speed on screen stays the measured one.
-SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50)]
+SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
 
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}

@@ -65,7 +65,10 @@ def test_race_fills_both_panes_with_multi_token_chunks(page):
     page.screenshot(path=str(ARTIFACTS / "generate.png"), full_page=True)
     shots = REPO / "docs" / "screenshots"
     shots.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(shots / "generate.png"), full_page=False)
+    # for the README: from the top of the page down to the stats table
+    bottom = page.evaluate("document.querySelector('#stats').getBoundingClientRect().bottom + window.scrollY")
+    page.screenshot(path=str(shots / "generate.png"), full_page=True,
+                    clip={"x": 0, "y": 0, "width": 1440, "height": min(2000, bottom + 24)})
 
 
 def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
