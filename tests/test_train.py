@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,9 +144,12 @@ def test_two_cpu_processes_under_accelerate_launch_train_and_save_one_checkpoint
     # finetune.train then runs them as gloo CPU replicas (`--cpu` alone would start only one process).
     # save_checkpoint asserts that the replicas' weights are identical, i.e. gradients were synced.
     out = tmp_path / "run"
+    with socket.socket() as s:  # a free port, so parallel test runs do not collide on 29500
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
         "-m", "finetune.train", *common_flags(tiny, out, "--max-steps", "3", "--stage", "mars"),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
