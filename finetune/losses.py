@@ -15,8 +15,12 @@ Attention (True = may attend; q and k are positions inside their own half):
 Loss: ``CE(noisy) + ar_weight * CE(clean)``, each the mean over labelled
 tokens, with the usual causal shift inside each half. Logits are computed only
 for the rows that carry a label: the hidden states of those rows are gathered
-first and only then multiplied by the LM head (a vocab-sized matmul per
-position is most of the cost of a small model's forward).
+first and only then multiplied by the LM head (with SmolLM2's 49k-token
+vocabulary that matmul would otherwise be the largest single cost).
+
+The noisy copies of blocks that hold only prompt tokens predict no label and
+are attended by no other row, so ``mars_loss`` leaves them out of the forward
+(``skip_prompt_blocks``; exact, checked against the full ``[2n]`` forward).
 
 The model is any stock transformers causal LM with ``.model`` (the decoder,
 returning ``last_hidden_state``) and ``.lm_head`` - Llama, Qwen2, SmolLM2. A
