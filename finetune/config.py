@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         # default=None marks "not given", so a --config file value is not overridden by a default
         shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(flag, type=kind, default=None, help=docs[f.name] + shown)
+        choices = {"stage": STAGES, "decay": DECAYS, "overlong": OVERLONG, "mixed_precision": MIXED_PRECISION}
+        parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name), help=docs[f.name] + shown)
     return parser
 
 
