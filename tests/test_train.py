@@ -241,3 +241,32 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     linear = TrainConfig(lr=1e-3, decay="linear", min_lr_ratio=0.0)
     assert get_lr(5, linear, 10) == pytest.approx(0.5e-3)
     assert get_lr(7, TrainConfig(lr=1e-3, decay="constant"), 10) == 1e-3
+
+
+def test_mars_training_lets_the_decoder_accept_several_tokens_per_forward(tiny, tmp_path):
+    """Trainer and decoder agree on masks, positions and shifts: on a task whose answer is predictable
+    after its first token, a MARS-trained model accepts most of each block at tau = 0.9 and says the
+    same as in one-token mode (tau = 1, exactly greedy AR)."""
+    from mars_core import DecodeConfig, generate, load_model
+
+    model_dir, _ = tiny
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+    data = tmp_path / "repeat.jsonl"
+    rows = [
+        [{"role": "user", "content": f"Repeat {w}"}, {"role": "assistant", "content": " ".join([w] * 8) + "."}]
+        for w in words * 8
+    ]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    out = tmp_path / "run"
+    main([
+        "--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--stage", "mars",
+        "--max-steps", "300", "--batch-size", "16", "--lr", "1e-2", "--warmup-steps", "10", "--threads", "1",
+    ])  # fmt: skip
+    lm = load_model(str(out / "checkpoint-300"), device="cpu")
+    prompts = ["Repeat cat", "Repeat moon", "Repeat tree"]
+    fast = generate(lm, prompts, DecodeConfig(mode="mars", tau=0.9, block_size=4, max_new_tokens=32))
+    exact = generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, block_size=4, max_new_tokens=32))
+    assert [r.text for r in fast] == [r.text for r in exact]
+    assert all(r.text.startswith(p.split()[1] + " " + p.split()[1]) for r, p in zip(exact, prompts))
+    assert sum(r.tokens_per_forward for r in fast) / len(fast) >= 2.5
+    assert all(r.tokens_per_forward == 1.0 for r in exact)
