@@ -19,7 +19,7 @@ from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail,
 
 BASE_MODELS = [("tiny-ar-sft (stage 1 → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
                ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
-DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=200, lr=1e-3, lora=False,
+DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=300, lr=1e-3, lora=False,
                 batch_size=16)
 
 
