@@ -346,3 +346,11 @@ def test_stop_reaches_the_trainer_under_accelerate_and_a_new_server_reattaches(t
 def jobs_log(jobs, name):
     from app.runs import log_tail
     return log_tail(jobs.run_dir(name))
+
+
+def test_builtin_sweep_uses_the_task_evaluator(tiny_dir):
+    lm = models.get_model(tiny_dir)
+    rows = explorer.sweep_builtin(lm, 2, [1.0], 4, 8)
+    assert len(rows) == 1 and rows[0]["n"] == 2 and rows[0]["quality_name"] == "accuracy"
+    assert rows[0]["quality"] == rows[0]["accuracy"] and rows[0]["tokens_per_forward"] == 1.0
+    assert explorer.table_rows(rows)[0][0] == "off"
