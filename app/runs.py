@@ -125,7 +125,9 @@ def log_tail(run_dir: Path, n_lines: int = 30) -> str:
             data = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return "\n".join(data.splitlines()[-n_lines:])
+    # progress bars redraw a line with '\r': keep what each line finally showed
+    lines = [line.rsplit("\r", 1)[-1] for line in data.split("\n")]
+    return "\n".join([line for line in lines if line.strip()][-n_lines:])
 
 
 def _pid_alive(pid: int) -> bool:

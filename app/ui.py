@@ -192,7 +192,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     data_source = gr.Radio([("built-in task suite", "builtin"), ("upload chat JSONL", "upload")],
                                            value="builtin", label="dataset", scale=2)
                     upload = gr.File(label="chat JSONL (≤ 20 MB)", file_types=[".jsonl", ".json"],
-                                     type="filepath", scale=2, height=120)
+                                     type="filepath", scale=2, visible=False, elem_id="ft-upload")
                 data_report = gr.Markdown("")
                 with gr.Row():
                     stage = gr.Radio([("AR-SFT (stage 1)", "ar-sft"), ("MARS (stage 2)", "mars")],
@@ -212,7 +212,8 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 job_status = gr.HTML(finetune_ui.status_html(None), elem_id="ft-status")
                 loss_plot = gr.Plot(empty_figure("loss curves appear while a run trains"), label="loss",
                                     elem_id="ft-loss")
-                log_box = gr.Textbox(label="log (tail)", lines=8, max_lines=8, interactive=False, elem_id="ft-log")
+                log_box = gr.Textbox(label="log (last lines)", lines=8, max_lines=12, interactive=False,
+                                     elem_id="ft-log", autoscroll=True)
                 seen = gr.State({})
                 timer = gr.Timer(1.0)
 
@@ -286,6 +287,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
         for comp in ft_inputs:
             comp.change(partial(finetune_ui.command_preview, jobs), ft_inputs, command, show_progress="hidden")
         upload.change(lambda f: finetune_ui.validate_jsonl(f)[1] if f else "", upload, data_report)
+        data_source.change(lambda src: gr.update(visible=src == "upload"), data_source, upload)
         demo.load(partial(finetune_ui.command_preview, jobs), ft_inputs, command)
         start_btn.click(partial(finetune_ui.start, jobs), ft_inputs, ft_msg)
         stop_btn.click(partial(finetune_ui.stop, jobs), None, ft_msg)
