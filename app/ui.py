@@ -193,7 +193,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                                            value="builtin", label="dataset", scale=2)
                     upload = gr.File(label="chat JSONL (≤ 20 MB)", file_types=[".jsonl", ".json"],
                                      type="filepath", scale=2, visible=False, elem_id="ft-upload")
-                data_report = gr.Markdown("")
+                data_report = gr.Markdown("", elem_id="ft-data-report")
                 with gr.Row():
                     stage = gr.Radio([("AR-SFT (stage 1)", "ar-sft"), ("MARS (stage 2)", "mars")],
                                      value=finetune_ui.DEFAULTS["stage"], label="stage")

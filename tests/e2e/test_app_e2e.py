@@ -84,7 +84,7 @@ def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
 
 def test_moving_tau_mid_race_marks_the_change(page):
     page.click("#slow-motion input")
-    page.get_by_role("option", name="slow motion ×10").click()
+    page.get_by_role("option", name="slow motion ×50").click()
     page.fill("#prompt textarea", prompt_for_model())
     page.click("#generate-btn")
     page.wait_for_function("document.querySelectorAll('#mars-pane .chunk').length >= 2", timeout=RACE_TIMEOUT_MS)
@@ -143,3 +143,20 @@ def test_finetune_runs_updates_the_loss_and_appears_in_the_picker(page, app_serv
     option = page.get_by_role("option", name=re.compile(re.escape(f"run: {name}")))
     option.wait_for(timeout=10_000)
     assert option.count() == 1
+
+
+def test_uploaded_dataset_is_previewed_with_per_line_errors(page, tmp_path):
+    import json
+    good = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(good) + "\n{broken\n")
+    open_tab(page, "Finetune")
+    page.get_by_label("upload chat JSONL").check()
+    page.wait_for_selector("#ft-upload input[type=file]", state="attached")
+    page.set_input_files("#ft-upload input[type=file]", str(path))
+    page.wait_for_function(
+        "document.querySelector('#ft-data-report')?.innerText.includes('1 valid conversation(s), 1 bad line(s)')")
+    report = page.inner_text("#ft-data-report")
+    assert "line 2: not valid JSON" in report, report
+    page.click("#ft-start")
+    page.wait_for_function("document.querySelector('#ft-msg')?.innerText.includes('not valid')")
