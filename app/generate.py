@@ -206,7 +206,7 @@ def ledger_side_changed(race_state, side):
             render_ledger(rec, 0))
 
 
-def examples_for(choice, free_text=""):
+def examples_for(choice, free_text="", jobs=None):
     name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
-    prompts = models.example_prompts(name)
+    prompts = models.example_prompts(name, jobs=jobs)
     return gr.update(choices=prompts, value=None)

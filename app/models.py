@@ -123,9 +123,20 @@ def friendly_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
-def example_prompts(name: str, n: int = 6) -> list[str]:
-    """Prompts that suit the model: held-out task prompts for the tiny models, general ones otherwise."""
-    if name in TINY_MODELS or name.startswith("run:"):
+def _trained_on_builtin(name: str, jobs=None) -> bool:
+    """A model from finetune.train on the built-in suite (its train_config.json says data = builtin)."""
+    import json
+    try:
+        path = Path(jobs.checkpoint_for(name[4:])) if name.startswith("run:") and jobs else Path(name)
+        return json.loads((path / "train_config.json").read_text()).get("data") == "builtin"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def example_prompts(name: str, n: int = 6, jobs=None) -> list[str]:
+    """Prompts that suit the model: held-out task prompts for the tiny models and anything trained on the
+    built-in suite, general prompts otherwise."""
+    if name in TINY_MODELS or _trained_on_builtin(name, jobs):
         try:
             from finetune.tasks import make_examples
             examples = make_examples("heldout", n, seed=0)

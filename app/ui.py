@@ -93,7 +93,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
             # ---------------------------------------------------------------- Generate
             with gr.Tab("Generate", id="generate"):
                 with gr.Row():
-                    prompt = gr.Textbox(value=first_examples[0] if first_examples else "", label="Prompt", lines=2,
+                    prompt = gr.Textbox(value=max(first_examples, key=len) if first_examples else "", label="Prompt", lines=2,
                                         max_length=generate.MAX_PROMPT_CHARS, scale=4, elem_id="prompt")
                     examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model",
                                            scale=2, elem_id="examples")
@@ -221,9 +221,10 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
         model_inputs = [model, free]
         load_btn.click(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
         for comp, ev in ((model, "change"), (free, "submit")):
-            getattr(comp, ev)(generate.examples_for, model_inputs, examples).then(
+            getattr(comp, ev)(partial(generate.examples_for, jobs=jobs), model_inputs, examples).then(
                 partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
         examples.change(lambda p, cur: p or cur, [examples, prompt], prompt)
+        demo.load(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
 
         race_outputs = [race_status, mars_html, ar_html, stats, tpf_plot, acc_plot, diff_plot, ledger_step, ledger,
                         race_state]
