@@ -83,8 +83,8 @@ def first_step(lm, prompt: str, tau: float, block_size: int):
         stream.close()
 
 
-def _tok(lm, t: int) -> str:
-    if t in lm.eos_ids:
+def _tok(lm, t: int, eos_label: bool = True) -> str:
+    if eos_label and t in lm.eos_ids:
         return "⟨eos⟩"
     s = lm.tokenizer.decode([t], skip_special_tokens=False)
     return s.replace("\n", "⏎").replace(" ", "␣") or "∅"
@@ -98,7 +98,7 @@ def step_html(lm, prompt: str, event, show_last: int = 10) -> str:
     shown = ids[-show_last:]
     e = html.escape
     committed = "".join(f'<div class="cell committed" title="prompt position {len(ids) - len(shown) + i}">'
-                        f'{e(_tok(lm, t))}</div>' for i, t in enumerate(shown))
+                        f'{e(_tok(lm, t, eos_label=False))}</div>' for i, t in enumerate(shown))
     masks = "".join(f'<div class="cell maskcell">⟨mask⟩<small>mask {j}</small></div>' for j in range(1, B))
     p = len(ids)
     rows = []
