@@ -93,7 +93,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
             # ---------------------------------------------------------------- Generate
             with gr.Tab("Generate", id="generate"):
                 with gr.Row():
-                    prompt = gr.Textbox(value=max(first_examples, key=len) if first_examples else "", label="Prompt", lines=2,
+                    prompt = gr.Textbox(value=first_examples[0] if first_examples else "", label="Prompt", lines=2,
                                         max_length=generate.MAX_PROMPT_CHARS, scale=4, elem_id="prompt")
                     examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model",
                                            scale=2, elem_id="examples")
