@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 # Colour of a chunk by how many tokens its forward pass accepted (1 = plain AR step).
-CHUNK_COLOURS = {1: "#e5e7eb", 2: "#bfdbfe", 3: "#bbf7d0", 4: "#fde68a", 5: "#fbcfe8"}
-CHUNK_COLOUR_MORE = "#ddd6fe"  # 6 or more tokens in one forward
+# A ramp: grey (plain AR step) → yellow → green; the greener, the more tokens that pass accepted.
+CHUNK_COLOURS = {1: "#e5e7eb", 2: "#fef08a", 3: "#bef264", 4: "#4ade80", 5: "#34d399"}
+CHUNK_COLOUR_MORE = "#2dd4bf"  # 6 or more tokens in one forward
 
 
 def chunk_colour(n: int) -> str:
