@@ -107,24 +107,23 @@ def start(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, 
     return f"▶ started run **{name}** in `{jobs.run_dir(name)}`"
 
 
-def stop(jobs) -> str:
+def _control(jobs, verb: str, mark: str) -> str:
+    """Stop (SIGTERM: save, then exit) or kill (SIGKILL) the running job, as one readable line."""
     name = jobs.running_job()
     if not name:
         return "Nothing is running."
     try:
-        return "■ " + jobs.stop(name)
+        return f"{mark} " + getattr(jobs, verb)(name)
     except Exception as exc:
         return f"⚠ {models.friendly_error(exc)}"
+
+
+def stop(jobs) -> str:
+    return _control(jobs, "stop", "■")
 
 
 def kill(jobs) -> str:
-    name = jobs.running_job()
-    if not name:
-        return "Nothing is running."
-    try:
-        return "✕ " + jobs.kill(name)
-    except Exception as exc:
-        return f"⚠ {models.friendly_error(exc)}"
+    return _control(jobs, "kill", "✕")
 
 
 def loss_figure(metrics: list[dict], name: str) -> go.Figure:
