@@ -278,6 +278,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         pending[r, : len(p)] = torch.tensor(p, device=device)   # left-aligned, like accepted tokens
     pending_n = lengths.clone()                                 # real tokens in `pending` per row
     cached = torch.zeros(b, dtype=torch.long, device=device)   # real tokens already in the cache
+    left = torch.tensor(budget, device=device)                  # tokens each row may still accept
     kv_valid = torch.zeros(b, 0, dtype=torch.bool, device=device)
     cache = DynamicCache(config=model.config)
 
@@ -308,7 +309,6 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         cached = cached + pending_n
 
         tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator)
-        left = torch.tensor([budget[r] - len(generated[r]) for r in alive], device=device)
         limit = left.clamp(max=min(cfg.max_accept or k, k))
         n = accept_counts(tokens, conf, tau, limit, eos_ids)
         tokens_h, conf_h, n_h = tokens.tolist(), conf.tolist(), n.tolist()   # the step's one host sync
@@ -331,6 +331,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
 
         # Next input: this step's accepted tokens, right-aligned; finished rows leave the batch.
         pending, pending_n = tokens, n
+        left = left - n
         if finished:
             keep_rows = torch.tensor([i for i in range(len(alive)) if i not in finished], device=device)
             alive = [r for i, r in enumerate(alive) if i not in finished]
@@ -338,7 +339,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
                 break
             cache.batch_select_indices(keep_rows)
             pending, pending_n = pending[keep_rows], pending_n[keep_rows]
-            kv_valid, cached = kv_valid[keep_rows], cached[keep_rows]
+            kv_valid, cached, left = kv_valid[keep_rows], cached[keep_rows], left[keep_rows]
         width = int(pending_n.max())
         pending = pending[:, :width]
 
