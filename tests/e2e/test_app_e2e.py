@@ -71,7 +71,8 @@ def test_race_fills_both_panes_with_multi_token_chunks(page):
     shots = REPO / "docs" / "screenshots" if os.environ.get("MARS_UPDATE_SCREENSHOT") == "1" else ARTIFACTS
     shots.mkdir(parents=True, exist_ok=True)
     bottom = page.evaluate("document.querySelector('#stats').getBoundingClientRect().bottom + window.scrollY")
-    page.screenshot(path=str(shots / "generate.png"), full_page=True,
+    name = "generate.png" if shots != ARTIFACTS else "generate-top.png"
+    page.screenshot(path=str(shots / name), full_page=True,
                     clip={"x": 0, "y": 0, "width": 1440, "height": min(2000, bottom + 24)})
 
 
