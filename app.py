@@ -13,6 +13,8 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--model", default="tiny-mars", help="model loaded at start-up (name, path or hub id)")
     parser.add_argument("--runs-dir", default=None, help="where Finetune runs live (default: ./runs)")
+    parser.add_argument("--allow-hub", action="store_true",
+                        help="let the model field download hub ids (off by default: the app makes no network calls)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for decoding (default 1: on a small shared CPU a second thread "
                              "made tiny-model forwards up to 20x slower and the race unstable)")
@@ -20,6 +22,8 @@ def main(argv=None):
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: use 1 or more")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported: every thread's pool
+    if not args.allow_hub:  # a hub id typed into the page then fails with a readable message, downloads nothing
+        os.environ["HF_HUB_OFFLINE"] = "1"
 
     from app import models
     builtin = [v for _, v in models.BUILTIN_MODELS]

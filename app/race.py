@@ -71,7 +71,7 @@ class SideRecord:
     steps: list[StepRecord] = field(default_factory=list)
     finished: bool = False
 
-    def add(self, event, token_text: Callable[[int], str], eos_ids=()) -> None:
+    def add(self, event, token_text: Callable[[int], str]) -> None:
         row = event.rows[0]
         if not row.active:
             self.finished = True

@@ -9,7 +9,8 @@ one process).
     python -m finetune.evaluate                       # tiny-ar-sft, tiny-mars (+ ablation if present)
     python -m finetune.evaluate --models tiny-mars runs/mars-arw0 --n 200 --json rows.json --html pareto.html
 
-`sweep(...)` and `pareto_figure(...)` are the library API (the app's τ explorer calls them).
+`sweep(...)` is the library API (the app's τ explorer calls it for the built-in tasks); `pareto_figure(...)`
+draws the --html plot.
 """
 
 from __future__ import annotations
@@ -113,19 +114,6 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
         if progress is not None:
             progress((k + 1) / len(taus), f"{name}: τ={tau} accuracy {accuracy:.1%}, {tpf:.2f} tokens/forward")
     return rows
-
-
-def ar_row(lm, examples: list[dict], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 16,
-           model_name: str | None = None) -> dict:
-    """The plain AR decoding row of a model (mode='ar', one token per forward)."""
-    from mars_core import DecodeConfig
-
-    prompts = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
-    results = _decode(lm, prompts, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens), batch_size)
-    accuracy, per_family = score(examples, [r.text for r in results])
-    return {"model": model_name or lm.name, "tau": "ar", "block_size": 1, "n": len(examples), "accuracy": accuracy,
-            "per_family": per_family, "tokens_per_forward": sum(r.tokens_per_forward for r in results) / len(results),
-            "speedup": 1.0, "ar_time_s": None, "mars_time_s": None, "timing_prompts": 0}
 
 
 def pareto_figure(rows: list[dict]):

@@ -296,8 +296,3 @@ def check_answer(example: dict, response: str) -> bool:
         raise ValueError(f"example family {family!r} is not one of {FAMILIES}")
     got = extract_answer(family, response)
     return got is not None and _normalise(family, got) == _normalise(family, example["answer"])
-
-
-def to_chat_jsonl_rows(examples: list[dict]) -> list[dict]:
-    """Rows for a chat JSONL file ({"messages": ...}), e.g. to feed `finetune.train --data FILE`."""
-    return [{"messages": ex["messages"]} for ex in examples]

@@ -3,7 +3,7 @@
     python -m finetune.train --base-model tiny-ar-sft --data builtin --stage mars \\
         --block-size 4 --lr 5e-6 --epochs 5 --output-dir runs/mars
 
-The same command under ``accelerate launch --num_processes N [--cpu]`` runs
+The same command under ``accelerate launch --multi_gpu --num_processes N --num_machines 1`` runs
 data-parallel: each process takes its own slice of every global batch.
 
 Run directory (``--output-dir``; the app reads it while training runs):

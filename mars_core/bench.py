@@ -63,9 +63,9 @@ class BenchRow:
     forward_cost: float            # mars_forward_ms / ar_forward_ms
     ar_tokens_per_s: float
     mars_tokens_per_s: float
-    reference_time: float | None   # uncached reference, one row at a time
+    reference_time: float | None   # uncached reference, one row at a time (the same run for every batch size)
     reference_speedup: float | None  # ar_time / reference_time
-    peak_memory_mb: float
+    peak_memory_mb: float          # CUDA: peak allocated in this batch size; CPU: process peak RSS so far
 
 
 def _sync(device):
@@ -98,6 +98,7 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     ar_cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
     mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
     rows = []
+    ref_time = None
     for bs in batch_sizes:
         batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
         if lm.device.type == "cuda":
@@ -113,8 +114,7 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
             if progress:
                 progress(f"batch {bs}: AR {ar_t[-1]:.2f}s, MARS {mars_t[-1]:.2f}s")
         ar_time, mars_time = statistics.median(ar_t), statistics.median(mars_t)
-        ref_time = None
-        if reference:
+        if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
             t0 = time.perf_counter()
             reference_generate(lm, ids, mars_cfg)
             ref_time = time.perf_counter() - t0

@@ -264,6 +264,9 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         where = gguf_to_checkpoint(where)
     elif kind == "hub":
         from huggingface_hub import snapshot_download  # network: only when the user named a hub id
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise ValueError(f"{name_or_path!r} is a hub id but downloads are off (HF_HUB_OFFLINE=1; start the app "
+                             "with --allow-hub): download it elsewhere and pass the local folder")
         try:
             where = snapshot_download(where)
         except Exception as exc:  # offline, private, misspelt: say which and how to fix it

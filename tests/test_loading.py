@@ -73,7 +73,8 @@ def test_mars_checkpoint_with_custom_type_loads_into_stock_qwen2(tmp_path):
     assert lm.mask_id == tok.mask_token_id
 
 
-def test_local_folder_loads_on_cpu_in_fp32(tmp_path):
+def test_local_folder_loads_on_cpu_in_fp32(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # what "auto" picks without a GPU
     tok = make_tokenizer()
     make_model("llama", len(tok)).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -112,3 +113,9 @@ def test_checkpoint_whose_weights_do_not_fit_is_refused(tmp_path):
               tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weights"):
         load_model(str(tmp_path))
+
+
+def test_hub_id_with_downloads_off_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="downloads are off"):
+        load_model("some-org/some-model")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import ARTIFACTS, REPO, STARTUP_LIMIT_S
+from tests.e2e.conftest import ARTIFACTS, REPO
 
 RACE_TIMEOUT_MS = 120_000
 
@@ -36,14 +36,6 @@ def stat(page, key: str, side: str = "mars") -> str:
 
 def open_tab(page, name: str) -> None:
     page.get_by_role("tab", name=name).click()
-
-
-def test_startup_reaches_a_usable_page(app_server):
-    # The 15 s start-up target is measured, not asserted (shared CI machines are noisy): the time is
-    # written to test-artifacts/startup.txt and printed; the fixture fails if the page never becomes usable.
-    _, startup, _ = app_server
-    assert startup is not None and startup > 0
-    print(f"start-up to a usable page: {startup:.1f} s (target {STARTUP_LIMIT_S:.0f} s)")
 
 
 def test_race_fills_both_panes_with_multi_token_chunks(page):
