@@ -25,8 +25,9 @@ Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight
 
 STEP_TEXT = """
 **One inference step = one forward pass.** The input is the committed tokens not yet in the KV cache
-followed by masks. The output at the last committed token is the ordinary next-token distribution
-`q₀`; the output at mask *j−1* predicts position *+j* (`q_j`). Each candidate `t_j` has a confidence
+followed by masks (numbered 1, 2, … below). The output at the last committed token is the ordinary
+next-token distribution `q₀`; the output at mask *j* predicts position *+j* (`q_j`). The paper appends B
+masks; the output at the last one is never used, so the decoder appends B−1 and gets the same candidates. Each candidate `t_j` has a confidence
 `c_j`. `t₀` is always accepted; `t_j` is accepted while every earlier one was and `c_j ≥ τ`. The masks
 are then cropped from the cache and the accepted tokens enter at the next step — no extra forward.
 """

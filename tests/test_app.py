@@ -209,10 +209,10 @@ def test_taus_are_parsed_and_checked():
 
 
 def test_attention_mask_heatmap_is_the_training_mask():
-    from finetune.losses import mars_attention_mask
+    from tests.test_losses import EXPECTED_N8_B4   # the hand-written n = 8, B = 4 matrix
     fig = learn.mask_figure(8, 4)
-    assert fig.data[0].z == tuple(tuple(int(v) for v in row) for row in mars_attention_mask(8, 4).tolist()) or \
-        [list(r) for r in fig.data[0].z] == mars_attention_mask(8, 4).to(int).tolist()
+    expected = [[int(c) for c in row] for row in EXPECTED_N8_B4.split()]
+    assert [[int(v) for v in row] for row in fig.data[0].z] == expected
     names = {a.text for a in fig.layout.annotations}
     assert {"<b>noisy → noisy</b>", "<b>noisy → clean</b>", "<b>clean → clean</b>",
             "<b>clean → noisy (never)</b>"} <= names
