@@ -200,14 +200,16 @@ def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: t
     return torch.minimum(n, first_eos)
 
 
-def right_align(tokens: torch.Tensor, counts: torch.Tensor, width: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_align(tokens: torch.Tensor, counts: torch.Tensor, width: int,
+                fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Put each row's first `counts[r]` tokens at the right end of a [b, width] block.
-    Returns (ids [b, width], valid [b, width]); the left holes hold `fill` and are invalid."""
+    Returns (ids, valid, src), each [b, width]: the left holes hold `fill` and are invalid; `src` is the
+    index of each column's token among the row's tokens (negative for holes)."""
     cols = torch.arange(width, device=tokens.device)
     src = cols[None, :] - (width - counts[:, None])            # [b, width] source column, < 0 for holes
     valid = src >= 0
     ids = tokens.gather(1, src.clamp(min=0, max=tokens.shape[1] - 1))
-    return torch.where(valid, ids, torch.full_like(ids, fill)), valid
+    return torch.where(valid, ids, torch.full_like(ids, fill)), valid, src
 
 
 def step_attention(kv_valid: torch.Tensor, chunk_valid: torch.Tensor) -> torch.Tensor:
@@ -290,9 +292,8 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         if cfg.mode == "ar":
             tau = 1.0
         width = pending.shape[1]
-        ids, valid = right_align(pending, pending_n, width, fill=lm.mask_id)
-        offsets = torch.arange(width, device=device)[None, :] - (width - pending_n[:, None])
-        pos = torch.where(valid, cached[:, None] + offsets, torch.zeros_like(offsets))
+        ids, valid, src = right_align(pending, pending_n, width, fill=lm.mask_id)
+        pos = torch.where(valid, cached[:, None] + src, torch.zeros_like(src))   # holes take no position
         if n_masks:
             mask_cols = torch.arange(1, n_masks + 1, device=device)[None, :]
             ids = torch.cat([ids, torch.full((len(alive), n_masks), lm.mask_id, device=device)], dim=1)
@@ -332,6 +333,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         # Next input: this step's accepted tokens, right-aligned; finished rows leave the batch.
         pending, pending_n = tokens, n
         left = left - n
+        width = max(n_h[i] for i in range(len(alive)) if i not in finished) if len(finished) < len(alive) else 0
         if finished:
             keep_rows = torch.tensor([i for i in range(len(alive)) if i not in finished], device=device)
             alive = [r for i, r in enumerate(alive) if i not in finished]
@@ -340,8 +342,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
             cache.batch_select_indices(keep_rows)
             pending, pending_n = pending[keep_rows], pending_n[keep_rows]
             kv_valid, cached, left = kv_valid[keep_rows], cached[keep_rows], left[keep_rows]
-        width = int(pending_n.max())
-        pending = pending[:, :width]
+        pending = pending[:, :width]          # width from the host copy: no second sync per step
 
 
 def _trim_at_stop(lm, generated: list[int], accepted: list[int], stops: tuple[str, ...]) -> bool:
