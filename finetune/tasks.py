@@ -55,7 +55,11 @@ def gen_addition(rng: random.Random) -> tuple[str, str, str]:
 
 
 def gen_multiplication(rng: random.Random) -> tuple[str, str, str]:
-    """A 2-3 digit number times a one-digit number, digit by digit."""
+    """A 2-3 digit number times a one-digit number, digit by digit.
+
+    Each place is two small facts, a times-table product and then the carry
+    added to it ("7 × 8 = 56, 56 + 5 = 61"), instead of one fused step.
+    """
     a = rng.randint(10, 999)
     b = rng.randint(2, 9)
     question = rng.choice(["What is {a} × {b}?", "Compute {a} × {b}.", "Multiply {a} by {b}."]).format(a=a, b=b)
@@ -65,8 +69,8 @@ def gen_multiplication(rng: random.Random) -> tuple[str, str, str]:
     for i in range(len(da)):
         x = int(da[-1 - i])
         p = x * b + carry
-        terms = f"{x} × {b}" + (f" + {carry}" if carry else "")
-        lines.append(f"{PLACES[i]}: {terms} = {p}, write {p % 10}, carry {p // 10}")
+        fact = f"{x} × {b} = {x * b}" + (f", {x * b} + {carry} = {p}" if carry else "")
+        lines.append(f"{PLACES[i]}: {fact}, write {p % 10}, carry {p // 10}")
         carry = p // 10
     if carry:
         lines.append(f"{PLACES[len(da)]}: carry {carry}, write {carry}")
@@ -79,25 +83,40 @@ NAMES = ["Mia", "Tom", "Ana", "Leo", "Sara", "Ben", "Ivy", "Sam", "Zoe", "Max", 
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "cards", "pencils", "shells", "stamps", "cookies", "balloons", "toys"]
 
 
+def _two_digit_step(total: int, d: int, sign: str) -> list[str]:
+    """Column working for a two-digit total plus or minus a one-digit d (result stays two-digit)."""
+    t, o = divmod(total, 10)
+    if sign == "+":
+        s = o + d
+        return [f"Ones: {o} + {d} = {s}, write {s % 10}, carry {s // 10}",
+                f"Tens: {t} + {s // 10} = {t + s // 10}"]
+    if o >= d:
+        return [f"Ones: {o} - {d} = {o - d}, borrow 0", f"Tens: {t} - 0 = {t}"]
+    return [f"Ones: {o} - {d}, borrow 1, {o + 10} - {d} = {o + 10 - d}", f"Tens: {t} - 1 = {t - 1}"]
+
+
 def gen_word_problem(rng: random.Random) -> tuple[str, str, str]:
-    """One or two events that add or take away items; the result stays positive."""
+    """One or two events that add or take away items, each worked in columns; totals stay 10-99."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    total = rng.randint(5, 60)
+    total = rng.randint(11, 80)
     sentences = [f"{name} has {total} {item}."]
     lines = [f"Start: {total}"]
     for k in range(rng.randint(1, 2)):
-        if total > 10 and rng.random() < 0.5:
-            d = rng.randint(1, min(9, total - 1))
+        take = total > 19 and rng.random() < 0.5 or total > 90
+        d = rng.randint(1, 9)
+        if take:
             verb = rng.choice(["gives away", "loses", "eats" if item == "cookies" else "sells"])
             sentences.append(f"{'Then ' if k else ''}{name} {verb} {d}.")
-            lines.append(f"{verb.capitalize()} {d}: {total} - {d} = {total - d}")
+            lines.append(f"{verb.capitalize()} {d}: {total} - {d}")
+            lines += _two_digit_step(total, d, "-")
             total -= d
         else:
-            d = rng.randint(1, 9)
             verb = rng.choice(["buys", "finds", "gets"])
             sentences.append(f"{'Then ' if k else ''}{name} {verb} {d} more.")
-            lines.append(f"{verb.capitalize()} {d}: {total} + {d} = {total + d}")
+            lines.append(f"{verb.capitalize()} {d}: {total} + {d}")
+            lines += _two_digit_step(total, d, "+")
             total += d
+        lines.append(f"Now: {total}")
     sentences.append(f"How many {item} does {name} have now?")
     answer = str(total)
     lines.append(f"Answer: {answer}")
@@ -105,14 +124,22 @@ def gen_word_problem(rng: random.Random) -> tuple[str, str, str]:
 
 
 def gen_sorting(rng: random.Random) -> tuple[str, str, str]:
-    """Sort 3-6 numbers (10-99) ascending or descending; minimum and maximum first."""
+    """Sort 3-6 numbers (10-99) ascending or descending, bucket by bucket.
+
+    One line per tens digit (1..9, or 9..1 descending) lists the numbers that
+    start with it, in order; the answer joins the lines. Each line is a lookup
+    in the prompt ("which numbers start with 4?") rather than a global search.
+    """
     nums = rng.sample(range(10, 100), rng.randint(3, 6))
     descending = rng.random() < 0.3
     order = "descending" if descending else "ascending"
     question = f"Sort in {order} order: {', '.join(map(str, nums))}"
-    out = sorted(nums, reverse=descending)
-    answer = ", ".join(map(str, out))
-    lines = [f"Count: {len(nums)}", f"Smallest: {min(nums)}", f"Largest: {max(nums)}", f"Sorted: {answer}", f"Answer: {answer}"]
+    lines = []
+    for tens in (range(9, 0, -1) if descending else range(1, 10)):
+        bucket = sorted((n for n in nums if n // 10 == tens), reverse=descending)
+        lines.append(f"{tens}0s: {', '.join(map(str, bucket)) if bucket else 'none'}")
+    answer = ", ".join(map(str, sorted(nums, reverse=descending)))
+    lines.append(f"Answer: {answer}")
     return question, "\n".join(lines), answer
 
 

@@ -104,3 +104,49 @@ def test_tokenizer_special_tokens_digits_and_chat_template(tmp_path):
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     ids = tok("x = 7\n    return -x")["input_ids"]
     assert tok.decode(ids) == "x = 7\n    return -x"
+
+
+def test_every_worked_step_in_a_response_is_true_arithmetic():
+    # The scaffolding teaches the working; a wrong intermediate fact would teach a wrong fact.
+    import re
+
+    fact = re.compile(r"(?<![\d.])(\d+(?: [+\-×÷] \d+)+) = (\d+)")
+    checked = 0
+    for e in make_examples("train", 800, seed=7):
+        for lhs, rhs in fact.findall(e["messages"][1]["content"]):
+            tokens = lhs.split()
+            value = int(tokens[0])
+            for op, b in zip(tokens[1::2], tokens[2::2]):
+                value = value + int(b) if op == "+" else value - int(b) if op == "-" else value * int(b) if op == "×" else value // int(b)
+            assert value == int(rhs), (e["family"], lhs, rhs)
+            checked += 1
+    assert checked > 1000
+
+
+def test_sorting_buckets_hold_exactly_the_prompt_numbers_by_tens_digit():
+    for e in make_examples("train", 400, seed=8, families=["sorting"]):
+        q, resp = e["messages"][0]["content"], e["messages"][1]["content"]
+        nums = [int(t) for t in q.split(":")[1].split(",")]
+        desc = "descending" in q
+        lines = resp.splitlines()[:-1]
+        assert [ln.split(":")[0] for ln in lines] == [f"{d}0s" for d in (range(9, 0, -1) if desc else range(1, 10))]
+        seen = []
+        for ln in lines:
+            tens = int(ln[0])
+            body = ln.split(": ", 1)[1]
+            got = [] if body == "none" else [int(x) for x in body.split(", ")]
+            assert got == sorted((n for n in nums if n // 10 == tens), reverse=desc)
+            seen += got
+        assert ", ".join(map(str, seen)) == e["answer"]
+
+
+def test_word_problem_totals_follow_the_story():
+    for e in make_examples("train", 300, seed=9, families=["word_problem"]):
+        q = e["messages"][0]["content"]
+        words = q.replace(".", " ").replace("?", " ").split()
+        total = int(words[2])
+        for i, w in enumerate(words):
+            if w.isdigit() and i > 2:
+                total += -int(w) if words[i - 1] in ("away", "loses", "eats", "sells") else int(w)
+        assert e["answer"] == str(total) and 10 <= total <= 99
+        assert [ln for ln in e["messages"][1]["content"].splitlines() if ln.startswith("Now:")][-1] == f"Now: {total}"
