@@ -102,7 +102,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                                     info="lower = more tokens per forward, less fidelity", scale=3, elem_id="tau")
                     tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
                     block_size = gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2)
-                    max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=96, step=8, label="max new tokens", scale=2)
+                    max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8, label="max new tokens", scale=2)
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)", scale=2)
                 with gr.Row():
                     go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=3, elem_id="generate-btn")

@@ -32,6 +32,8 @@ class TrainConfig:
     """Training data: 'builtin' (finetune.tasks train split) or a chat JSONL path."""
     builtin_examples: int = 2000
     """Number of built-in task examples to generate when --data builtin."""
+    builtin_weights: str = ""
+    """Built-in data only: 'sorting=3,multiplication=2' draws those families 3x and 2x as often as the others."""
     stage: str = "mars"
     """'ar-sft' (plain causal SFT, stage 1) or 'mars' (dual-stream MARS loss, stage 2)."""
     block_size: int = 4

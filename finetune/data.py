@@ -93,12 +93,29 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
     return conversations
 
 
-def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0) -> list[list[dict]]:
+def builtin_family_cycle(weights: str) -> list[str] | None:
+    """The family order for ``--builtin-weights "sorting=3,multiplication=2"``: every family once, plus
+    (weight - 1) more turns for each named one, so sorting then comes 3x as often as an unnamed family."""
+    if not weights.strip():
+        return None
+    from finetune import tasks
+
+    cycle = list(tasks.FAMILIES)
+    for item in weights.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not sep or name not in tasks.FAMILIES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--builtin-weights item {item.strip()!r}: write FAMILY=N with N a whole number >= 1 "
+                             f"and FAMILY one of {tasks.FAMILIES}")
+        cycle += [name] * (int(value) - 1)
+    return cycle
+
+
+def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights: str = "") -> list[list[dict]]:
     """``data`` is ``"builtin"`` (finetune.tasks' train split) or a chat JSONL path."""
     if data == "builtin":
         from finetune import tasks  # written by another helper; imported only when asked for
 
-        rows = tasks.make_examples("train", n_builtin, seed)
+        rows = tasks.make_examples("train", n_builtin, seed, families=builtin_family_cycle(weights))
         return [validate_conversation(r, f"builtin example {i}") for i, r in enumerate(rows)]
     return read_chat_jsonl(data)
 

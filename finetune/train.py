@@ -275,7 +275,7 @@ def setup(cfg: TrainConfig) -> Run:
 
             set_peft_model_state_dict(model, state["lora"])
 
-    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed)
+    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
     examples = build_examples(
         conversations,
         base.tokenizer,

@@ -128,3 +128,20 @@ def test_epoch_batches_are_deterministic_disjoint_and_length_grouped():
     assert len(flat) == len(set(flat)) == 200 and all(len(b) == 8 for b in a)
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in a) / len(a)
     assert spread < 4  # random batches of 8 from 0..16 would spread ~12
+
+
+def test_builtin_weights_draw_named_families_more_often_and_reject_bad_items():
+    from collections import Counter
+
+    from finetune.data import builtin_family_cycle, load_conversations
+    from finetune.tasks import FAMILIES
+
+    assert builtin_family_cycle("") is None
+    cycle = builtin_family_cycle("sorting=3, code=1")
+    assert Counter(cycle) == Counter(FAMILIES + ["sorting", "sorting"])
+    rows = load_conversations("builtin", 200, seed=0, weights="sorting=3")
+    questions = Counter("sorting" if r[0]["content"].startswith("Sort") else "other" for r in rows)
+    assert questions["sorting"] == 3 * 200 // (len(FAMILIES) + 2)
+    for bad in ("sorting", "sorting=0", "sortin=2", "sorting=x"):
+        with pytest.raises(ValueError, match="FAMILY=N"):
+            builtin_family_cycle(bad)
