@@ -124,23 +124,21 @@ def gen_word_problem(rng: random.Random) -> tuple[str, str, str]:
 
 
 def gen_sorting(rng: random.Random) -> tuple[str, str, str]:
-    """Sort 3-5 numbers (10-99) ascending or descending by insertion, one number per line.
+    """Sort 3-6 numbers (10-99) ascending or descending, bucket by bucket.
 
-    Each line takes the next number of the prompt (in prompt order) and rewrites the
-    list above it with that number put in its place, so every step is a copy of the
-    line above plus comparisons of two-digit numbers; the last list is the answer.
-    (A tens-bucket scaffold, which had to look numbers up in the prompt by their first
-    digit, stayed below 30% for the tiny model.)
+    One line per tens digit (1..9, or 9..1 descending) lists the numbers that
+    start with it, in order; the answer joins the lines. Each line is a lookup
+    in the prompt ("which numbers start with 4?") rather than a global search.
     """
-    nums = rng.sample(range(10, 100), rng.randint(3, 5))
+    nums = rng.sample(range(10, 100), rng.randint(3, 6))
     descending = rng.random() < 0.3
     order = "descending" if descending else "ascending"
     question = f"Sort in {order} order: {', '.join(map(str, nums))}"
-    lines, done = [], []
-    for n in nums:
-        done = sorted(done + [n], reverse=descending)
-        lines.append(f"Insert {n}: {', '.join(map(str, done))}")
-    answer = ", ".join(map(str, done))
+    lines = []
+    for tens in (range(9, 0, -1) if descending else range(1, 10)):
+        bucket = sorted((n for n in nums if n // 10 == tens), reverse=descending)
+        lines.append(f"{tens}0s: {', '.join(map(str, bucket)) if bucket else 'none'}")
+    answer = ", ".join(map(str, sorted(nums, reverse=descending)))
     lines.append(f"Answer: {answer}")
     return question, "\n".join(lines), answer
 

@@ -123,18 +123,21 @@ def test_every_worked_step_in_a_response_is_true_arithmetic():
     assert checked > 1000
 
 
-def test_sorting_inserts_the_prompt_numbers_one_line_at_a_time():
+def test_sorting_buckets_hold_exactly_the_prompt_numbers_by_tens_digit():
     for e in make_examples("train", 400, seed=8, families=["sorting"]):
         q, resp = e["messages"][0]["content"], e["messages"][1]["content"]
         nums = [int(t) for t in q.split(":")[1].split(",")]
         desc = "descending" in q
-        lines = resp.splitlines()
-        assert len(lines) == len(nums) + 1
-        for k, (n, line) in enumerate(zip(nums, lines)):
-            head, body = line.split(": ")
-            assert head == f"Insert {n}"
-            assert [int(x) for x in body.split(", ")] == sorted(nums[: k + 1], reverse=desc)
-        assert lines[-1] == f"Answer: {e['answer']}" and e["answer"] == lines[-2].split(": ")[1]
+        lines = resp.splitlines()[:-1]
+        assert [ln.split(":")[0] for ln in lines] == [f"{d}0s" for d in (range(9, 0, -1) if desc else range(1, 10))]
+        seen = []
+        for ln in lines:
+            tens = int(ln[0])
+            body = ln.split(": ", 1)[1]
+            got = [] if body == "none" else [int(x) for x in body.split(", ")]
+            assert got == sorted((n for n in nums if n // 10 == tens), reverse=desc)
+            seen += got
+        assert ", ".join(map(str, seen)) == e["answer"]
 
 
 def test_word_problem_totals_follow_the_story():
