@@ -230,12 +230,18 @@ class Run:
 
 
 def check_resumable(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume a run whose model-defining settings changed."""
+    """Refuse to resume a run whose model- or objective-defining settings changed.
+
+    --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
+    ar_weight), the data and its draw (data, builtin_weights, seed) and the batch may not: resuming a run
+    with those changed would silently mix two trainings in one checkpoint.
+    """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():
         return
     saved = json.loads(saved_path.read_text())
-    for key in ("base_model", "stage", "lora", "lora_r", "block_size"):
+    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "data", "builtin_weights",
+                "seed", "batch_size", "grad_accum"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise ValueError(
                 f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "

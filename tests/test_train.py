@@ -97,11 +97,13 @@ def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path)
     assert losses_a == pytest.approx(losses_b, abs=1e-5)
 
 
-def test_resume_refuses_a_different_stage(tiny, tmp_path):
+@pytest.mark.parametrize("changed, key", [(["--stage", "mars"], "stage"), (["--seed", "5"], "seed"),
+                                          (["--builtin-weights", "sorting=2"], "builtin_weights")])
+def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, changed, key):
     out = tmp_path / "run"
     main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
-    with pytest.raises(ValueError, match="stage"):
-        main(common_flags(tiny, out, "--stage", "mars", "--max-steps", "2"))
+    with pytest.raises(ValueError, match=key):
+        main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2", *changed))
 
 
 def run_env():
