@@ -117,6 +117,8 @@ def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights:
 
         rows = tasks.make_examples("train", n_builtin, seed, families=builtin_family_cycle(weights))
         return [validate_conversation(r, f"builtin example {i}") for i, r in enumerate(rows)]
+    if weights.strip():
+        raise ValueError(f"--builtin-weights {weights!r} applies only to --data builtin, not to {data!r}: drop it")
     return read_chat_jsonl(data)
 
 

@@ -145,3 +145,5 @@ def test_builtin_weights_draw_named_families_more_often_and_reject_bad_items():
     for bad in ("sorting", "sorting=0", "sortin=2", "sorting=x"):
         with pytest.raises(ValueError, match="FAMILY=N"):
             builtin_family_cycle(bad)
+    with pytest.raises(ValueError, match="only to --data builtin"):
+        load_conversations("my.jsonl", weights="sorting=3")

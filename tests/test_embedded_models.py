@@ -7,6 +7,8 @@ import pytest
 import torch
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+from finetune.evaluate import MAX_NEW_TOKENS  # the evaluation budget: covers the longest suite answer
+
 N_PROMPTS = 16   # two per family: enough to catch a broken model, fast on a CPU
 
 @pytest.fixture(scope="module")
@@ -42,12 +44,12 @@ def test_mars_one_token_mode_equals_its_greedy_ar_output(mars, heldout):
     from mars_core import DecodeConfig, generate
 
     prompts = [ex["messages"][0]["content"] for ex in heldout]
-    one_token = generate(mars, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=112))
-    ar = generate(mars, prompts, DecodeConfig(mode="ar", max_new_tokens=112))
+    one_token = generate(mars, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=MAX_NEW_TOKENS))
+    ar = generate(mars, prompts, DecodeConfig(mode="ar", max_new_tokens=MAX_NEW_TOKENS))
     assert [r.token_ids for r in one_token] == [r.token_ids for r in ar]
     # and transformers' own greedy generate agrees (a reference no one here wrote)
     ids = mars.encode(prompts[0])
-    ref = mars.model.generate(torch.tensor([ids]), max_new_tokens=112, do_sample=False,
+    ref = mars.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                               eos_token_id=mars.eos_ids, pad_token_id=mars.tokenizer.pad_token_id)
     assert ref[0, len(ids):].tolist() == ar[0].token_ids
 
@@ -56,7 +58,7 @@ def test_mars_accepts_several_tokens_per_forward_at_tau_095(mars, heldout):
     from mars_core import DecodeConfig, generate
 
     prompts = [ex["messages"][0]["content"] for ex in heldout]
-    res = generate(mars, prompts, DecodeConfig(mode="mars", tau=0.95, max_new_tokens=112))
+    res = generate(mars, prompts, DecodeConfig(mode="mars", tau=0.95, max_new_tokens=MAX_NEW_TOKENS))
     tpf = sum(r.tokens_per_forward for r in res) / len(res)
     assert tpf > 1.5, f"tokens/forward {tpf:.2f} at τ=0.95"
 
@@ -66,6 +68,6 @@ def test_ar_sft_model_solves_heldout_tasks(heldout):
     from mars_core import DecodeConfig, generate, load_model
 
     lm = load_model("tiny-ar-sft", device="cpu")
-    res = generate(lm, [ex["messages"][0]["content"] for ex in heldout], DecodeConfig(mode="ar", max_new_tokens=112))
+    res = generate(lm, [ex["messages"][0]["content"] for ex in heldout], DecodeConfig(mode="ar", max_new_tokens=MAX_NEW_TOKENS))
     accuracy, _ = score(heldout, [r.text for r in res])
     assert accuracy >= 0.7, f"AR-SFT accuracy {accuracy:.0%} on {len(heldout)} held-out prompts"
