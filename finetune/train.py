@@ -74,7 +74,7 @@ def load_base(name: str) -> Base:
     """Load ``name`` through mars_core (names, dirs, GGUF; mask id per MARS_SPEC) in fp32 on CPU."""
     from mars_core import load_model
 
-    lm = load_model(name, device="cpu", dtype="float32")
+    lm = load_model(name, device="cpu", dtype="float32", cpu_layout=False)   # stock modules: trained and saved
     return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
 
 

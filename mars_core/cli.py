@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="alternating AR/MARS runs; the median is reported")
     b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    b.add_argument("--stock-layout", action="store_true",
+                   help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     return parser
 
 
@@ -82,13 +84,14 @@ def cmd_bench(args) -> int:
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts {args.n_prompts} must be >= 1")
     prompts = prompts[: args.n_prompts]
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say)
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "tau": args.tau, "block_size": args.block_size,
+            "threads": torch.get_num_threads(),
+            "layout": "stock" if args.stock_layout or lm.device.type != "cpu" else "row-major", "tau": args.tau, "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))

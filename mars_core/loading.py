@@ -257,8 +257,12 @@ def _stock_config(path: str):
 
 
 def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: str = "auto",
-               mask_token: str | None = None) -> LoadedModel:
-    """Load a model for decoding. `None` loads the embedded default (tiny-mars)."""
+               mask_token: str | None = None, cpu_layout: bool = True) -> LoadedModel:
+    """Load a model for decoding. `None` loads the embedded default (tiny-mars).
+
+    On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
+    `cpu_layout=False` keeps the stock modules.
+    """
     kind, where = resolve_source(name_or_path)
     if kind == "gguf":
         where = gguf_to_checkpoint(where)
@@ -283,12 +287,63 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         raise ValueError(f"{where} does not fit {type(model).__name__}: missing weights {missing[:5]}; "
                          "this checkpoint needs its own model class")
     model.to(dev).eval()
+    if dev.type == "cpu" and cpu_layout:
+        cpu_decoding_layout(model)
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
         context_length=getattr(config, "max_position_embeddings", 2048),
     )
+
+
+class RowMajorLinear(torch.nn.Module):
+    """Inference-only stand-in for `nn.Linear` that stores W^T, shape (in, out), contiguous.
+
+    A decoding step multiplies 1 row (AR) or 4-7 rows (MARS, B = 4) by each weight. On a CPU, MKL's
+    GEMM for so few rows is cheaper with the weight in this layout than with `nn.Linear`'s (out, in):
+    benchmarks/notes in `cpu_decoding_layout`. Same arithmetic, so the outputs agree to float rounding.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
+                                                                        requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:   # (out, in) view, for code that inspects weight.shape or .dtype
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def cpu_decoding_layout(model: torch.nn.Module) -> int:
+    """Prepare a CPU model for decoding, in place; returns how many linear layers were converted.
+
+    1. Every `nn.Linear` whose weight is not shared (the tied LM head keeps the embedding's layout)
+       becomes a `RowMajorLinear`. Measured on the 2-core CI machine, one thread, 29 weights of
+       tiny-mars in a row with the caches flushed: `F.linear` 24/31/37/39 µs per weight for 1/2/4/6
+       rows, `x @ W^T` from a row-major W^T 23/27/25/31 µs.
+    2. Parameters that safetensors left off a 64-byte boundary are copied to aligned memory
+       (the loaded weights sat at offset 16; the aligned copy made a 1-row forward ~15% faster).
+    Only for inference: the converted model is not meant to be trained or saved.
+    """
+    shared = {id(p) for p in (model.get_input_embeddings().weight,)} if model.get_input_embeddings() else set()
+    converted = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and id(child.weight) not in shared:
+                setattr(module, name, RowMajorLinear(child))
+                converted += 1
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.data_ptr() % 64:
+                p.data = p.data.clone()
+    return converted
 
 
 def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None) -> LoadedModel:

@@ -60,6 +60,7 @@ def test_bench_prints_table_and_json(model_dir, tmp_path):
     assert lines[1].startswith("batch | tok/fwd")
     data = json.loads(lines[-1])
     assert [r["batch_size"] for r in data["rows"]] == [1, 2]
+    assert data["layout"] == "row-major" and data["device"] == "cpu"    # the CPU decoding layout is the default
     for row in data["rows"]:
         assert row["speedup"] == pytest.approx(row["ar_time"] / row["mars_time"])
         assert row["forward_cost"] > 0 and row["reference_time"] > 0 and row["tokens_per_forward"] >= 1

@@ -119,3 +119,36 @@ def test_hub_id_with_downloads_off_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="downloads are off"):
         load_model("some-org/some-model")
+
+
+def test_cpu_layout_converts_linears_and_decodes_the_same_tokens():
+    """load_model on a CPU stores linear weights transposed (faster few-row GEMMs); the tied LM head keeps
+    the embedding. Logits match the stock modules to float rounding and decoding gives the same tokens."""
+    from mars_core.loading import RowMajorLinear
+    from finetune.tasks import make_examples
+
+    fast = load_model("tiny-mars", device="cpu")
+    stock = load_model("tiny-mars", device="cpu", cpu_layout=False)
+    linears = [n for n, m in fast.model.named_modules() if type(m) is torch.nn.Linear]
+    assert linears == ["lm_head"]                                                    # tied: left as it is
+    assert sum(isinstance(m, RowMajorLinear) for m in fast.model.modules()) == 7 * 4   # q k v o gate up down
+    assert not any(isinstance(m, RowMajorLinear) for m in stock.model.modules())
+    assert fast.model.lm_head.weight is fast.model.get_input_embeddings().weight      # still tied
+    assert all(p.data_ptr() % 64 == 0 for p in fast.model.parameters())
+    layer = fast.model.model.layers[0].mlp.up_proj
+    assert layer.weight.shape == stock.model.model.layers[0].mlp.up_proj.weight.shape
+    prompts = [ex["messages"][0]["content"] for ex in make_examples("heldout", 8, seed=5)]
+    ids = torch.tensor([fast.encode(prompts[0])])
+    assert torch.allclose(fast.model(ids).logits, stock.model(ids).logits, atol=1e-5)
+    for cfg in (DecodeConfig(mode="ar", max_new_tokens=48), DecodeConfig(tau=0.9, block_size=4, max_new_tokens=48)):
+        a, b = generate(fast, prompts, cfg), generate(stock, prompts, cfg)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_training_loads_stock_modules():
+    """finetune trains and saves what load_base returns: it must stay plain nn.Linear."""
+    from finetune.train import load_base
+
+    base = load_base("tiny-ar-sft")
+    assert any(type(m) is torch.nn.Linear for m in base.model.modules())
+    assert not any(type(m).__name__ == "RowMajorLinear" for m in base.model.modules())
