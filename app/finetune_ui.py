@@ -17,7 +17,7 @@ from app import models
 from app.plots import empty_figure
 from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail, read_metrics, shell_quote
 
-BASE_MODELS = [("tiny-ar-sft (stage 1 → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
+BASE_MODELS = [("tiny-ar-sft (AR-SFT → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
                ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
 # The default run: tiny-ar-sft -> MARS in ~4.5 min on a 2-core CPU (measured 4 min 33 s for 600 steps with one
 # other process running). On 48 held-out tasks at τ = 0.95 it took tokens/forward from 1.69 (tiny-ar-sft, whose

@@ -20,7 +20,7 @@ blocks are absolute, `block(i) = i // B`. The four regions of the mask (row = qu
 - **noisy → clean**: only *earlier* blocks — a block predicts its tokens from the clean past, never from itself.
 - **clean → noisy**: never — the clean stream stays an ordinary causal LM.
 
-Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight = 1` is MARS).
+Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight = 1` is the paper's MARS; the embedded tiny-mars used 5, see its model card).
 """
 
 STEP_TEXT = """
