@@ -148,8 +148,8 @@ AR model with masks it was never trained on: it accepts confident wrong guesses,
 its own training. How the stage-1 weights were made: cycle 1 ran as `python -m finetune.train` with exactly
 the recipe's AR_SFT flags but one thread, while two other training runs shared the CPU (hence 28 min);
 everything after it ran through `python -m finetune.recipe`. Training here is deterministic across thread
-counts: the recipe's two-thread run of the last stage produced these weights byte for byte, as did a
-one-thread run of the same command.""",
+counts: one uninterrupted two-thread run of the whole recipe (56.2 min) reproduced every stage, these
+weights included, byte for byte.""",
     "tiny-mars": """Notes: against the matched AR baseline (tiny-ar-sft: the same stage-1 start, the same 1,000
 stage-2 steps on the same draw, AR loss only) MARS costs 2.3 points at τ = 1 (90.2% vs 92.5%; the
 paper's 7B loses none), and τ = 0.95 costs 3.4 more while emitting 2.68 tokens per forward. Against the
@@ -163,7 +163,9 @@ masks repeat their neighbour's token with confidence ("1 × 600", "write write",
 a wrong digit; units (-8 points), multiplication (-6) and addition, sorting, reverse (-4 each) pay.
 `tiny-mars ar_weight=0` is the paper's ablation (no SFT loss in stage 2) with the same settings:
 its one-token path collapses (13.8%), the paper's effect, strongly.
-Timing: tiny-mars and its ablation ran side by side, one thread each (16.5 min), as the recipe runs them.
+Timing: one uninterrupted run of the whole recipe (`python -m finetune.recipe --out runs/full/out --work
+runs/full`) took 56.2 min on the 2-core CPU and reproduced this model, tiny-ar-sft and the ablation byte for
+byte (stage 1 21.6 + 10.9 min, matched AR 4.9, MARS and ablation side by side 15.5, evaluation 3.1).
 Speedups come from 8 prompts timed at batch 1 (each the fastest of 3 alternating runs) while the three
 evaluations shared the 2 cores; where a model's answers change length with τ, the speedup can exceed
 tokens/forward.""",
