@@ -13,7 +13,7 @@ import torch
 
 from mars_core.bench import bench, default_prompts, format_table, read_prompts, rows_as_dicts
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
-from mars_core.loading import DEFAULT_MODEL, load_model
+from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -89,9 +89,9 @@ def cmd_bench(args) -> int:
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say)
+    layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(),
-            "layout": "stock" if args.stock_layout or lm.device.type != "cpu" else "row-major", "tau": args.tau, "block_size": args.block_size,
+            "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 from finetune.evaluate import MAX_NEW_TOKENS  # the evaluation budget: covers the longest suite answer
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 N_PROMPTS = 16   # two per family: enough to catch a broken model, fast on a CPU
 
 @pytest.fixture(scope="module")
