@@ -20,6 +20,7 @@ STAGES = ("ar-sft", "mars")
 DECAYS = ("cosine", "linear", "constant")
 OVERLONG = ("drop", "truncate")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -86,6 +87,9 @@ class TrainConfig:
     """torch CPU threads per process (default: torch's own choice)."""
     mixed_precision: str = "no"
     """accelerate mixed precision: no, bf16 or fp16 (fp16 needs a GPU)."""
+    attention: str = "sdpa"
+    """Attention kernel while training: sdpa, or eager (matmul + softmax). On a CPU with --mixed-precision bf16,
+    eager steps are ~1.7x faster than fp32 sdpa (sdpa's bf16 CPU backward is slow); saved models use sdpa."""
     compile: bool = False
     """torch.compile the decoder (dynamic shapes): ~1.5x faster steps on CPU after 1-2 min of compiling."""
 
@@ -101,6 +105,7 @@ class TrainConfig:
             self.mixed_precision in MIXED_PRECISION,
             f"mixed_precision={self.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION)}",
         )
+        need(self.attention in ATTENTION, f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
         need(bool(self.base_model), "base_model is empty; pass --base-model NAME_OR_DIR")
         need(bool(self.output_dir), "output_dir is empty; pass --output-dir DIR")
         need(bool(self.data), "data is empty; pass --data builtin or --data FILE.jsonl")
@@ -137,6 +142,16 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def native_bf16_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True when the CPU multiplies bf16 natively (x86 avx512_bf16 or AMX): there ``--mixed-precision bf16
+    --attention eager`` trains ~1.7x faster than fp32. Elsewhere bf16 is emulated and slower, so False."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def field_docs() -> dict[str, str]:
@@ -182,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         # default=None marks "not given", so a --config file value is not overridden by a default
         shown = "" if default is None else f" (default: {default})"
-        choices = {"stage": STAGES, "decay": DECAYS, "overlong": OVERLONG, "mixed_precision": MIXED_PRECISION}
+        choices = {"stage": STAGES, "decay": DECAYS, "overlong": OVERLONG, "mixed_precision": MIXED_PRECISION,
+                   "attention": ATTENTION}
         parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name), help=docs[f.name] + shown)
     return parser
 

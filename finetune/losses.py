@@ -25,7 +25,9 @@ are attended by no other row, so ``mars_loss`` leaves them out of the forward
 The model is any stock transformers causal LM with ``.model`` (the decoder,
 returning ``last_hidden_state``) and ``.lm_head`` - Llama, Qwen2, SmolLM2. A
 4D boolean ``attention_mask`` with explicit ``position_ids`` goes through SDPA
-unchanged, so no custom model class is needed.
+unchanged, so no custom model class is needed. The eager kernel adds its mask
+to the scores, so it gets the same mask as 0 / -inf-like floats
+(``model_attention_mask``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,19 @@ def batched_mars_attention_mask(valid: torch.Tensor, block_size: int, noisy_star
     mask = base.unsqueeze(0) & keys.unsqueeze(1)  # [b, m + n, m + n]
     mask |= torch.eye(base.shape[0], dtype=torch.bool, device=valid.device).unsqueeze(0)
     return mask.unsqueeze(1)  # [b, 1, m + n, m + n]
+
+
+def model_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
+    """A boolean 4D mask in the form ``model``'s attention kernel takes it.
+
+    SDPA (and flex/flash wrappers) take booleans; transformers' eager kernel adds
+    the mask to the scores, so it gets 0 where attending and the fp32 minimum
+    where not (a boolean would be added as 0/1 and hide nothing).
+    """
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return mask
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return bias.masked_fill_(~mask, torch.finfo(torch.float32).min)
 
 
 def first_noisy_block_start(labels: torch.Tensor, block_size: int) -> int:
@@ -182,7 +197,7 @@ def mars_loss(
     start = first_noisy_block_start(labels, block_size) if skip_prompt_blocks else 0
     ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start)
     hidden = model.model(
-        input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False
+        input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
     ).last_hidden_state  # [b, m + n, d]
     m = n - start
     loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head)

@@ -82,7 +82,7 @@ def load_weights(path: str | Path) -> nn.Module:
     """A checkpoint's weights (the tokenizer and mask id always come from the base model)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
 def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -272,6 +272,7 @@ def setup(cfg: TrainConfig) -> Run:
     if resume and not cfg.lora:
         model = load_weights(resume)  # full fine-tuning: the checkpoint holds the trained weights
     model.float().train()
+    model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     if cfg.lora:

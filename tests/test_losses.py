@@ -165,3 +165,21 @@ def test_ar_loss_equals_transformers_own_causal_lm_loss(model):
     theirs = model(input_ids=input_ids, attention_mask=valid.long(), labels=labels).loss
     torch.testing.assert_close(ours.loss, theirs, atol=1e-5, rtol=0)
     assert ours.loss_mask is None
+
+
+@torch.no_grad()
+def test_eager_attention_gives_the_sdpa_losses(model):
+    """Training may run the eager kernel (--attention eager); it adds the mask to the scores, so the
+    boolean MARS mask must reach it as 0 / -inf-like floats or it would hide nothing."""
+    import copy
+
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=6)
+    kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    sdpa_out = mars_loss(model, input_ids, labels, valid, **kwargs)
+    eager_out = mars_loss(eager, input_ids, labels, valid, **kwargs)
+    torch.testing.assert_close(eager_out.loss_mask, sdpa_out.loss_mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(eager_out.loss_ar, sdpa_out.loss_ar, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ar_loss(eager, input_ids, labels, valid).loss,
+                               ar_loss(model, input_ids, labels, valid).loss, atol=1e-5, rtol=0)
