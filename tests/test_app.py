@@ -185,6 +185,22 @@ def test_finetune_request_is_validated():
     assert cmd[cmd.index("--output-dir") + 1] == "/r/x"
 
 
+def test_training_uses_bf16_autocast_only_on_a_cpu_with_native_bf16(tmp_path, monkeypatch):
+    from app import runs
+    from finetune.config import native_bf16_cpu
+
+    (tmp_path / "zen4").write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    (tmp_path / "old").write_text("processor : 0\nflags : fpu avx2 avx512f\n")
+    assert native_bf16_cpu(tmp_path / "zen4") and not native_bf16_cpu(tmp_path / "old")
+    assert not native_bf16_cpu(tmp_path / "missing")
+    monkeypatch.setattr(runs, "_gpu_visible", lambda: False)
+    for native in (True, False):
+        monkeypatch.setattr(runs, "native_bf16_cpu", lambda: native)
+        cmd = build_command(FinetuneRequest(base_model="tiny-ar-sft"), Path("/r/x"))
+        fast = "--mixed-precision" in cmd and cmd[cmd.index("--mixed-precision") + 1] == "bf16"
+        assert fast == native and (cmd[cmd.index("--attention") + 1] == "eager" if native else "--attention" not in cmd)
+
+
 def test_uploaded_jsonl_reports_every_bad_line(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     bad_role = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}
