@@ -89,7 +89,7 @@ class TrainConfig:
     """accelerate mixed precision: no, bf16 or fp16 (fp16 needs a GPU)."""
     attention: str = "sdpa"
     """Attention kernel while training: sdpa, or eager (matmul + softmax). On a CPU with --mixed-precision bf16,
-    eager steps are ~1.7x faster than fp32 sdpa (sdpa's bf16 CPU backward is slow); saved models use sdpa."""
+    eager steps are ~1.7x faster than fp32 sdpa (sdpa's bf16 CPU backward is slow). Not saved with the model."""
     compile: bool = False
     """torch.compile the decoder (dynamic shapes): ~1.5x faster steps on CPU after 1-2 min of compiling."""
 
