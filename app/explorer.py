@@ -50,21 +50,23 @@ def parse_prompts(text: str) -> list[str]:
     return prompts
 
 
-def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None) -> list[dict]:
+def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None,
+                  criterion: str = "prob") -> list[dict]:
     from finetune.evaluate import sweep
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
     examples = make_examples("heldout", int(n), seed=0)
     rows = sweep(lm, examples, taus, block_size=block_size, max_new_tokens=max_new_tokens, progress=progress,
-                 timing_prompts=min(int(n), 8))
+                 timing_prompts=min(int(n), 8), criterion=criterion)
     for r in rows:
         r["quality"] = r["accuracy"]
         r["quality_name"] = "accuracy"
     return rows
 
 
-def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, progress=None) -> list[dict]:
+def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, progress=None,
+               criterion: str = "prob") -> list[dict]:
     """Agreement of MARS with the model's own AR output, tokens/forward and speedup, per τ."""
     from mars_core import DecodeConfig, generate
     from finetune.evaluate import time_against_ar
@@ -72,13 +74,15 @@ def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: in
     ar = generate(lm, ids, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
     rows = []
     for k, tau in enumerate(taus):
-        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                           criterion=criterion)
         out = generate(lm, ids, cfg)
         exact = sum(a.token_ids == m.token_ids for a, m in zip(ar, out)) / len(out)
         token_agree = sum(difflib.SequenceMatcher(a=a.token_ids, b=m.token_ids, autojunk=False).ratio()
                           for a, m in zip(ar, out)) / len(out)
         ar_t, mars_t = time_against_ar(lm, ids, cfg)
-        rows.append({"model": lm.name, "tau": tau, "block_size": block_size, "n": len(prompts),
+        rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
+                     "n": len(prompts),
                      "quality": exact, "quality_name": "agreement with AR", "exact_agreement": exact,
                      "token_agreement": token_agree,
                      "tokens_per_forward": sum(m.tokens_per_forward for m in out) / len(out),

@@ -20,6 +20,9 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 # Slow motion for teaching: after each forward, wait (factor - 1) × its measured time. Both sides are
 # stretched by the same factor, so the relative speed on screen stays the measured one.
 SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
+# What "confidence ≥ τ" measures (MARS_SPEC step 3); mars_core.decoding.CRITERIA, labelled for the page.
+CRITERION_CHOICES = [("p(candidate): the paper's", "prob"), ("exp(−entropy)", "entropy"),
+                     ("margin: p1 − p2", "margin")]
 
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}
@@ -128,8 +131,15 @@ def _outputs(status, mars, ar, ar_label, final=False):
     return tuple(vals)
 
 
+def check_criterion(criterion) -> str:
+    allowed = [v for _, v in CRITERION_CHOICES]
+    if criterion not in allowed:
+        raise ValueError(f"confidence criterion {criterion!r} is unknown; use one of {', '.join(allowed)}")
+    return criterion
+
+
 def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-             slow_motion=1, jobs=None, request: gr.Request | None = None):
+             slow_motion=1, jobs=None, request: gr.Request | None = None, criterion="prob"):
     """Stream MARS and the AR baseline side by side; least compute so far runs the next forward."""
     mars, ar = SideRecord("MARS", "mars"), SideRecord("AR", "ar")
     try:
@@ -137,6 +147,7 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
             prompt, tau, tau_off, block_size, max_new_tokens, temperature)
         if slow_motion not in [v for _, v in SLOW_MOTION]:
             raise ValueError(f"slow motion {slow_motion!r} is not one of {[v for _, v in SLOW_MOTION]}")
+        criterion = check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
         ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
     except Exception as exc:
@@ -162,7 +173,7 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
     try:
         seed = 0 if temperature > 0 else None
         mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed)
+                                temperature=temperature, seed=seed, criterion=criterion)
         ar_cfg = DecodeConfig(mode="ar", tau=1.0, block_size=block_size, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed)
         texts = {"mars": token_texts(lm), "ar": token_texts(ar_lm)}

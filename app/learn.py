@@ -73,10 +73,11 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
     return fig
 
 
-def first_step(lm, prompt: str, tau: float, block_size: int):
+def first_step(lm, prompt: str, tau: float, block_size: int, criterion: str = "prob"):
     """The first forward pass of MARS decoding on `prompt` (one StepEvent), from mars_core."""
     from mars_core import DecodeConfig, generate_stream
-    cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max(block_size, 8))
+    cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max(block_size, 8),
+                       criterion=criterion)
     stream = generate_stream(lm, [prompt], cfg)
     try:
         return next(stream)

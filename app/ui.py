@@ -104,6 +104,8 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     block_size = gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2)
                     max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8, label="max new tokens", scale=2)
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)", scale=2)
+                    criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
+                                            elem_id="criterion", info="what must reach τ")
                 with gr.Row():
                     go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=3, elem_id="generate-btn")
                     slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
@@ -154,6 +156,8 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 with gr.Row():
                     ex_block = gr.Slider(2, 8, value=4, step=1, label="block size B")
                     ex_max_new = gr.Slider(8, 256, value=64, step=8, label="max new tokens")
+                    ex_criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence",
+                                               elem_id="ex-criterion")
                     sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-btn")
                 sweep_status = gr.Markdown("", elem_id="sweep-status")
                 pareto = gr.Plot(empty_figure("the Pareto plot appears after a sweep"), label="Pareto",
@@ -228,12 +232,13 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
 
         race_outputs = [race_status, mars_html, ar_html, stats, tpf_plot, acc_plot, diff_plot, ledger_step, ledger,
                         race_state]
-        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, request: gr.Request):
+        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, request: gr.Request):
             # a plain function (not functools.partial) so that Gradio injects the request (τ is per session)
             yield from generate.run_race(choice, free_text, ar, p, t, off, b, mx, temp, slow, jobs=jobs,
-                                         request=request)
+                                         request=request, criterion=crit)
 
-        race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion]
+        race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion,
+                       criterion]
         go_btn.click(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
         prompt.submit(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
         for comp in (tau, tau_off):
@@ -243,23 +248,26 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
         ledger_side.change(generate.ledger_side_changed, [race_state, ledger_side], [ledger_step, ledger],
                            show_progress="hidden")
 
-        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, progress=gr.Progress()):
+        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, progress=gr.Progress()):
             try:
                 taus = explorer.parse_taus(taus_s)
+                crit = generate.check_criterion(crit)
                 name = models.resolve(choice, free_text, jobs)
                 lm = models.get_model(name)
                 if src == "free":
-                    rows = explorer.sweep_free(lm, explorer.parse_prompts(prompts_s), taus, int(b), int(mx), progress)
+                    rows = explorer.sweep_free(lm, explorer.parse_prompts(prompts_s), taus, int(b), int(mx), progress,
+                                               criterion=crit)
                 else:
-                    rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress)
+                    rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress, criterion=crit)
             except Exception as exc:
                 return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
             path = explorer.export_json(rows, {"model": name, "source": src, "block_size": int(b),
-                                               "max_new_tokens": int(mx)})
-            return (f"✓ {len(rows)} τ values on {rows[0]['n']} prompts with **{name}**.",
+                                               "max_new_tokens": int(mx), "criterion": crit})
+            return (f"✓ {len(rows)} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {crit}).",
                     explorer.pareto_figure(rows), explorer.table_rows(rows), path)
 
-        sweep_btn.click(run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new],
+        sweep_btn.click(run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new,
+                                    ex_criterion],
                         [sweep_status, pareto, table, export], concurrency_id="model")
 
         def show_mask(n, b):
@@ -272,16 +280,17 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
             comp.change(show_mask, [mask_n, mask_b], mask_plot, show_progress="hidden")
         demo.load(show_mask, [mask_n, mask_b], mask_plot)
 
-        def one_step(choice, free_text, p, t, off, b):
+        def one_step(choice, free_text, p, t, off, b, crit):
             try:
                 p, t, b, _, _ = generate.check_inputs(p, t, off, b, 8, 0.0)
+                crit = generate.check_criterion(crit)
                 lm = models.get_model(models.resolve(choice, free_text, jobs))
-                event = learn.first_step(lm, p, t, b)
+                event = learn.first_step(lm, p, t, b, crit)
                 return learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
             except Exception as exc:
                 return f"<p>⚠ {models.friendly_error(exc)}</p>", gr.skip()
 
-        step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size], [step_view, conf_plot],
+        step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size, criterion], [step_view, conf_plot],
                        concurrency_id="model")
 
         ft_inputs = [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora]

@@ -8,6 +8,10 @@ one process).
 
     python -m finetune.evaluate                       # tiny-ar-sft, tiny-mars (+ ablation if present)
     python -m finetune.evaluate --models tiny-mars runs/mars-arw0 --n 200 --json rows.json --html pareto.html
+    python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin   # one curve per criterion
+
+The confidence criterion (MARS_SPEC step 3) decides what "confidence >= τ" means: prob = q(t), the paper's;
+entropy = exp(-H(q)), so τ = 0.95 accepts when H <= 0.051 nats; margin = top-1 minus top-2 probability.
 
 `sweep(...)` is the library API (the app's τ explorer calls it for the built-in tasks); `pareto_figure(...)`
 draws the --html plot.
@@ -77,11 +81,11 @@ def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tupl
 
 def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_tokens: int = MAX_NEW_TOKENS,
           progress: Callable[[float, str], None] | None = None, batch_size: int = 16, timing_prompts: int = 8,
-          model_name: str | None = None) -> list[dict]:
+          model_name: str | None = None, criterion: str = "prob") -> list[dict]:
     """One row per τ for a loaded model (`mars_core.load_model`) on `examples`.
 
-    Row keys: model, tau, block_size, n, accuracy, per_family ({family: accuracy}), tokens_per_forward,
-    speedup, ar_time_s, mars_time_s, timing_prompts. Accuracy and tokens/forward come from all examples
+    Row keys: model, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
+    tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts. Accuracy and tokens/forward come from all examples
     decoded in batches of `batch_size`; the speedup from the first `timing_prompts` examples at batch 1
     (see `time_against_ar`).
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
@@ -97,12 +101,13 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     name = model_name or lm.name
     rows = []
     for k, tau in enumerate(taus):
-        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                           criterion=criterion)
         results = _decode(lm, prompts, cfg, batch_size)
         accuracy, per_family = score(examples, [r.text for r in results])
         tpf = sum(r.tokens_per_forward for r in results) / len(results)
         row = {
-            "model": name, "tau": tau, "block_size": block_size, "n": len(examples),
+            "model": name, "tau": tau, "criterion": criterion, "block_size": block_size, "n": len(examples),
             "accuracy": accuracy, "per_family": per_family, "tokens_per_forward": tpf,
             "speedup": None, "ar_time_s": None, "mars_time_s": None, "timing_prompts": 0,
         }
@@ -112,17 +117,24 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
                        timing_prompts=min(timing_prompts, len(prompts)))
         rows.append(row)
         if progress is not None:
-            progress((k + 1) / len(taus), f"{name}: τ={tau} accuracy {accuracy:.1%}, {tpf:.2f} tokens/forward")
+            progress((k + 1) / len(taus), f"{curve_label(row)}: τ={tau} accuracy {accuracy:.1%}, {tpf:.2f} tokens/forward")
     return rows
 
 
+def curve_label(row: dict) -> str:
+    """The model's name, with the confidence criterion appended when it is not the paper's (prob)."""
+    criterion = row.get("criterion", "prob")
+    return row["model"] if criterion == "prob" else f"{row['model']} [{criterion}]"
+
+
 def pareto_figure(rows: list[dict]):
-    """Tokens/forward (x) against accuracy (y), one line per model, points labelled by τ (paper Fig. 5)."""
+    """Tokens/forward (x) against accuracy (y), one line per model and criterion, points labelled by τ (paper Fig. 5)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    for model in dict.fromkeys(r["model"] for r in rows):
-        pts = sorted((r for r in rows if r["model"] == model and r["tau"] != "ar"), key=lambda r: r["tokens_per_forward"])
+    for model in dict.fromkeys(curve_label(r) for r in rows):
+        pts = sorted((r for r in rows if curve_label(r) == model and r["tau"] != "ar"),
+                     key=lambda r: r["tokens_per_forward"])
         if not pts:
             continue
         fig.add_trace(go.Scatter(
@@ -147,19 +159,23 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         tau = r["tau"] if isinstance(r["tau"], str) else f"{r['tau']:g}"
         speed = "–" if r["speedup"] is None else f"{r['speedup']:.2f}×"
-        cells = [r["model"], tau, f"{100 * r['accuracy']:.1f}%", f"{r['tokens_per_forward']:.2f}", speed]
+        cells = [curve_label(r), tau, f"{100 * r['accuracy']:.1f}%", f"{r['tokens_per_forward']:.2f}", speed]
         cells += [f"{100 * r['per_family'][f]:.0f}%" if f in r["per_family"] else "–" for f in fams]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from mars_core.decoding import CRITERIA
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=None,
                     help=f"model names or directories (default: {' '.join(DEFAULT_MODELS)} and {ABLATION_DIR} if it exists)")
     ap.add_argument("--n", type=int, default=400, help="held-out examples (families round-robin)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the held-out draw")
     ap.add_argument("--taus", type=float, nargs="+", default=list(TAUS))
+    ap.add_argument("--criteria", nargs="+", default=["prob"], choices=CRITERIA, metavar="CRITERION",
+                    help="confidence criteria, one sweep each: prob (default, the paper's), entropy, margin")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--batch-size", type=int, default=16, help="batch size of the accuracy runs")
@@ -193,11 +209,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             name = "tiny-mars ar_weight=0"
         if args.names:
             name = args.names[i]
-        t0 = time.time()
-        rows += sweep(lm, examples, args.taus, args.block_size, args.max_new_tokens, batch_size=args.batch_size,
-                      timing_prompts=args.timing_prompts, model_name=name,
-                      progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
-        print(f"{name}: swept {len(args.taus)} τ values in {time.time() - t0:.0f}s", file=log, flush=True)
+        for criterion in args.criteria:
+            t0 = time.time()
+            rows += sweep(lm, examples, args.taus, args.block_size, args.max_new_tokens, batch_size=args.batch_size,
+                          timing_prompts=args.timing_prompts, model_name=name, criterion=criterion,
+                          progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
+            print(f"{curve_label(rows[-1])}: swept {len(args.taus)} τ values in {time.time() - t0:.0f}s", file=log,
+                  flush=True)
     if args.json == "-":
         json.dump(rows, sys.stdout, indent=1)
         print()

@@ -265,6 +265,30 @@ def test_race_outputs_equal_mars_core_generate(tiny_dir):
     assert "forwards" in stats
 
 
+def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
+    # The page's choices are the decoder's criteria; a race, the Learn step and a sweep pass the choice on:
+    # the confidences shown are the decoder's own for that criterion (they differ between criteria).
+    from mars_core import DecodeConfig, generate_stream
+    from mars_core.decoding import CRITERIA
+    assert [v for _, v in generate.CRITERION_CHOICES] == list(CRITERIA)
+    lm = models.get_model(tiny_dir)
+    prompt = "What is 12 + 30?"
+    first = {}
+    for crit in ("prob", "entropy"):
+        outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion=crit))
+        mars, _ = _final(outs)[-1]
+        want = next(generate_stream(lm, [prompt], DecodeConfig(tau=0.6, max_new_tokens=8, criterion=crit)))
+        assert mars.steps[0].confidences == pytest.approx(want.rows[0].confidences)
+        assert learn.first_step(lm, prompt, 0.6, 4, crit).rows[0].confidences == pytest.approx(
+            want.rows[0].confidences)
+        first[crit] = want.rows[0].confidences
+    assert first["prob"] != pytest.approx(first["entropy"])
+    rows = explorer.sweep_free(lm, [prompt], [0.6], 4, 8, criterion="margin")
+    assert rows[0]["criterion"] == "margin"
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion="nope"))
+    assert outs[-1][0].startswith("⚠") and "'nope'" in outs[-1][0] and "entropy" in outs[-1][0]
+
+
 def test_moving_tau_mid_race_changes_the_next_forward(tiny_dir, monkeypatch):
     monkeypatch.setattr(generate, "YIELD_EVERY_S", 0.0)
 
@@ -331,10 +355,11 @@ def test_build_ui_has_the_four_tabs(tmp_path):
     # the race handler must receive the browser session (its τ control is per session)
     import gradio as gr
     from gradio.helpers import special_args
-    race_fns = [f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "race_fn"]
+    race_fns = [f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "race_fn"]
     assert race_fns
-    args = special_args(race_fns[0], inputs=list(range(10)), request=gr.Request())[0]
-    assert isinstance(args[-1], gr.Request)
+    n_inputs = len(race_fns[0].inputs)   # the page's components, wired in order
+    args = special_args(race_fns[0].fn, inputs=list(range(n_inputs)), request=gr.Request())[0]
+    assert args[:n_inputs] == list(range(n_inputs)) and isinstance(args[-1], gr.Request)
 
 
 def test_stop_reaches_the_trainer_under_accelerate_and_a_new_server_reattaches(tmp_path, tiny_dir):

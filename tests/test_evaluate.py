@@ -42,6 +42,30 @@ def test_sweep_rows_are_well_formed(tiny_lm):
     json.dumps(rows)  # JSON-serialisable as --json prints it
 
 
+def test_sweep_passes_the_confidence_criterion(tiny_lm):
+    # A random model spreads its probability thinly: its top-token probabilities sit at 0.008-0.009, exp(-entropy)
+    # at 0.0034 and top-1 - top-2 margins at 0.002-0.004, so at τ = 0.005 only "prob" accepts masks.
+    from finetune.evaluate import curve_label, sweep
+    from finetune.tasks import make_examples
+    from mars_core import DecodeConfig, generate
+
+    examples = make_examples("heldout", 4, seed=0)
+    prompts = [tiny_lm.encode(ex["messages"][0]["content"]) for ex in examples]
+    tpf = {}
+    for criterion in ("prob", "entropy", "margin"):
+        (row,) = sweep(tiny_lm, examples, taus=[0.005], max_new_tokens=8, batch_size=4, timing_prompts=0,
+                       criterion=criterion)
+        assert row["criterion"] == criterion
+        direct = generate(tiny_lm, prompts, DecodeConfig(tau=0.005, max_new_tokens=8, criterion=criterion))
+        assert row["tokens_per_forward"] == sum(r.tokens_per_forward for r in direct) / len(direct)
+        tpf[criterion] = row["tokens_per_forward"]
+    assert tpf["prob"] > 1.5 and tpf["entropy"] == tpf["margin"] == 1.0
+    assert curve_label({"model": "m", "criterion": "margin"}) == "m [margin]"
+    assert curve_label({"model": "m", "criterion": "prob"}) == curve_label({"model": "m"}) == "m"
+    with pytest.raises(ValueError, match="criterion"):
+        sweep(tiny_lm, examples, taus=[0.5], max_new_tokens=4, timing_prompts=0, criterion="nope")
+
+
 def test_sweep_rejects_empty_examples(tiny_lm):
     from finetune.evaluate import sweep
 
@@ -89,5 +113,12 @@ def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
     assert {"model", "tau", "accuracy", "tokens_per_forward", "speedup"} <= set(saved[0])
     assert (tmp_path / "p.html").stat().st_size > 10_000
     assert "| tiny | 0.9 |" in capsys.readouterr().out
+    rows = main(["--models", str(tmp_path / "m"), "--names", "tiny", "--n", "2", "--taus", "0.9",
+                 "--criteria", "prob", "entropy", "--max-new-tokens", "4", "--timing-prompts", "0",
+                 "--html", str(tmp_path / "c.html")])
+    assert [(r["model"], r["criterion"]) for r in rows] == [("tiny", "prob"), ("tiny", "entropy")]
+    assert "| tiny [entropy] | 0.9 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse rejects an unknown criterion
+        main(["--models", str(tmp_path / "m"), "--criteria", "nope"])
     with pytest.raises(ValueError, match="--names"):
         main(["--models", str(tmp_path / "m"), "--names", "a", "b", "--n", "1"])

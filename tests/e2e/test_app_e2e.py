@@ -102,10 +102,13 @@ def test_tau_explorer_on_two_prompts(page):
     two = models.example_prompts(MODEL)[:2]
     page.fill("#free-prompts textarea", "\n".join(two))
     page.fill("#taus textarea, #taus input", "1.0, 0.8")
+    page.click("#ex-criterion input")
+    page.get_by_role("option", name="exp(−entropy)").click()
     page.click("#sweep-btn")
     page.wait_for_function("document.querySelector('#sweep-status')?.innerText.includes('✓')", timeout=120_000)
     assert page.query_selector_all("#pareto .js-plotly-plot .scatterlayer .trace")
     assert "on 2 prompts" in page.inner_text("#sweep-status")
+    assert "confidence: entropy" in page.inner_text("#sweep-status")
     page.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
 
 
