@@ -69,6 +69,8 @@ AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
 MARS = dict(stage="mars", block_size=4, ar_weight=5.0, **STAGE2)
 ABLATION = dict(MARS, ar_weight=0.0)
 
+TIMING_PROMPTS = 8   # held-out prompts timed at batch 1 for the model cards' speedup column
+
 KEEP_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", "special_tokens_map.json", "train_config.json", "metrics.jsonl")
 
@@ -154,25 +156,27 @@ steps with the AR loss on tiny-mars's stage-2 draw (bf16 autocast) lifted it to 
 what makes this the matched baseline: the same start, steps and data as tiny-mars, only the loss differs).
 Sorting is still the weakest family: the bucket lines find the right tens digit but sometimes copy the wrong
 ones digit from the prompt. Rows with τ < 1 decode this AR model with masks it was never trained on: it
-accepts confident wrong guesses, which is why MARS needs its own training. How these weights were made: stage 1
-by an uninterrupted fp32 run of the whole recipe (two threads, 21.6 + 10.9 min; it reproduced the stage-1
-weights byte for byte), stage 2 by `python -m finetune.recipe --out assets --work runs/r5 --stages
-ar-sft-3,mars,ablation,eval` from them. bf16 training is not bit-identical across thread counts: the same
-stage run by hand with one thread ended at 95.2%.""",
+accepts confident wrong guesses, which is why MARS needs its own training. One uninterrupted run of
+`python -m finetune.recipe` on this repo's 2-core CPU reproduced these weights (and tiny-mars's, and the
+ablation's) byte for byte; its stage times are the ones listed. bf16 training is deterministic for a given
+thread count but not across thread counts: the same AR stage run by hand with one thread ended at 95.2%.""",
     "tiny-mars": """Notes: against the matched AR baseline (tiny-ar-sft: the same stage-1 start, the same 2,000
 stage-2 steps on the same draw, AR loss only) MARS at τ = 1 is +0.2 points (96.5% vs 96.2%; the paper's claim is
 "at least as good"), and τ = 0.95 costs 2.2 points against τ = 1 while emitting 3.39 tokens per forward
-(units, sorting and word problems pay most). Stage 2 used to be 1,000 fp32 steps (rows "1,000 fp32 steps"
+(units, sorting and word problems pay most). With the other confidence criterion of MARS_SPEC, exp(−entropy)
+≥ τ, τ = 0.95 keeps 96.2% at 2.90 tokens/forward (`python -m finetune.evaluate --models tiny-mars --criteria
+prob entropy margin`; table in the repo README). Stage 2 used to be 1,000 fp32 steps (rows "1,000 fp32 steps"
 above): MARS then sat 2.3 points behind its baseline at τ = 1 (90.2% vs 92.5%) and τ = 0.95 cost 3.4 at 2.68
 tokens/forward; bf16 autocast made twice the steps affordable. ar_weight is 5, not the paper's 1: at this
 size the mask loss competes with the one-token path, and weighting the AR term up bought most of it back
 (1,000 steps: τ = 1 85.0% at ar_weight 1, 87.5% at 2, 89.5% at 3, 90.2% at 5).
 `tiny-mars ar_weight=0` is the paper's ablation (no SFT loss in stage 2) with the same settings: its one-token
 path collapses (4.0%), the paper's effect, strongly.
-Timing: stage 1 (fp32) 21.6 + 10.9 min from an earlier uninterrupted run of the whole recipe; stage 2 as
-listed; in all ~69 min, over the 60-minute goal. Speedups come from 8 prompts timed at batch 1 (each the
-fastest of 3 alternating runs) while the three evaluations shared the 2 cores; where a model's answers change
-length with τ, the speedup can exceed tokens/forward.""",
+Timing: the training stages as listed come from one uninterrupted run of the whole recipe that reproduced
+these weights byte for byte; with the evaluation it is over the 60-minute goal. Speedups come from the first
+8 held-out prompts timed at batch 1, one thread, one model at a time (each the fastest of 3 alternating
+runs); where a model's answers change length with τ, the speedup can differ from tokens/forward by more than
+the cost of a wider forward.""",
 }
 
 
@@ -289,7 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     if "eval" in stages:
         from finetune.evaluate import pareto_figure
 
-        # One evaluation process per model, side by side, one thread each (see finetune.evaluate).
+        # Accuracy: one evaluation process per model, side by side, one thread each (see finetune.evaluate).
+        # Speed: then one model at a time on the otherwise idle CPU, one thread, TIMING_PROMPTS prompts; timed
+        # side by side, the three processes slowed each other unevenly (tiny-mars at τ = 0.95 read 3.39× in one
+        # recipe run and 2.62× in the next, on the same weights).
         t0 = time.time()
         targets = [(name, path) for name, path in [("tiny-ar-sft", out / "tiny-ar-sft"), ("tiny-mars", out / "tiny-mars"),
                                                    ("tiny-mars ar_weight=0", Path(args.ablation_dir))]
@@ -297,9 +304,20 @@ def main(argv: list[str] | None = None) -> None:
         files = [work / f"eval-{path.name}.json" for _, path in targets]
         reuse = {n.strip() for n in args.eval_reuse.split(",") if n.strip()}
         todo = [(name, path, f) for (name, path), f in zip(targets, files) if name not in reuse or not f.is_file()]
-        run_parallel([[sys.executable, "-m", "finetune.evaluate", "--models", str(path), "--names", name,
-                       "--n", str(args.eval_n), "--seed", str(args.seed), "--threads", "1", "--json", str(f)]
-                      for name, path, f in todo])
+
+        def evaluate_cmd(name: str, path: Path, n: int, timing: int, json_file: Path) -> list[str]:
+            return [sys.executable, "-m", "finetune.evaluate", "--models", str(path), "--names", name, "--n", str(n),
+                    "--seed", str(args.seed), "--threads", "1", "--timing-prompts", str(timing), "--json", str(json_file)]
+
+        run_parallel([evaluate_cmd(name, path, args.eval_n, 0, f) for name, path, f in todo])
+        for name, path, f in todo:
+            timed = f.with_name(f.stem + "-timing.json")
+            run_parallel([evaluate_cmd(name, path, TIMING_PROMPTS, TIMING_PROMPTS, timed)])
+            speed = {r["tau"]: r for r in json.loads(timed.read_text())}
+            rows_f = json.loads(f.read_text())
+            for r in rows_f:
+                r.update({k: speed[r["tau"]][k] for k in ("speedup", "ar_time_s", "mars_time_s", "timing_prompts")})
+            f.write_text(json.dumps(rows_f, indent=1))
         rows = {name: json.loads(f.read_text()) for (name, _), f in zip(targets, files)}
         if todo:
             info["stages"]["eval"] = {"wall_s": time.time() - t0}
