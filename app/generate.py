@@ -21,8 +21,7 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 # stretched by the same factor, so the relative speed on screen stays the measured one.
 SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
 # What "confidence ≥ τ" measures (MARS_SPEC step 3); mars_core.decoding.CRITERIA, labelled for the page.
-CRITERION_CHOICES = [("p(candidate): the paper's", "prob"), ("exp(−entropy)", "entropy"),
-                     ("margin: p1 − p2", "margin")]
+CRITERION_CHOICES = [("probability", "prob"), ("exp(−entropy)", "entropy"), ("margin p1−p2", "margin")]
 
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}

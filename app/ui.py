@@ -105,7 +105,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8, label="max new tokens", scale=2)
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)", scale=2)
                     criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
-                                            elem_id="criterion", info="what must reach τ")
+                                            elem_id="criterion", info="what must reach τ (the paper: probability)")
                 with gr.Row():
                     go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=3, elem_id="generate-btn")
                     slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,

@@ -85,9 +85,9 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     """One row per τ for a loaded model (`mars_core.load_model`) on `examples`.
 
     Row keys: model, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
-    tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts. Accuracy and tokens/forward come from all examples
-    decoded in batches of `batch_size`; the speedup from the first `timing_prompts` examples at batch 1
-    (see `time_against_ar`).
+    tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts. Accuracy and tokens/forward come
+    from all examples decoded in batches of `batch_size`; the speedup from the first `timing_prompts`
+    examples at batch 1 (see `time_against_ar`). `criterion` is DecodeConfig's confidence criterion.
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
     """
     from mars_core import DecodeConfig
