@@ -93,10 +93,12 @@ def peak_memory_mb(device) -> float:
 
 
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
-          max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None) -> list[BenchRow]:
+          max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
+          criterion: str = "prob") -> list[BenchRow]:
     ids = [lm.encode(p) for p in prompts]
     ar_cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
-    mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+    mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                            criterion=criterion)
     rows = []
     ref_time = None
     for bs in batch_sizes:

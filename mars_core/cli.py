@@ -20,6 +20,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"embedded name (tiny-mars, tiny-ar-sft, smollm2), local folder, .gguf or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is one-token (AR) mode")
+    p.add_argument("--criterion", choices=CRITERIA, default="prob",
+                   help="what must reach τ: prob (the candidate's probability, the paper's), entropy (exp(-H)), margin (p1 - p2)")
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
@@ -38,7 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--criterion", choices=CRITERIA, default="prob")
     g.add_argument("--max-accept", type=int, default=None, help="cap on tokens accepted per forward")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     b = sub.add_parser("bench", help="AR vs MARS wall clock, side by side")
@@ -88,10 +89,11 @@ def cmd_bench(args) -> int:
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
-                 progress=say)
+                 progress=say, criterion=args.criterion)
     layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "block_size": args.block_size,
+            "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "criterion": args.criterion,
+            "block_size": args.block_size,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))

@@ -54,13 +54,32 @@ def test_bench_prints_table_and_json(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("What is 2+3?\nSort: c a b\nHello\n")
     out = run_cli("bench", "--model", str(model_dir), "--prompts", str(prompts), "--batch-sizes", "1", "2",
-                  "--max-new-tokens", "8", "--repeats", "1", "--tau", "0.9")
+                  "--max-new-tokens", "8", "--repeats", "1", "--tau", "0.9", "--criterion", "margin")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[1].startswith("batch | tok/fwd")
     data = json.loads(lines[-1])
-    assert [r["batch_size"] for r in data["rows"]] == [1, 2]
+    assert [r["batch_size"] for r in data["rows"]] == [1, 2] and data["criterion"] == "margin"
     assert data["layout"] == "row-major" and data["device"] == "cpu"    # the CPU decoding layout is the default
     for row in data["rows"]:
         assert row["speedup"] == pytest.approx(row["ar_time"] / row["mars_time"])
         assert row["forward_cost"] > 0 and row["reference_time"] > 0 and row["tokens_per_forward"] >= 1
+
+
+def test_bench_decodes_with_the_chosen_criterion():
+    # bench's MARS side must be the decoder under the same criterion: its tokens/forward equals generate()'s,
+    # and on this model the criteria accept differently at τ = 0.5.
+    from mars_core import DecodeConfig, generate, wrap_model
+    from mars_core.bench import bench
+
+    tok = make_tokenizer()
+    lm = wrap_model(make_model("llama", len(tok)), tok)
+    prompts = ["What is 2+3?", "Sort: c a b", "Hello"]
+    tpf = {}
+    for criterion in ("prob", "margin"):
+        (row,) = bench(lm, prompts, batch_sizes=(1,), tau=0.5, max_new_tokens=8, repeats=1, reference=False,
+                       criterion=criterion)
+        want = generate(lm, prompts, DecodeConfig(tau=0.5, max_new_tokens=8, criterion=criterion))
+        assert row.tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
+        tpf[criterion] = row.tokens_per_forward
+    assert tpf["prob"] != pytest.approx(tpf["margin"])
