@@ -41,6 +41,9 @@ class TrainConfig:
     """MARS block size B (tokens predicted per forward at most)."""
     ar_weight: float = 1.0
     """Weight of the clean-stream (AR) loss in MARS: 1.0 is MARS, 0.0 the no-SFT-loss ablation."""
+    mask_label_smoothing: float = 0.0
+    """Label smoothing on the noisy-stream (mask) loss only; 0 = off, the paper. Not in the paper: an experiment
+    in calibrating the mask predictions' confidence (see README, "Confidence criteria")."""
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 0
@@ -111,6 +114,8 @@ class TrainConfig:
         need(bool(self.data), "data is empty; pass --data builtin or --data FILE.jsonl")
         need(self.block_size >= 1, f"block_size={self.block_size}; use an integer >= 1 (the paper uses 4)")
         need(self.ar_weight >= 0, f"ar_weight={self.ar_weight}; use a value >= 0 (1.0 is MARS, 0.0 the ablation)")
+        need(0 <= self.mask_label_smoothing < 1,
+             f"mask_label_smoothing={self.mask_label_smoothing}; use a value in [0, 1) (0 = off)")
         need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
         need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")

@@ -122,7 +122,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
-def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head) -> torch.Tensor:
+def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head,
+                           label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean CE over rows whose target is not -100, running the LM head on those rows only.
 
     ``hidden`` is ``[b, n, d]``, ``targets`` ``[b, n]`` (already shifted).
@@ -130,7 +131,7 @@ def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head)
     rows = targets != IGNORE_INDEX  # [b, n]
     h = hidden[rows]  # [m, d]
     logits = lm_head(h).float()  # [m, vocab]
-    return F.cross_entropy(logits, targets[rows])
+    return F.cross_entropy(logits, targets[rows], label_smoothing=label_smoothing)
 
 
 def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> LossOutput:
@@ -181,6 +182,7 @@ def mars_loss(
     mask_id: int,
     ar_weight: float = 1.0,
     skip_prompt_blocks: bool = True,
+    mask_label_smoothing: float = 0.0,
 ) -> LossOutput:
     """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
 
@@ -189,6 +191,10 @@ def mars_loss(
     loss and no later row attends to them, so they are pure waste (about a
     quarter of the compute for prompts as long as their answers). The result is
     the same as the full ``[2n]`` forward (a test checks it).
+
+    ``mask_label_smoothing`` (not in the paper; 0 = off) smooths the noisy-stream targets only, which caps
+    the mask predictions' confidence below 1 (the clean stream, the one-token path, is untouched);
+    ``loss_mask`` then reports the smoothed CE.
     """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
@@ -200,7 +206,7 @@ def mars_loss(
         input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
     ).last_hidden_state  # [b, m + n, d]
     m = n - start
-    loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head)
+    loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head, mask_label_smoothing)
     if ar_weight == 0.0:
         # The ablation (paper Table 2): no gradient from the clean stream; its CE
         # is still reported so the run's metrics stay comparable.

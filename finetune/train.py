@@ -110,6 +110,7 @@ class TrainModule(nn.Module):
         super().__init__()
         self.model = model
         self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
+        self.mask_label_smoothing = cfg.mask_label_smoothing
 
     def causal_lm(self) -> nn.Module:
         """The transformers model (with LoRA layers injected in place when training LoRA)."""
@@ -119,7 +120,8 @@ class TrainModule(nn.Module):
         lm = self.causal_lm()
         if self.stage == "mars":
             return mars_loss(
-                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight
+                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
+                mask_label_smoothing=self.mask_label_smoothing,
             )
         return ar_loss(lm, input_ids, labels, valid)
 
@@ -233,15 +235,15 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume a run whose model- or objective-defining settings changed.
 
     --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
-    ar_weight), the data and its draw (data, builtin_weights, seed) and the batch may not: resuming a run
+    ar_weight, mask_label_smoothing), the data and its draw (data, builtin_weights, seed) and the batch may not: resuming a run
     with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():
         return
     saved = json.loads(saved_path.read_text())
-    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "data", "builtin_weights",
-                "seed", "batch_size", "grad_accum"):
+    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "mask_label_smoothing", "data",
+                "builtin_weights", "seed", "batch_size", "grad_accum"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise ValueError(
                 f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "

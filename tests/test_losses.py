@@ -133,6 +133,16 @@ def test_mars_loss_matches_full_logit_reference_and_ar_weight_zero_is_noisy_ce_a
     torch.testing.assert_close(half.loss, noisy_ce + 0.5 * clean_ce, atol=1e-5, rtol=0)
     torch.testing.assert_close(half.loss_mask, noisy_ce, atol=1e-5, rtol=0)
 
+    # label smoothing (an option, off by default) reaches the noisy stream only
+    smooth_noisy = F.cross_entropy(logits[:, : n - 1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE_INDEX, label_smoothing=0.1)
+    smooth = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.5,
+                       mask_label_smoothing=0.1)
+    assert smooth_noisy > noisy_ce + 1e-3
+    torch.testing.assert_close(smooth.loss_mask, smooth_noisy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(smooth.loss_ar, clean_ce, atol=1e-5, rtol=0)
+    torch.testing.assert_close(smooth.loss, smooth_noisy + 0.5 * clean_ce, atol=1e-5, rtol=0)
+
 
 @torch.no_grad()
 def test_skipping_prompt_only_noisy_blocks_does_not_change_the_loss(model):
@@ -183,3 +193,18 @@ def test_eager_attention_gives_the_sdpa_losses(model):
     torch.testing.assert_close(eager_out.loss_ar, sdpa_out.loss_ar, atol=1e-5, rtol=0)
     torch.testing.assert_close(ar_loss(eager, input_ids, labels, valid).loss,
                                ar_loss(model, input_ids, labels, valid).loss, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_the_training_module_passes_mask_label_smoothing_to_the_loss(model):
+    from finetune.config import TrainConfig
+    from finetune.train import TrainModule
+
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    cfg = TrainConfig(stage="mars", block_size=4, ar_weight=1.0, mask_label_smoothing=0.2)
+    got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid)
+    want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0,
+                     mask_label_smoothing=0.2)
+    plain = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)
+    assert abs(float(got.loss_mask) - float(plain.loss_mask)) > 1e-3

@@ -110,7 +110,8 @@ def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path)
 
 
 @pytest.mark.parametrize("changed, key", [(["--stage", "mars"], "stage"), (["--seed", "5"], "seed"),
-                                          (["--builtin-weights", "sorting=2"], "builtin_weights")])
+                                          (["--builtin-weights", "sorting=2"], "builtin_weights"),
+                                          (["--mask-label-smoothing", "0.1"], "mask_label_smoothing")])
 def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, changed, key):
     out = tmp_path / "run"
     main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
@@ -240,6 +241,8 @@ def test_config_file_keys_are_overridden_by_flags_and_bad_values_name_the_fix(tm
         TrainConfig(stage="mask")
     with pytest.raises(ValueError, match="batch_size=0"):
         config_from_args(["--batch-size", "0"])
+    with pytest.raises(ValueError, match="mask_label_smoothing=1.0; use a value in"):
+        config_from_args(["--mask-label-smoothing", "1"])
     assert config_from_args(["--lora"]).lora and not config_from_args(["--lora", "false"]).lora
 
 
