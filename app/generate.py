@@ -11,6 +11,7 @@ import time
 import gradio as gr
 
 from app import models, plots
+from mars_core.decoding import CRITERIA
 from app.race import SideRecord, race, render_chunks, render_ledger, render_stats
 
 TAU_MIN, TAU_MAX = 0.5, 1.0
@@ -20,8 +21,9 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 # Slow motion for teaching: after each forward, wait (factor - 1) × its measured time. Both sides are
 # stretched by the same factor, so the relative speed on screen stays the measured one.
 SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
-# What "confidence ≥ τ" measures (MARS_SPEC step 3); mars_core.decoding.CRITERIA, labelled for the page.
-CRITERION_CHOICES = [("probability", "prob"), ("exp(−entropy)", "entropy"), ("margin p1−p2", "margin")]
+# What "confidence ≥ τ" measures (MARS_SPEC step 3): the decoder's CRITERIA, labelled for the page.
+_CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
+CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}
@@ -131,9 +133,8 @@ def _outputs(status, mars, ar, ar_label, final=False):
 
 
 def check_criterion(criterion) -> str:
-    allowed = [v for _, v in CRITERION_CHOICES]
-    if criterion not in allowed:
-        raise ValueError(f"confidence criterion {criterion!r} is unknown; use one of {', '.join(allowed)}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"confidence criterion {criterion!r} is unknown; use one of {', '.join(CRITERIA)}")
     return criterion
 
 

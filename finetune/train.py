@@ -235,8 +235,8 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume a run whose model- or objective-defining settings changed.
 
     --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
-    ar_weight, mask_label_smoothing), the data and its draw (data, builtin_weights, seed) and the batch may not: resuming a run
-    with those changed would silently mix two trainings in one checkpoint.
+    ar_weight, mask_label_smoothing), the data and its draw (data, builtin_weights, seed) and the batch may
+    not: resuming a run with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():

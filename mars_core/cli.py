@@ -93,8 +93,7 @@ def cmd_bench(args) -> int:
     layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "criterion": args.criterion,
-            "block_size": args.block_size,
-            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+            "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
         print(format_table(rows))
