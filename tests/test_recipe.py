@@ -1,0 +1,42 @@
+"""The recipe's command lines are valid finetune.train command lines, and --compile auto follows the compiler."""
+
+from pathlib import Path
+
+import pytest
+
+from finetune import recipe
+from finetune.config import config_from_args
+
+
+@pytest.mark.parametrize("name", ["AR_SFT", "AR_SFT_2", "AR_SFT_3", "MARS", "ABLATION"])
+def test_every_stage_command_parses_to_its_settings(name):
+    settings = dict(getattr(recipe, name), compile=True)   # every stage, so the flag is parsed too
+    cmd = recipe.train_cmd("base", Path("out"), settings, seed=0, threads=1)
+    assert cmd[1:3] == ["-m", "finetune.train"]
+    cfg = config_from_args(cmd[3:])
+    assert cfg.seed == settings.get("seed_offset", 0)   # a continued stage draws fresh data
+    for key, value in settings.items():
+        if key != "seed_offset":
+            assert getattr(cfg, key) == value, key
+
+
+def test_compile_auto_follows_the_compiler_on_path():
+    assert recipe.compile_wanted("auto", which=lambda c: "/usr/bin/" + c if c == "clang++" else None)
+    assert not recipe.compile_wanted("auto", which=lambda c: None)
+    assert recipe.compile_wanted("on", which=lambda c: None)
+    assert not recipe.compile_wanted("off", which=lambda c: "/usr/bin/g++")
+    with pytest.raises(ValueError, match="'yes'.*auto, on or off"):
+        recipe.compile_wanted("yes")
+
+
+def test_only_the_bf16_stage_2_runs_compile():
+    compiled = {name: recipe.stage_settings(getattr(recipe, name), compile_=True).get("compile", False)
+                for name in ("AR_SFT", "AR_SFT_2", "AR_SFT_3", "MARS", "ABLATION")}
+    assert compiled == {"AR_SFT": False, "AR_SFT_2": False, "AR_SFT_3": True, "MARS": True, "ABLATION": True}
+    assert "compile" not in recipe.stage_settings(recipe.MARS, compile_=False)
+
+
+def test_scale_shrinks_steps_and_data_but_keeps_a_runnable_stage():
+    s = recipe.stage_settings(recipe.AR_SFT, scale=0.001)
+    assert s["max_steps"] == 4 and s["builtin_examples"] == 112 and s["warmup_steps"] == 2
+    assert recipe.stage_settings(recipe.AR_SFT) == recipe.AR_SFT   # scale 1 changes nothing
