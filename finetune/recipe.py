@@ -290,10 +290,10 @@ def main(argv: list[str] | None = None) -> None:
 
     compile_ = compile_wanted(args.compile)
     if args.compile == "auto":
-        log(f"--compile auto: {'training with torch.compile' if compile_ else 'no C++ compiler on PATH, training eagerly'}")
+        log(f"--compile auto: {'stage 2 trains with torch.compile' if compile_ else 'no C++ compiler on PATH, training eagerly'}")
 
-    def scaled(s: dict) -> dict:
-        return stage_settings(s, args.scale, compile_)
+    def scaled(settings: dict) -> dict:
+        return stage_settings(settings, args.scale, compile_)
 
     base_dir = work / "base"
     if "tokenizer" in stages or "base" in stages:

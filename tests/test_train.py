@@ -84,6 +84,31 @@ def test_bf16_autocast_with_eager_attention_trains_and_saves_fp32_weights(tiny, 
     assert all(t.dtype == torch.float32 for t in weights(out / "checkpoint-30").values())
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on a CPU needs a C++ compiler; the recipe trains eagerly without one")
+def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoint(tiny, tmp_path):
+    # The recipe's stage-2 setting (bf16 autocast, eager attention) with and without --compile, each in its own
+    # process: the same losses up to float rounding, and a checkpoint with the same plain weight names.
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        flags = common_flags(tiny, out, "--stage", "mars", "--max-steps", "4", "--lr", "3e-3", "--decay", "constant",
+                             "--mixed-precision", "bf16", "--attention", "eager", *extra)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"))
+        subprocess.run([sys.executable, "-m", "finetune.train", *flags], cwd=REPO, env=env, check=True, timeout=600)
+        runs[name] = out
+    # inductor wrote its kernels only for the compiled run: the flag reached torch.compile
+    kernels = {name: list((tmp_path / f"inductor-{name}").rglob("*.py")) for name in runs}
+    assert kernels["compiled"] and not kernels["eager"]
+    assert json.loads((runs["compiled"] / "checkpoint-4" / "train_config.json").read_text())["compile"] is True
+    eager, compiled = metrics(runs["eager"]), metrics(runs["compiled"])
+    assert [r["step"] for r in compiled] == [1, 2, 3, 4]
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=2e-2)
+    w_eager, w_compiled = weights(runs["eager"] / "checkpoint-4"), weights(runs["compiled"] / "checkpoint-4")
+    assert w_compiled.keys() == w_eager.keys()
+    AutoModelForCausalLM.from_pretrained(runs["compiled"] / "checkpoint-4")
+
+
 def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path):
     flags = ["--stage", "ar-sft", "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
     straight = tmp_path / "straight"
