@@ -201,7 +201,8 @@ bought most of it back (1,000 steps: τ = 1 85.0% at ar_weight 1, 87.5% at 2, 89
 path collapses (4.8%), the paper's effect, strongly.
 Timing: stage 1 comes from an uninterrupted run of the whole recipe that reproduced its weights byte for byte;
 stage 2 (the three runs side by side, one thread each, compiled) and the evaluation from a second invocation
-from that checkpoint, with nothing else on the machine and torch's compile cache emptied first. Speedups come
+from that checkpoint, with nothing else on the machine and torch's compile cache emptied first (MARS alone rerun
+later with the same command: the first 260 steps' logged losses equal to every printed digit). Speedups come
 from the first 8 held-out prompts timed at batch 1, one thread, one model at a time (each the fastest of 3
 alternating runs); where a model's answers change length with τ, the speedup can differ from tokens/forward by
 more than the cost of a wider forward.""",
