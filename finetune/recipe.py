@@ -72,7 +72,8 @@ ABLATION = dict(MARS, ar_weight=0.0)
 
 # torch.compile of the decoder (finetune.train --compile), measured on this CPU from the r6 checkpoints, steps
 # 50-200 after a ~45 s compile: stage-1 fp32, two threads 0.279 -> 0.229 s/step; stage-2 MARS bf16, one thread
-# 0.557 -> 0.411 s/step; losses equal to 3 decimals. It needs a C++ compiler (inductor), hence --compile auto.
+# 0.557 -> 0.411 s/step; last-step losses within 0.2% of eager. It needs a C++ compiler (inductor), hence
+# --compile auto.
 # Only the bf16 stage 2 compiles: a whole recipe run with a compiled stage 1 (52.9 min) came out of stage 1 with
 # sorting at 4% (the eager fp32 stage 1: 28%), and its AR baseline ended at 91.0% with sorting at 40%, under the
 # 50% floor. Sorting is the family that learns late; one run cannot say whether compiling or chance did it, so
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
 
     compile_ = compile_wanted(args.compile)
     if args.compile == "auto":
-        log(f"--compile auto: {'stage 2 trains with torch.compile' if compile_ else 'no C++ compiler on PATH, training eagerly'}")
+        log("--compile auto: " + ("stage 2 trains with torch.compile" if compile_
+                                  else "no C++ compiler on PATH, training eagerly"))
 
     def scaled(settings: dict) -> dict:
         return stage_settings(settings, args.scale, compile_)
