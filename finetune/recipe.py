@@ -123,11 +123,23 @@ def train_cmd(base: str, out_dir: Path, settings: dict, seed: int, threads: int)
     return cmd
 
 
-def compile_wanted(mode: str, which=shutil.which) -> bool:
-    """--compile on / off, or auto: on when a C++ compiler (torch inductor's CPU backend needs one) is on PATH."""
+def compile_works(env: dict | None = None) -> bool:
+    """A toy torch.compile in a fresh process (~5-15 s): can this machine build inductor's CPU kernels?"""
+    probe = "import torch; f = torch.compile(lambda x: (x * 2).sin()); f(torch.ones(3))"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=600).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def compile_wanted(mode: str, which=shutil.which, works=compile_works) -> bool:
+    """--compile on / off, or auto: on when a C++ compiler is on PATH and a toy compile succeeds (so a broken
+    toolchain is found before stage 1, not when stage 2 starts half an hour later)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--compile {mode!r}: use auto, on or off")
-    return mode == "on" or (mode == "auto" and any(which(c) for c in CXX))
+    if mode != "auto":
+        return mode == "on"
+    return any(which(c) for c in CXX) and works()
 
 
 def stage_settings(settings: dict, scale: float = 1.0, compile_: bool = False) -> dict:
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_ = compile_wanted(args.compile)
     if args.compile == "auto":
         log("--compile auto: " + ("stage 2 trains with torch.compile" if compile_
-                                  else "no C++ compiler on PATH, training eagerly"))
+                                  else "no C++ compiler on PATH or a toy torch.compile failed: training eagerly"))
 
     def scaled(settings: dict) -> dict:
         return stage_settings(settings, args.scale, compile_)

@@ -1,5 +1,7 @@
 """The recipe's command lines are valid finetune.train command lines, and --compile auto follows the compiler."""
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,11 @@ def test_every_stage_command_parses_to_its_settings(name):
             assert getattr(cfg, key) == value, key
 
 
-def test_compile_auto_follows_the_compiler_on_path():
-    assert recipe.compile_wanted("auto", which=lambda c: "/usr/bin/" + c if c == "clang++" else None)
-    assert not recipe.compile_wanted("auto", which=lambda c: None)
+def test_compile_auto_needs_a_compiler_on_path_and_a_toy_compile_that_works():
+    clang_only = lambda c: "/usr/bin/" + c if c == "clang++" else None   # noqa: E731
+    assert recipe.compile_wanted("auto", which=clang_only, works=lambda: True)
+    assert not recipe.compile_wanted("auto", which=clang_only, works=lambda: False)
+    assert not recipe.compile_wanted("auto", which=lambda c: None, works=lambda: pytest.fail("probed without a compiler"))
     assert recipe.compile_wanted("on", which=lambda c: None)
     assert not recipe.compile_wanted("off", which=lambda c: "/usr/bin/g++")
     with pytest.raises(ValueError, match="'yes'.*auto, on or off"):
@@ -40,3 +44,9 @@ def test_scale_shrinks_steps_and_data_but_keeps_a_runnable_stage():
     s = recipe.stage_settings(recipe.AR_SFT, scale=0.001)
     assert s["max_steps"] == 4 and s["builtin_examples"] == 112 and s["warmup_steps"] == 2
     assert recipe.stage_settings(recipe.AR_SFT) == recipe.AR_SFT   # scale 1 changes nothing
+
+
+def test_the_toy_compile_fails_without_a_compiler_and_works_with_one():
+    assert not recipe.compile_works(env=dict(os.environ, PATH="/nonexistent"))
+    if any(shutil.which(c) for c in recipe.CXX):
+        assert recipe.compile_works()
