@@ -11,8 +11,8 @@ import time
 import gradio as gr
 
 from app import models, plots
-from mars_core.decoding import CRITERIA
 from app.race import SideRecord, race, render_chunks, render_ledger, render_stats
+from mars_core.decoding import CRITERIA
 
 TAU_MIN, TAU_MAX = 0.5, 1.0
 MAX_PROMPT_CHARS = 4000

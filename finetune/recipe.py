@@ -65,7 +65,7 @@ AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=2000, batch_
 # bit-identical across thread counts, unlike fp32 here.
 STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=2000, batch_size=32, builtin_examples=64000, weight_decay=0.1,
               min_lr_ratio=0.1, builtin_weights="word_problem=3,compare=3,sorting=3,units=2,reverse=2", seed_offset=2,
-              **FAST)
+              compile=True, **FAST)   # compile: unless --compile says otherwise (CXX below)
 AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
 MARS = dict(stage="mars", block_size=4, ar_weight=5.0, **STAGE2)
 ABLATION = dict(MARS, ar_weight=0.0)
@@ -143,8 +143,10 @@ def compile_wanted(mode: str, which=shutil.which, works=compile_works) -> bool:
 
 
 def stage_settings(settings: dict, scale: float = 1.0, compile_: bool = False) -> dict:
-    """One stage's finetune.train settings: steps and data times `scale`; --compile for the bf16 stages (above)."""
-    s = dict(settings, compile=True) if compile_ and settings.get("mixed_precision") == "bf16" else dict(settings)
+    """One stage's finetune.train settings: steps and data times `scale`; without `compile_`, no --compile."""
+    s = dict(settings)
+    if not compile_:
+        s.pop("compile", None)
     s["max_steps"] = max(2, round(s["max_steps"] * scale))
     s["builtin_examples"] = max(s["batch_size"] * 2, round(s["builtin_examples"] * scale))
     s["warmup_steps"] = min(s["warmup_steps"], s["max_steps"] // 2)
@@ -287,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-reuse", default="", help="comma list of model names whose rows are read from an "
                     "earlier eval-<dir>.json in --work instead of being measured again")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                    help="train with torch.compile (finetune.train --compile); auto = when a C++ compiler is on PATH")
+                    help="stage 2 with torch.compile (finetune.train --compile); auto = when a C++ compiler is on PATH "
+                    "and a toy torch.compile works")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.01 for a smoke run)")
     args = ap.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from finetune.recipe import CXX
 from finetune.train import main
 from tests.tiny_fixtures import make_tiny_model_dir
 
@@ -84,7 +85,7 @@ def test_bf16_autocast_with_eager_attention_trains_and_saves_fp32_weights(tiny, 
     assert all(t.dtype == torch.float32 for t in weights(out / "checkpoint-30").values())
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+@pytest.mark.skipif(not any(shutil.which(c) for c in CXX),
                     reason="torch.compile on a CPU needs a C++ compiler; the recipe trains eagerly without one")
 def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoint(tiny, tmp_path):
     # The recipe's stage-2 setting (bf16 autocast, eager attention) with and without --compile, each in its own
