@@ -6,6 +6,10 @@ Ratios, not absolute times, are the result (MARS_SPEC "What to measure"):
                  is roughly the speedup, so this says how close we get to the ceiling.
 The uncached reference (one full forward per step, no cache) is shown beside them, like the
 paper's "no cache" row.
+
+`row_costs` (CLI: `bench --row-costs`) times the decoder's cached forward alone for 1, 2, ... new positions.
+An AR step feeds 1 position; a MARS step feeds the n tokens it accepted last time plus B - 1 masks. So
+speedup <= tokens/forward x cost(1) / cost(n + B - 1): this says what the hardware allows before any decoding.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mars_core.decoding import DecodeConfig, generate, reference_generate
+from mars_core.decoding import DecodeConfig, generate, reference_generate, step_attention
 from mars_core.loading import ASSETS
 
 GENERAL_PROMPTS = [
@@ -151,3 +155,69 @@ def format_table(rows: list[BenchRow]) -> str:
 
 def rows_as_dicts(rows: list[BenchRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+@dataclass
+class RowCost:
+    rows: int                      # new positions fed to one cached forward
+    forward_ms: float              # median milliseconds of that forward
+    cost: float                    # forward_ms / forward_ms at 1 row (an AR step)
+
+
+@torch.inference_mode()
+def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 4, repeats: int = 40) -> list[RowCost]:
+    """Median time of one cached decoding forward that feeds r = 1..max_rows positions after `prompt`.
+
+    The forward is the decoder's own call (4D step mask, explicit positions, LM head on the last
+    min(r, block_size) rows); the cache holds the prompt and is cropped back after every call, so each r
+    sees the same cache length. The r values take turns, in a shuffled order each round, so drift on a
+    shared machine hits all of them alike. Only the model forward is timed (no acceptance logic).
+    """
+    from transformers import DynamicCache
+
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an integer >= 1 (MARS with B = 4 feeds up to 7)")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be >= 1")
+    ids = lm.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if len(ids) + max_rows > lm.context_length:
+        raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
+    model, device = lm.model, lm.device
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    past = len(ids)
+    kv_valid = torch.ones(1, past, dtype=torch.bool, device=device)
+
+    def forward(r: int) -> float:
+        chunk = torch.full((1, r), lm.mask_id, device=device)
+        pos = torch.arange(past, past + r, device=device)[None]
+        mask = step_attention(kv_valid, torch.ones(1, r, dtype=torch.bool, device=device))
+        keep = torch.arange(r - min(r, block_size), r, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=chunk, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=keep)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        cache.crop(-r)
+        return elapsed
+
+    sizes = list(range(1, max_rows + 1))
+    for r in sizes:                                   # warm-up
+        forward(r)
+    times = {r: [] for r in sizes}
+    order = torch.Generator().manual_seed(0)
+    for _ in range(repeats):
+        for i in torch.randperm(len(sizes), generator=order).tolist():
+            times[sizes[i]].append(forward(sizes[i]))
+    medians = {r: statistics.median(t) for r, t in times.items()}
+    return [RowCost(r, 1000 * medians[r], medians[r] / medians[1]) for r in sizes]
+
+
+def format_row_costs(rows: list[RowCost], block_size: int = 4) -> str:
+    lines = ["rows | ms/forward | cost vs 1 row", "---- | ---------- | -------------"]
+    lines += [f"{r.rows} | {r.forward_ms:.3f} | {r.cost:.2f}" for r in rows]
+    full = next((r for r in rows if r.rows == 2 * block_size - 1), None)
+    if full is not None:
+        lines.append(f"A MARS step after accepting all B = {block_size} feeds {full.rows} rows: it costs {full.cost:.2f} AR "
+                     f"steps, so at {block_size} tokens/forward the speedup is at most {block_size / full.cost:.2f}x.")
+    return "\n".join(lines)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 import torch
 
-from mars_core.bench import bench, default_prompts, format_table, read_prompts, rows_as_dicts
+from mars_core.bench import bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs, rows_as_dicts
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
 
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
+    b.add_argument("--row-costs", action="store_true",
+                   help="instead: time one cached forward of 1 .. 2B-1 new positions after the first prompt "
+                        "(what the hardware allows: speedup <= tokens/forward x cost(1 row) / cost(rows fed))")
+    b.add_argument("--rounds", type=int, default=50, help="--row-costs: timed forwards per row count; the median is reported")
     return parser
 
 
@@ -86,6 +91,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--n-prompts {args.n_prompts} must be >= 1")
     prompts = prompts[: args.n_prompts]
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout)
+    if args.row_costs:
+        return _bench_row_costs(lm, prompts[0], args)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
@@ -98,6 +105,18 @@ def cmd_bench(args) -> int:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
         print(format_table(rows))
     print(json.dumps({**meta, "rows": rows_as_dicts(rows)}))
+    return 0
+
+
+def _bench_row_costs(lm, prompt: str, args) -> int:
+    rows = row_costs(lm, prompt, max_rows=2 * args.block_size - 1, block_size=args.block_size,
+                     repeats=args.rounds)
+    meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size, "rounds": args.rounds}
+    if not args.json:
+        print(" ".join(f"{k}={v}" for k, v in meta.items()))
+        print(format_row_costs(rows, args.block_size))
+    print(json.dumps({**meta, "row_costs": [asdict(r) for r in rows]}))
     return 0
 
 

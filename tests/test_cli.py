@@ -83,3 +83,32 @@ def test_bench_decodes_with_the_chosen_criterion():
         assert row.tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
         tpf[criterion] = row.tokens_per_forward
     assert tpf["prob"] != pytest.approx(tpf["margin"])
+
+
+def test_bench_row_costs_times_every_row_count(model_dir, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is 2+3?\n")
+    out = run_cli("bench", "--model", str(model_dir), "--prompts", str(prompts), "--row-costs", "--rounds", "3",
+                  "--block-size", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1] == "rows | ms/forward | cost vs 1 row"
+    assert "A MARS step after accepting all B = 3 feeds 5 rows" in out.stdout
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["rows"] for r in data["row_costs"]] == [1, 2, 3, 4, 5] and data["rounds"] == 3
+    assert data["row_costs"][0]["cost"] == 1.0
+    for r in data["row_costs"]:
+        assert r["forward_ms"] > 0 and r["cost"] == pytest.approx(r["forward_ms"] / data["row_costs"][0]["forward_ms"])
+
+
+def test_row_costs_library_call_and_bad_counts():
+    from mars_core import wrap_model
+    from mars_core.bench import row_costs
+
+    tok = make_tokenizer()
+    lm = wrap_model(make_model("llama", len(tok)), tok)
+    rows = row_costs(lm, "What is 2+3?", max_rows=4, repeats=2)
+    assert [r.rows for r in rows] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="max_rows=0"):
+        row_costs(lm, "hi", max_rows=0)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        row_costs(lm, [5] * lm.context_length, max_rows=2)
