@@ -50,3 +50,28 @@ def test_the_toy_compile_fails_without_a_compiler_and_works_with_one():
     assert not recipe.compile_works(env=dict(os.environ, PATH="/nonexistent"))
     if any(shutil.which(c) for c in recipe.CXX):
         assert recipe.compile_works()
+
+
+def _card_info(arw0_parallel: list[str]) -> dict:
+    stage = lambda minutes, side=(): {"settings": {}, "steps": 10, "wall_s": 60 * minutes,   # noqa: E731
+                                      "threads": 1, "parallel_with": list(side)}
+    return {"parameters": 1, "vocab_size": 512, "stages": {
+        "base": {"wall_s": 6.0}, "tiny-ar-sft-1": stage(18), "tiny-ar-sft-2": stage(10),
+        "tiny-ar-sft": stage(14, ["tiny-mars"] + arw0_parallel), "tiny-mars": stage(23, ["tiny-ar-sft"] + arw0_parallel),
+        "tiny-mars-arw0": stage(30, [] if not arw0_parallel else ["tiny-ar-sft", "tiny-mars"]),
+        "eval": {"wall_s": 240.0}, "eval-ablation": {"wall_s": 120.0}}}
+
+
+def test_card_time_counts_side_by_side_runs_once_and_an_ablation_trained_apart_not_at_all():
+    # 0.1 + 18 + 10 + max(14, 23) + 4 = 55.1 min; the ablation trained on its own (30 min) and evaluated apart is
+    # named but not added; trained side by side with stage 2 it is the group's longest run and counts.
+    card = recipe.model_card("tiny-mars", "what", _card_info([]), ["tiny-mars"], [], "cmd")
+    assert "add up to 55 min, not counting the ablation `tiny-mars-arw0` (`--stages ablation,eval`, 30.0 min)" in card
+    card = recipe.model_card("tiny-mars", "what", _card_info(["tiny-mars-arw0"]), ["tiny-mars"], [], "cmd")
+    assert "add up to 62 min." in card and "not counting" not in card
+    card = recipe.model_card("tiny-ar-sft", "what", _card_info([]), ["tiny-ar-sft"], [], "cmd")
+    assert "add up to 55 min." in card
+
+
+def test_default_stages_leave_the_ablation_out():
+    assert "ablation" not in recipe.DEFAULT_STAGES and set(recipe.STAGES) - set(recipe.DEFAULT_STAGES) == {"ablation"}
