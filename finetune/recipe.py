@@ -4,20 +4,20 @@
 2. base       a randomly initialised small LlamaForCausalLM + that tokenizer
 3. ar-sft     stage 1: plain AR-SFT from scratch on the built-in suite, then a
    ar-sft-2   second cosine cycle on fresh data (see AR_SFT_2)                 -> WORK/tiny-ar-sft-2/final
-4. stage 2, runs from the stage-1 model on the same data, steps and schedule; only the loss differs:
+4. stage 2, three runs from the stage-1 model on the same data, steps and schedule; only the loss differs:
    ar-sft-3   the AR loss alone: the matched AR-SFT baseline                   -> OUT/tiny-ar-sft
    mars       the MARS loss (B = 4, ar_weight as in MARS)                      -> OUT/tiny-mars
    ablation   the MARS loss with ar_weight = 0 (the paper's "no SFT loss")     -> runs/tiny-mars-arw0 (not committed)
 5. eval       finetune.evaluate sweep on the held-out suite; model cards (README.md) with the tables
 
-The default stages build the two embedded models and their cards (~55 min on 2 cores). The ablation is not in
-them: `--stages ablation,eval` trains it afterwards (~22 min, one thread) and adds its rows to the tiny-mars card;
-name it with the others (`--stages all`) and it trains side by side with them.
+`--stage2-steps N` sets the three stage-2 runs' length (default 2,000, one fresh example per row of every step);
+3,000 gives better models but takes longer than an hour on 2 cores (see STAGE2). A run whose ablation trains on its
+own afterwards (`--stages ablation,eval`) gets cards that time the ablation apart from the recipe.
 
 Training always goes through `python -m finetune.train` (one subprocess per stage), so
 the recipe is also a worked example of that CLI. A lone stage runs with --cores torch
-threads; stage-2 runs named together go side by side with --cores split between them and
-train with --compile when a C++ compiler is on PATH (--compile auto). The wall time of every
+threads; the three stage-2 runs go side by side with one thread each and train with
+--compile when a C++ compiler is on PATH (--compile auto). The wall time of every
 stage is recorded in WORK/recipe_info.json and printed in the model cards.
 """
 
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 STAGES = ("tokenizer", "base", "ar-sft", "ar-sft-2", "ar-sft-3", "mars", "ablation", "eval")
-DEFAULT_STAGES = tuple(s for s in STAGES if s != "ablation")   # the embedded models; see the docstring
 
 # Model shape: a d=256 variant (3.3 M parameters) was 1.6x slower per step and learnt less even per step on this
 # 2-core CPU (10.4% exact on 96 held-out after 1,000 steps vs 14.6% for this shape); batch 16 learnt exactly as
@@ -68,12 +67,12 @@ AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=2000, batch_
 # 2,000 bf16 steps instead of 1,000 fp32 ones (runs by hand, one thread each): AR 92.5% -> 95.2%, MARS 90.2% / 86.8%
 # at 2.68 -> 96.5% / 94.2% at 3.39. The recipe's own AR run (two threads) came out at 96.2%: bf16 training is not
 # bit-identical across thread counts, unlike fp32 here.
-# 3,000 steps instead of 2,000 (runs by hand from the same stage-1 model, one thread each, AR and MARS side by
-# side; 1,000 held-out): AR 96.3% -> 97.5%; MARS τ = 1 96.4% -> 97.7%, τ = 0.95 94.2% at 3.39 -> 96.5% at 3.63
-# tokens/forward (on the cards' 400: 96.2 / 94.2% -> 97.8 / 96.0%). ar_weight 2 at 2,000 steps instead: τ = 1
-# 93.8%, τ = 0.95 91.9% at 3.51. The longer stage 2 is why the ablation left the default stages: three runs
-# side by side on two cores would take ~34 min.
-STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=3000, batch_size=32, builtin_examples=96000, weight_decay=0.1,
+# 3,000 steps (--stage2-steps 3000), the three runs' data scaled to match: one whole run of the recipe without the
+# ablation (`--stages tokenizer,base,ar-sft,ar-sft-2,ar-sft-3,mars,eval`, stage 1 byte for byte the same as
+# before) took 30.4 + 28.5 min (AR and MARS side by side) + the evaluation, ~62 min, over the hour; 400 held-out:
+# AR 97.0%, MARS τ = 1 98.2%, τ = 0.95 96.5% at 3.63 tokens/forward (2,000 steps: 96.2%; 96.2%, 94.2% at 3.41).
+# ar_weight 2 at 2,000 steps instead (1,000 held-out): τ = 1 93.8%, τ = 0.95 91.9% at 3.51 - worse.
+STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=2000, batch_size=32, builtin_examples=64000, weight_decay=0.1,
               min_lr_ratio=0.1, builtin_weights="word_problem=3,compare=3,sorting=3,units=2,reverse=2", seed_offset=2,
               compile=True, **FAST)   # compile: unless --compile says otherwise (CXX below)
 AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
@@ -152,11 +151,16 @@ def compile_wanted(mode: str, which=shutil.which, works=compile_works) -> bool:
     return any(which(c) for c in CXX) and works()
 
 
-def stage_settings(settings: dict, scale: float = 1.0, compile_: bool = False) -> dict:
-    """One stage's finetune.train settings: steps and data times `scale`; without `compile_`, no --compile."""
+def stage_settings(settings: dict, scale: float = 1.0, compile_: bool = False, steps: int | None = None) -> dict:
+    """One stage's finetune.train settings: `steps` (with one fresh example per batch row of every step) if given,
+    then steps and data times `scale`; without `compile_`, no --compile."""
     s = dict(settings)
     if not compile_:
         s.pop("compile", None)
+    if steps is not None:
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"--stage2-steps {steps!r}: give a whole number of steps >= 1 (the recipe's is 2000)")
+        s["max_steps"], s["builtin_examples"] = steps, steps * s["batch_size"]
     s["max_steps"] = max(2, round(s["max_steps"] * scale))
     s["builtin_examples"] = max(s["batch_size"] * 2, round(s["builtin_examples"] * scale))
     s["warmup_steps"] = min(s["warmup_steps"], s["max_steps"] // 2)
@@ -296,8 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="assets", help="where tiny-ar-sft/ and tiny-mars/ go")
     ap.add_argument("--work", default="runs/recipe", help="scratch dir for the base model and training runs")
     ap.add_argument("--ablation-dir", default="runs/tiny-mars-arw0", help="the ar_weight=0 model (not committed)")
-    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                    help=f"comma list from {','.join(STAGES)}, or all (default: all but ablation)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma list from {','.join(STAGES)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cores", type=int, default=2, help="CPU cores to use: a lone stage trains with this many "
                     "torch threads, side-by-side stages split them")
@@ -307,9 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="stage 2 with torch.compile (finetune.train --compile); auto = when a C++ compiler is on PATH "
                     "and a toy torch.compile works")
+    ap.add_argument("--stage2-steps", type=int, default=STAGE2["max_steps"],
+                    help="steps of each stage-2 run (AR baseline, MARS, ablation); their data grows to match")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.01 for a smoke run)")
     args = ap.parse_args(argv)
-    stages = list(STAGES) if args.stages.strip() == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"--stages {bad}: choose from {','.join(STAGES)}")
@@ -318,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     info_path = work / "recipe_info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {"stages": {}}
-    command = "python -m finetune.recipe --out " + str(args.out) + ("" if args.scale == 1 else f" --scale {args.scale}")
+    command = "python -m finetune.recipe --out " + str(args.out) + ("" if args.scale == 1 else f" --scale {args.scale}") + (
+        "" if args.stage2_steps == STAGE2["max_steps"] else f" --stage2-steps {args.stage2_steps}")
     t_all = time.time()
 
     compile_ = compile_wanted(args.compile)
@@ -326,8 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         log("--compile auto: " + ("stage 2 trains with torch.compile" if compile_
                                   else "no C++ compiler on PATH or a toy torch.compile failed: training eagerly"))
 
-    def scaled(settings: dict) -> dict:
-        return stage_settings(settings, args.scale, compile_)
+    def scaled(settings: dict, steps: int | None = None) -> dict:
+        return stage_settings(settings, args.scale, compile_, steps)
 
     base_dir = work / "base"
     if "tokenizer" in stages or "base" in stages:
@@ -339,11 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     stage1 = str(work / "tiny-ar-sft-2" / "final")
     jobs = [("ar-sft", "tiny-ar-sft-1", str(base_dir), scaled(AR_SFT), work / "tiny-ar-sft-1" / "final"),
             ("ar-sft-2", "tiny-ar-sft-2", str(work / "tiny-ar-sft-1" / "final"), scaled(AR_SFT_2), Path(stage1)),
-            ("ar-sft-3", "tiny-ar-sft", stage1, scaled(AR_SFT_3), out / "tiny-ar-sft"),
-            ("mars", "tiny-mars", stage1, scaled(MARS), out / "tiny-mars"),
-            ("ablation", "tiny-mars-arw0", stage1, scaled(ABLATION), Path(args.ablation_dir))]
-    # Stage 1 gets all cores; the stage-2 runs named together go side by side, one thread each on two cores
-    # (single-threaded runs use a core better than two-threaded ones).
+            ("ar-sft-3", "tiny-ar-sft", stage1, scaled(AR_SFT_3, args.stage2_steps), out / "tiny-ar-sft"),
+            ("mars", "tiny-mars", stage1, scaled(MARS, args.stage2_steps), out / "tiny-mars"),
+            ("ablation", "tiny-mars-arw0", stage1, scaled(ABLATION, args.stage2_steps), Path(args.ablation_dir))]
+    # Stage 1 gets all cores; the three stage-2 runs go side by side, one thread each (single-threaded runs use a
+    # core better than two-threaded ones, and the short AR run's core passes to the MARS runs when it ends).
     for group in (["ar-sft"], ["ar-sft-2"], ["ar-sft-3", "mars", "ablation"]):
         todo = [j for j in jobs if j[0] in group and j[0] in stages]
         if not todo:

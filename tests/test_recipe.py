@@ -73,5 +73,10 @@ def test_card_time_counts_side_by_side_runs_once_and_an_ablation_trained_apart_n
     assert "add up to 55 min." in card
 
 
-def test_default_stages_leave_the_ablation_out():
-    assert "ablation" not in recipe.DEFAULT_STAGES and set(recipe.STAGES) - set(recipe.DEFAULT_STAGES) == {"ablation"}
+def test_stage2_steps_sets_the_length_and_one_fresh_example_per_row():
+    s = recipe.stage_settings(recipe.MARS, steps=3000)
+    assert s["max_steps"] == 3000 and s["builtin_examples"] == 3000 * s["batch_size"]
+    assert recipe.stage_settings(recipe.MARS, steps=recipe.STAGE2["max_steps"]) == recipe.stage_settings(recipe.MARS)
+    assert recipe.stage_settings(recipe.MARS, scale=0.01, steps=3000)["max_steps"] == 30
+    with pytest.raises(ValueError, match="--stage2-steps 0"):
+        recipe.stage_settings(recipe.MARS, steps=0)
