@@ -165,7 +165,7 @@ class RowCost:
 
 
 @torch.inference_mode()
-def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 4, repeats: int = 40) -> list[RowCost]:
+def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 4, rounds: int = 40) -> list[RowCost]:
     """Median time of one cached decoding forward that feeds r = 1..max_rows positions after `prompt`.
 
     The forward is the decoder's own call (4D step mask, explicit positions, LM head on the last
@@ -177,8 +177,8 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
 
     if not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows={max_rows!r} must be an integer >= 1 (MARS with B = 4 feeds up to 7)")
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be >= 1")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be an integer >= 1 (--rounds on the command line)")
     ids = lm.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if len(ids) + max_rows > lm.context_length:
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
@@ -206,7 +206,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
         forward(r)
     times = {r: [] for r in sizes}
     order = torch.Generator().manual_seed(0)
-    for _ in range(repeats):
+    for _ in range(rounds):
         for i in torch.randperm(len(sizes), generator=order).tolist():
             times[sizes[i]].append(forward(sizes[i]))
     medians = {r: statistics.median(t) for r, t in times.items()}

@@ -110,7 +110,7 @@ def cmd_bench(args) -> int:
 
 def _bench_row_costs(lm, prompt: str, args) -> int:
     rows = row_costs(lm, prompt, max_rows=2 * args.block_size - 1, block_size=args.block_size,
-                     repeats=args.rounds)
+                     rounds=args.rounds)
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size, "rounds": args.rounds}
     if not args.json:

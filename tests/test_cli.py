@@ -106,9 +106,11 @@ def test_row_costs_library_call_and_bad_counts():
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
-    rows = row_costs(lm, "What is 2+3?", max_rows=4, repeats=2)
+    rows = row_costs(lm, "What is 2+3?", max_rows=4, rounds=2)
     assert [r.rows for r in rows] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="max_rows=0"):
         row_costs(lm, "hi", max_rows=0)
+    with pytest.raises(ValueError, match="rounds=0.*--rounds"):
+        row_costs(lm, "hi", rounds=0)
     with pytest.raises(ValueError, match="exceeds the context"):
         row_costs(lm, [5] * lm.context_length, max_rows=2)
