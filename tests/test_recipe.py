@@ -80,3 +80,46 @@ def test_stage2_steps_sets_the_length_and_one_fresh_example_per_row():
     assert recipe.stage_settings(recipe.MARS, scale=0.01, steps=3000)["max_steps"] == 30
     with pytest.raises(ValueError, match="--stage2-steps 0"):
         recipe.stage_settings(recipe.MARS, steps=0)
+
+
+def _rows(model: str, tau: float, acc: float, tpf: float, **families) -> dict:
+    per_family = dict({"addition": 1.0, "units": 1.0, "sorting": 1.0}, **families)
+    return {"model": model, "tau": tau, "criterion": "prob", "accuracy": acc, "tokens_per_forward": tpf,
+            "per_family": per_family}
+
+
+def test_card_notes_are_computed_from_this_runs_rows_not_copied_from_the_shipped_run():
+    rows = {"tiny-ar-sft": [_rows("tiny-ar-sft", 1.0, 0.913, 1.0, sorting=0.52),
+                            _rows("tiny-ar-sft", 0.95, 0.011, 1.9, sorting=0.0)],
+            "tiny-mars": [_rows("tiny-mars", 1.0, 0.925, 1.0, units=0.9, sorting=0.8),
+                          _rows("tiny-mars", 0.95, 0.871, 2.57, units=0.7, sorting=0.75),
+                          _rows("tiny-mars", 0.95, 0.9, 2.0, units=0.9)]}
+    rows["tiny-mars"][2]["criterion"] = "entropy"   # another criterion's row at the same τ is not the one reported
+    rows["tiny-mars ar_weight=0"] = [_rows("tiny-mars ar_weight=0", 1.0, 0.067, 1.0)]
+    mars = recipe.card_notes("tiny-mars", rows)
+    assert "(tiny-ar-sft: " in mars and "; 91.3%) MARS at τ = 1 scores 92.5% (+1.2 points" in mars
+    assert "At τ = 0.95 it scores 87.1% (-5.4 points against τ = 1) at 2.57 tokens per forward" in mars
+    assert "units 90% -> 70%, sorting 80% -> 75% lose most" in mars
+    assert "scores 6.7% at τ = 1 against MARS's 92.5%" in mars
+    assert "96.2%" not in mars and "3.41" not in mars   # the shipped run's numbers
+    ar = recipe.card_notes("tiny-ar-sft", rows)
+    assert ar.startswith("Notes: 91.3% exact overall, weakest family sorting at 52%") and "is met" in ar
+    assert "(τ = 0.95: 1.1% at 1.90 tokens/forward)" in ar
+    rows["tiny-ar-sft"][0]["per_family"]["sorting"] = 0.49
+    assert "is NOT met" in recipe.card_notes("tiny-ar-sft", rows)
+    assert recipe.card_notes("tiny-mars", {}) == ""   # nothing measured, nothing claimed
+
+
+def test_card_timing_names_the_recipe_invocations_the_runs_came_from():
+    info = _card_info(["tiny-mars-arw0"])
+    runs = ["tiny-ar-sft-1", "tiny-ar-sft-2", "tiny-mars"]
+    assert "was not recorded" in recipe.timing_note(info, runs)
+    for stage in info["stages"].values():
+        stage["invocation"] = "2026-11-30 18:57 UTC"
+    assert "ran in one invocation of the recipe (started 2026-11-30 18:57 UTC)" in recipe.timing_note(info, runs)
+    for key in ("base", "tiny-ar-sft-1", "tiny-ar-sft-2"):
+        info["stages"][key]["invocation"] = "2026-11-30 12:06 UTC"
+    note = recipe.timing_note(info, runs)
+    assert ("2 invocations of the recipe, a later one continuing from the checkpoints of an earlier one: `base`, "
+            "`tiny-ar-sft-1`, `tiny-ar-sft-2` (started 2026-11-30 12:06 UTC); `tiny-mars`, `eval` (started "
+            "2026-11-30 18:57 UTC)") in note
