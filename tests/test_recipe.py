@@ -105,6 +105,7 @@ def test_card_notes_are_computed_from_this_runs_rows_not_copied_from_the_shipped
     ar = recipe.card_notes("tiny-ar-sft", rows)
     assert ar.startswith("Notes: 91.3% exact overall, weakest family sorting at 52%") and "is met" in ar
     assert "(τ = 0.95: 1.1% at 1.90 tokens/forward)" in ar
+    assert "86.5%" in ar and "86.5%" not in recipe.card_notes("tiny-ar-sft", rows, recipe_stage1=False)  # --scale
     rows["tiny-ar-sft"][0]["per_family"]["sorting"] = 0.49
     assert "is NOT met" in recipe.card_notes("tiny-ar-sft", rows)
     assert recipe.card_notes("tiny-mars", {}) == ""   # nothing measured, nothing claimed
