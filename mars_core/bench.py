@@ -218,6 +218,6 @@ def format_row_costs(rows: list[RowCost], block_size: int = 4) -> str:
     lines += [f"{r.rows} | {r.forward_ms:.3f} | {r.cost:.2f}" for r in rows]
     full = next((r for r in rows if r.rows == 2 * block_size - 1), None)
     if full is not None:
-        lines.append(f"A MARS step after accepting all B = {block_size} feeds {full.rows} rows: it costs {full.cost:.2f} AR "
-                     f"steps, so at {block_size} tokens/forward the speedup is at most {block_size / full.cost:.2f}x.")
+        lines.append(f"A MARS step after accepting all B = {block_size} feeds {full.rows} rows: it costs "
+                     f"{full.cost:.2f} AR steps, so at {block_size} tokens/forward the speedup is at most {block_size / full.cost:.2f}x.")
     return "\n".join(lines)

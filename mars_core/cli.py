@@ -12,7 +12,8 @@ from dataclasses import asdict
 
 import torch
 
-from mars_core.bench import bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs, rows_as_dicts
+from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
+                             rows_as_dicts)
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
 
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--row-costs", action="store_true",
                    help="instead: time one cached forward of 1 .. 2B-1 new positions after the first prompt "
                         "(what the hardware allows: speedup <= tokens/forward x cost(1 row) / cost(rows fed))")
-    b.add_argument("--rounds", type=int, default=50, help="--row-costs: timed forwards per row count; the median is reported")
+    b.add_argument("--rounds", type=int, default=50,
+                   help="--row-costs: timed forwards per row count; the median is reported")
     return parser
 
 
@@ -112,7 +114,8 @@ def _bench_row_costs(lm, prompt: str, args) -> int:
     rows = row_costs(lm, prompt, max_rows=2 * args.block_size - 1, block_size=args.block_size,
                      rounds=args.rounds)
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size, "rounds": args.rounds}
+            "threads": torch.get_num_threads(), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size,
+            "rounds": args.rounds}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
         print(format_row_costs(rows, args.block_size))

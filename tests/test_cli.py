@@ -119,7 +119,6 @@ def test_row_costs_times_each_count_on_the_same_prompt_cache_and_rejects_bad_cou
     rows = row_costs(lm, prompt, max_rows=5, block_size=3, rounds=2)
     assert [r.rows for r in rows] == [1, 2, 3, 4, 5]
     assert sorted(seen) == sorted((len(prompt), r, len(prompt), min(r, 3)) for r in [1, 2, 3, 4, 5] * 3)  # warm-up + 2
-    assert rows[0].cost == 1.0 and all(r.cost == pytest.approx(r.forward_ms / rows[0].forward_ms) for r in rows)
     with pytest.raises(ValueError, match="max_rows=0"):
         row_costs(lm, "hi", max_rows=0)
     with pytest.raises(ValueError, match="rounds=0.*--rounds"):

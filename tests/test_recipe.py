@@ -92,9 +92,9 @@ def test_card_notes_are_computed_from_this_runs_rows_not_copied_from_the_shipped
     rows = {"tiny-ar-sft": [_rows("tiny-ar-sft", 1.0, 0.913, 1.0, sorting=0.52),
                             _rows("tiny-ar-sft", 0.95, 0.011, 1.9, sorting=0.0)],
             "tiny-mars": [_rows("tiny-mars", 1.0, 0.925, 1.0, units=0.9, sorting=0.8),
-                          _rows("tiny-mars", 0.95, 0.871, 2.57, units=0.7, sorting=0.75),
-                          _rows("tiny-mars", 0.95, 0.9, 2.0, units=0.9)]}
-    rows["tiny-mars"][2]["criterion"] = "entropy"   # another criterion's row at the same τ is not the one reported
+                          _rows("tiny-mars", 0.95, 0.9, 2.0, units=0.9),
+                          _rows("tiny-mars", 0.95, 0.871, 2.57, units=0.7, sorting=0.75)]}
+    rows["tiny-mars"][1]["criterion"] = "entropy"   # listed first at the same τ, yet not the row reported
     rows["tiny-mars ar_weight=0"] = [_rows("tiny-mars ar_weight=0", 1.0, 0.067, 1.0)]
     mars = recipe.card_notes("tiny-mars", rows)
     assert "(tiny-ar-sft: " in mars and "; 91.3%) MARS at τ = 1 scores 92.5% (+1.2 points" in mars
