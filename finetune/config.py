@@ -44,6 +44,10 @@ class TrainConfig:
     mask_label_smoothing: float = 0.0
     """Label smoothing on the noisy-stream (mask) loss only; 0 = off, the paper. Not in the paper: an experiment
     in calibrating the mask predictions' confidence (see README, "Confidence criteria")."""
+    random_block_offset: bool = False
+    """MARS: shift the block grid by a random r in [0, B) at every step (block(i) = (i + r) // B) instead of
+    MARS_SPEC's fixed absolute blocks, so the mask runs the decoder appends at any position are in the training
+    distribution (README, "Block phase")."""
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 0

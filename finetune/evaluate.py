@@ -121,6 +121,37 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     return rows
 
 
+def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size: int = 32) -> list[float]:
+    """Held-out noisy-stream (mask) cross-entropy with the training block grid shifted by r = 0 .. B-1.
+
+    Teacher-forced, so no decoding: the MARS loss's noisy half on `examples`, once per grid offset r
+    (block(i) = (i + r) // B). The decoder appends its masks after whatever it accepted last, so its mask
+    runs start at every phase; a model trained on one grid that reads its phase from absolute positions
+    shows a CE that rises for the offsets it never saw (README, "Block phase").
+    """
+    import torch
+
+    from finetune.data import build_examples, collate
+    from finetune.losses import mars_loss
+
+    tok = lm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    exs = build_examples([ex["messages"] for ex in examples], tok, max_length=lm.context_length,
+                         block_size=block_size, eos_ids=lm.eos_ids)
+    batches = [collate(exs[i: i + batch_size], pad) for i in range(0, len(exs), batch_size)]
+    out = []
+    with torch.no_grad():
+        for r in range(block_size):
+            total = count = 0
+            for b in batches:
+                loss = mars_loss(lm.model, b["input_ids"].to(lm.device), b["labels"].to(lm.device),
+                                 b["valid"].to(lm.device), block_size=block_size, mask_id=lm.mask_id,
+                                 block_offset=r)
+                total, count = total + float(loss.loss_mask) * loss.n_labels, count + loss.n_labels
+            out.append(total / count)
+    return out
+
+
 def curve_label(row: dict) -> str:
     """The model's name, with the confidence criterion appended when it is not the paper's (prob)."""
     criterion = row.get("criterion", "prob")
@@ -184,6 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="write the rows as JSON to FILE (no FILE: print them to stdout instead of the table)")
     ap.add_argument("--html", default=None, metavar="FILE", help="write the Pareto plot as HTML")
     ap.add_argument("--names", nargs="+", default=None, help="labels for --models in the rows (default: their names)")
+    ap.add_argument("--block-phase", action="store_true",
+                    help="also print each model's held-out mask-loss CE with the block grid shifted by 0..B-1")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is fastest for these tiny models on a busy machine)")
     args = ap.parse_args(argv)
@@ -209,6 +242,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             name = "tiny-mars ar_weight=0"
         if args.names:
             name = args.names[i]
+        if args.block_phase:
+            ces = block_phase_losses(lm, examples, args.block_size)
+            print(f"{name}: mask-loss CE by block offset r = 0..{args.block_size - 1}: "
+                  + " ".join(f"{ce:.4f}" for ce in ces) + f" (max/min {max(ces) / min(ces):.2f})", file=log, flush=True)
         for criterion in args.criteria:
             t0 = time.time()
             rows += sweep(lm, examples, args.taus, args.block_size, args.max_new_tokens, batch_size=args.batch_size,

@@ -12,6 +12,14 @@ Attention (True = may attend; q and k are positions inside their own half):
 - noisy -> clean: ``block(k) < block(q)``
 - clean -> noisy: never
 
+``block_offset = r`` (not in MARS_SPEC or the paper; 0 = the spec) shifts the
+grid to ``block(i) = (i + r) // B``. On the fixed grid every run of masks in
+the noisy half starts at a multiple of B, while the decoder appends its masks
+after whatever it accepted last, at any position; a small model learns the
+grid's phase and its mask predictions get worse off it. Training with r drawn
+afresh every step (``finetune.train --random-block-offset``) removes that
+mismatch (README, "Block phase").
+
 Loss: ``CE(noisy) + ar_weight * CE(clean)``, each the mean over labelled
 tokens, with the usual causal shift inside each half. Logits are computed only
 for the rows that carry a label: the hidden states of those rows are gathered
@@ -49,24 +57,40 @@ class LossOutput(NamedTuple):
     n_labels: int  # labelled tokens in this batch
 
 
-def mars_attention_mask(n: int, block_size: int, noisy_start: int = 0) -> torch.Tensor:
+def check_block_offset(block_offset: int, block_size: int) -> int:
+    if not isinstance(block_offset, int) or not 0 <= block_offset < block_size:
+        raise ValueError(f"block_offset={block_offset!r} must be an integer in [0, block_size={block_size})")
+    return block_offset
+
+
+def is_block_start(i: int, block_size: int, block_offset: int = 0) -> bool:
+    """Whether position ``i`` starts a block when ``block(i) = (i + block_offset) // block_size``."""
+    return i == 0 or (i + block_offset) % block_size == 0
+
+
+def mars_attention_mask(n: int, block_size: int, noisy_start: int = 0, block_offset: int = 0) -> torch.Tensor:
     """Boolean ``[2n, 2n]`` mask over ``[noisy | clean]``; rows are queries.
 
-    With ``noisy_start = s`` (a multiple of ``block_size``) the noisy half holds
-    only positions ``s..n-1`` and the mask is ``[(n-s) + n, (n-s) + n]``: the
+    With ``noisy_start = s`` (a block start) the noisy half holds only
+    positions ``s..n-1`` and the mask is ``[(n-s) + n, (n-s) + n]``: the
     noisy rows of earlier blocks are attended by nobody (noisy queries see
     noisy keys of their own block only, clean queries never see noisy keys),
     so dropping them changes no kept output.
+
+    ``block_offset = r`` shifts the block grid: ``block(i) = (i + r) // B``, so the
+    first block is ``B - r`` positions long (``r = 0``: MARS_SPEC's absolute blocks).
     """
     if n < 1 or block_size < 1:
         raise ValueError(f"need n >= 1 and block_size >= 1, got n={n}, block_size={block_size}")
-    assert 0 <= noisy_start < n and noisy_start % block_size == 0, "noisy_start must be a block start inside n"
-    qn = torch.arange(noisy_start, n).unsqueeze(1)  # [m, 1] noisy query positions
-    kn = torch.arange(noisy_start, n).unsqueeze(0)  # [1, m] noisy key positions
+    check_block_offset(block_offset, block_size)
+    assert 0 <= noisy_start < n and is_block_start(noisy_start, block_size, block_offset), \
+        "noisy_start must be a block start inside n"
+    qn = torch.arange(noisy_start, n).unsqueeze(1) + block_offset  # [m, 1] noisy query positions (+ r)
+    kn = torch.arange(noisy_start, n).unsqueeze(0) + block_offset  # [1, m] noisy key positions (+ r)
     q = torch.arange(n).unsqueeze(1)  # [n, 1]
     k = torch.arange(n).unsqueeze(0)  # [1, n]
     noisy_noisy = ((qn // block_size) == (kn // block_size)) & (kn <= qn)  # [m, m]
-    noisy_clean = (k // block_size) < (qn // block_size)  # [m, n]
+    noisy_clean = ((k + block_offset) // block_size) < (qn // block_size)  # [m, n]
     clean_noisy = torch.zeros(n, n - noisy_start, dtype=torch.bool)  # [n, m]
     clean_clean = k <= q  # [n, n]
     noisy_rows = torch.cat([noisy_noisy, noisy_clean], dim=1)  # [m, m + n]
@@ -74,7 +98,8 @@ def mars_attention_mask(n: int, block_size: int, noisy_start: int = 0) -> torch.
     return torch.cat([noisy_rows, clean_rows], dim=0)  # [m + n, m + n]
 
 
-def batched_mars_attention_mask(valid: torch.Tensor, block_size: int, noisy_start: int = 0) -> torch.Tensor:
+def batched_mars_attention_mask(valid: torch.Tensor, block_size: int, noisy_start: int = 0,
+                                block_offset: int = 0) -> torch.Tensor:
     """``[b, 1, m + n, m + n]`` MARS mask (``m = n - noisy_start``) that also hides padded keys.
 
     ``valid`` is ``[b, n]`` bool (True = real token). Padding is found from this
@@ -84,7 +109,7 @@ def batched_mars_attention_mask(valid: torch.Tensor, block_size: int, noisy_star
     unchanged.
     """
     b, n = valid.shape
-    base = mars_attention_mask(n, block_size, noisy_start).to(valid.device)  # [m + n, m + n]
+    base = mars_attention_mask(n, block_size, noisy_start, block_offset).to(valid.device)  # [m + n, m + n]
     keys = torch.cat([valid[:, noisy_start:], valid], dim=1)  # [b, m + n]
     mask = base.unsqueeze(0) & keys.unsqueeze(1)  # [b, m + n, m + n]
     mask |= torch.eye(base.shape[0], dtype=torch.bool, device=valid.device).unsqueeze(0)
@@ -104,11 +129,12 @@ def model_attention_mask(model, mask: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill_(~mask, torch.finfo(torch.float32).min)
 
 
-def first_noisy_block_start(labels: torch.Tensor, block_size: int) -> int:
+def first_noisy_block_start(labels: torch.Tensor, block_size: int, block_offset: int = 0) -> int:
     """Start of the first block holding a noisy query with a label (the output at i-1 predicts label i)."""
     has_label = (labels != IGNORE_INDEX).any(dim=0)  # [n]
     first_label = int(has_label.float().argmax())  # one host sync per batch
-    return max(first_label - 1, 0) // block_size * block_size
+    query = max(first_label - 1, 0)
+    return max((query + block_offset) // block_size * block_size - block_offset, 0)
 
 
 def noisy_input_ids(input_ids: torch.Tensor, labels: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -158,6 +184,7 @@ def mars_inputs(
     mask_id: int,
     block_size: int,
     noisy_start: int = 0,
+    block_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dual-stream inputs: ids ``[b, m + n]``, positions ``[b, m + n]``, mask ``[b, 1, m + n, m + n]``.
 
@@ -169,7 +196,7 @@ def mars_inputs(
     ids = torch.cat([noisy, input_ids], dim=1)  # [b, m + n]
     half = torch.arange(n, device=input_ids.device)
     positions = torch.cat([half[noisy_start:], half]).expand(b, -1)  # [b, m + n]
-    return ids, positions, batched_mars_attention_mask(valid, block_size, noisy_start)
+    return ids, positions, batched_mars_attention_mask(valid, block_size, noisy_start, block_offset)
 
 
 def mars_loss(
@@ -183,6 +210,7 @@ def mars_loss(
     ar_weight: float = 1.0,
     skip_prompt_blocks: bool = True,
     mask_label_smoothing: float = 0.0,
+    block_offset: int = 0,
 ) -> LossOutput:
     """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
 
@@ -200,8 +228,8 @@ def mars_loss(
     targets = shift_labels(labels)
     n_labels = int((targets != IGNORE_INDEX).sum())
     assert n_labels > 0, "batch has no labelled tokens"
-    start = first_noisy_block_start(labels, block_size) if skip_prompt_blocks else 0
-    ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start)
+    start = first_noisy_block_start(labels, block_size, block_offset) if skip_prompt_blocks else 0
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start, block_offset)
     hidden = model.model(
         input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
     ).last_hidden_state  # [b, m + n, d]

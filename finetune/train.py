@@ -116,17 +116,25 @@ class TrainModule(nn.Module):
         """The transformers model (with LoRA layers injected in place when training LoRA)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids, labels, valid):
+    def forward(self, input_ids, labels, valid, block_offset: int = 0):
         lm = self.causal_lm()
         if self.stage == "mars":
             return mars_loss(
                 lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
-                mask_label_smoothing=self.mask_label_smoothing,
+                mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
             )
         return ar_loss(lm, input_ids, labels, valid)
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def block_offset_at(cfg: TrainConfig, index: int) -> int:
+    """The block grid's offset for micro-batch `index`: 0 (MARS_SPEC), or with --random-block-offset a draw in
+    [0, B) that depends only on the seed and the index, so a resumed run and every process agree on it."""
+    if not (cfg.random_block_offset and cfg.stage == "mars"):
+        return 0
+    return random.Random(cfg.seed * 1_000_003 + index).randrange(cfg.block_size)
 
 
 def get_lr(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -235,14 +243,15 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume a run whose model- or objective-defining settings changed.
 
     --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
-    ar_weight, mask_label_smoothing), the data and its draw (data, builtin_weights, seed) and the batch may
+    ar_weight, mask_label_smoothing, random_block_offset), the data and its draw (data, builtin_weights, seed) and the batch may
     not: resuming a run with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():
         return
     saved = json.loads(saved_path.read_text())
-    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "mask_label_smoothing", "data",
+    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "mask_label_smoothing",
+                "random_block_offset", "data",
                 "builtin_weights", "seed", "batch_size", "grad_accum"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise ValueError(
@@ -448,11 +457,12 @@ def fit(run: Run, status: Status) -> str:
         sums = torch.zeros(3, device=acc.device)  # loss, loss_mask, loss_ar summed over micro-batches
         tokens = 0
         for micro in range(cfg.grad_accum):
-            batch, n_tokens = get_batch(run, step * cfg.grad_accum + micro, batch_cache)
+            index = step * cfg.grad_accum + micro
+            batch, n_tokens = get_batch(run, index, batch_cache)
             tokens += n_tokens
             sync = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if sync else acc.no_sync(module):
-                out = module(**batch)
+                out = module(**batch, block_offset=block_offset_at(cfg, index))
                 acc.backward(out.loss / cfg.grad_accum)
             mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
             sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()

@@ -208,3 +208,85 @@ def test_the_training_module_passes_mask_label_smoothing_to_the_loss(model):
     plain = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
     torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)
     assert abs(float(got.loss_mask) - float(plain.loss_mask)) > 1e-3
+
+
+# ----------------------------------------------------------------------------- shifted block grid
+
+def spec_rules_mask(n: int, B: int, r: int) -> torch.Tensor:
+    """MARS_SPEC's four attention rules, entry by entry, with block(i) = (i + r) // B (r = 0: the spec's)."""
+    def block(i):
+        return (i + r) // B
+
+    mask = torch.zeros(2 * n, 2 * n, dtype=torch.bool)
+    for q in range(n):
+        for k in range(n):
+            mask[q, k] = block(k) == block(q) and k <= q       # noisy -> noisy
+            mask[q, n + k] = block(k) < block(q)               # noisy -> clean
+            mask[n + q, n + k] = k <= q                        # clean -> clean; clean -> noisy stays False
+    return mask
+
+
+@pytest.mark.parametrize("r", [0, 1, 2, 3])
+def test_a_shifted_block_grid_follows_the_spec_rules_on_shifted_blocks(r):
+    hand = torch.tensor([[c == "1" for c in row] for row in EXPECTED_N8_B4.split()])
+    assert torch.equal(spec_rules_mask(8, 4, 0), hand)            # the reference itself is right at r = 0
+    assert torch.equal(mars_attention_mask(8, 4, block_offset=r), spec_rules_mask(8, 4, r))
+    full = mars_attention_mask(12, 4, block_offset=r)
+    for s in [s for s in range(1, 12) if (s + r) % 4 == 0]:       # cropping the noisy half at a block start
+        keep = torch.cat([torch.arange(s, 12), torch.arange(12, 24)])
+        assert torch.equal(mars_attention_mask(12, 4, noisy_start=s, block_offset=r), full[keep][:, keep])
+    if r:
+        assert not torch.equal(mars_attention_mask(8, 4, block_offset=r), hand)
+
+
+def test_a_block_offset_outside_the_block_is_refused():
+    with pytest.raises(ValueError, match="block_offset=4"):
+        mars_attention_mask(8, 4, block_offset=4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("r,k", [(1, 1), (3, 2)])
+def test_with_a_shifted_grid_changing_clean_block_k_leaves_noisy_blocks_up_to_k_unchanged(model, r, k):
+    n, B = 16, 4
+    input_ids, labels, valid = make_batch([n], [3])
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, MASK_ID, B, block_offset=r)
+    in_block = [i for i in range(n) if (i + r) // B == k]
+    changed = ids.clone()
+    changed[:, [n + i for i in in_block]] = (changed[:, [n + i for i in in_block]] + 1) % (VOCAB - 1)
+    before = all_logits(model, ids, positions, attn)[:, :n]
+    after = all_logits(model, changed, positions, attn)[:, :n]
+    upto = in_block[-1] + 1
+    assert torch.equal(before[:, :upto], after[:, :upto])
+    assert not torch.allclose(before[:, upto:], after[:, upto:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_skipping_prompt_blocks_is_exact_on_a_shifted_grid_and_the_grid_changes_the_loss(model, r):
+    input_ids, labels, valid = make_batch([20, 17], [11, 9], seed=2)
+    kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=r)
+    full = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=False, **kwargs)
+    cropped = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=True, **kwargs)
+    torch.testing.assert_close(cropped.loss, full.loss, atol=1e-5, rtol=0)
+    unshifted = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    torch.testing.assert_close(full.loss_ar, unshifted.loss_ar, atol=1e-5, rtol=0)   # the clean stream is causal
+    assert abs(float(full.loss_mask) - float(unshifted.loss_mask)) > 1e-4
+
+
+@torch.no_grad()
+def test_random_block_offsets_reach_the_loss_and_depend_only_on_seed_and_step(model):
+    from finetune.config import TrainConfig
+    from finetune.train import TrainModule, block_offset_at
+
+    cfg = TrainConfig(stage="mars", block_size=4, random_block_offset=True, seed=3)
+    offsets = [block_offset_at(cfg, i) for i in range(64)]
+    assert set(offsets) == {0, 1, 2, 3}
+    assert offsets == [block_offset_at(TrainConfig(stage="mars", block_size=4, random_block_offset=True, seed=3), i)
+                       for i in range(64)]                             # a resumed run draws the same grid
+    assert [block_offset_at(TrainConfig(stage="mars", block_size=4, seed=3), i) for i in range(64)] == [0] * 64
+    assert block_offset_at(TrainConfig(stage="ar-sft", random_block_offset=True), 5) == 0
+
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid, block_offset=2)
+    want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=2)
+    torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)

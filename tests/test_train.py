@@ -110,8 +110,9 @@ def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoin
     AutoModelForCausalLM.from_pretrained(runs["compiled"] / "checkpoint-4")
 
 
-def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path):
-    flags = ["--stage", "ar-sft", "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
+@pytest.mark.parametrize("objective", [["--stage", "ar-sft"], ["--stage", "mars", "--random-block-offset"]])
+def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path, objective):
+    flags = [*objective, "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
     straight = tmp_path / "straight"
     main(common_flags(tiny, straight, *flags, "--save-every", "4"))
     assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
@@ -137,7 +138,8 @@ def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path)
 
 @pytest.mark.parametrize("changed, key", [(["--stage", "mars"], "stage"), (["--seed", "5"], "seed"),
                                           (["--builtin-weights", "sorting=2"], "builtin_weights"),
-                                          (["--mask-label-smoothing", "0.1"], "mask_label_smoothing")])
+                                          (["--mask-label-smoothing", "0.1"], "mask_label_smoothing"),
+                                          (["--random-block-offset"], "random_block_offset")])
 def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, changed, key):
     out = tmp_path / "run"
     main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
