@@ -183,6 +183,9 @@ def test_finetune_request_is_validated():
     assert cmd[cmd.index("-m", 2) + 1] == "finetune.train"
     assert cmd[cmd.index("--max-steps") + 1] == "7" and "--lora" in cmd
     assert cmd[cmd.index("--output-dir") + 1] == "/r/x"
+    assert "--random-block-offset" in cmd   # MARS trains on a shifted block grid; AR-SFT has no blocks
+    assert "--random-block-offset" not in build_command(FinetuneRequest(base_model="tiny-ar-sft", stage="ar-sft"),
+                                                        Path("/r/x"))
 
 
 def test_training_uses_bf16_autocast_only_on_a_cpu_with_native_bf16(tmp_path, monkeypatch):
