@@ -316,3 +316,19 @@ def test_mars_training_lets_the_decoder_accept_several_tokens_per_forward(tiny, 
     assert all(r.text.startswith(p.split()[1] + " " + p.split()[1]) for r, p in zip(exact, prompts))
     assert sum(r.tokens_per_forward for r in fast) / len(fast) >= 2.5
     assert all(r.tokens_per_forward == 1.0 for r in exact)
+
+
+def test_the_training_loop_trains_on_the_random_grid_it_draws(tiny, tmp_path):
+    """--random-block-offset reaches the loss inside the loop: the first step (same weights, same batch) logs a
+    different mask loss than on the fixed grid whenever the grid drawn for it is shifted, and the same AR loss."""
+    from finetune.config import TrainConfig
+    from finetune.train import block_offset_at
+
+    seed = next(s for s in range(100) if block_offset_at(TrainConfig(stage="mars", random_block_offset=True, seed=s), 0))
+    first = {}
+    for name, extra in (("fixed", []), ("random", ["--random-block-offset"])):
+        main(common_flags(tiny, tmp_path / name, "--stage", "mars", "--max-steps", "1", "--seed", str(seed),
+                          "--log-every", "1", *extra))
+        first[name] = metrics(tmp_path / name)[0]
+    assert first["random"]["loss_ar"] == pytest.approx(first["fixed"]["loss_ar"], abs=1e-6)
+    assert abs(first["random"]["loss_mask"] - first["fixed"]["loss_mask"]) > 1e-4
