@@ -135,7 +135,7 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
     from finetune.losses import mars_loss
 
     tok = lm.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_ids[0]   # as finetune.train pads
     exs = build_examples([ex["messages"] for ex in examples], tok, max_length=lm.context_length,
                          block_size=block_size, eos_ids=lm.eos_ids)
     batches = [collate(exs[i: i + batch_size], pad) for i in range(0, len(exs), batch_size)]

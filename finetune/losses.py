@@ -57,10 +57,9 @@ class LossOutput(NamedTuple):
     n_labels: int  # labelled tokens in this batch
 
 
-def check_block_offset(block_offset: int, block_size: int) -> int:
+def check_block_offset(block_offset: int, block_size: int) -> None:
     if not isinstance(block_offset, int) or not 0 <= block_offset < block_size:
         raise ValueError(f"block_offset={block_offset!r} must be an integer in [0, block_size={block_size})")
-    return block_offset
 
 
 def is_block_start(i: int, block_size: int, block_offset: int = 0) -> bool:
