@@ -4,15 +4,17 @@
 2. base       a randomly initialised small LlamaForCausalLM + that tokenizer
 3. ar-sft     stage 1: plain AR-SFT from scratch on the built-in suite, then a
    ar-sft-2   second cosine cycle on fresh data (see AR_SFT_2)                 -> WORK/tiny-ar-sft-2/final
-4. stage 2, three runs from the stage-1 model on the same data, steps and schedule; only the loss differs:
+4. stage 2, runs from the stage-1 model on the same data, steps and schedule; only the loss differs:
    ar-sft-3   the AR loss alone: the matched AR-SFT baseline                   -> OUT/tiny-ar-sft
    mars       the MARS loss (B = 4, ar_weight as in MARS)                      -> OUT/tiny-mars
    ablation   the MARS loss with ar_weight = 0 (the paper's "no SFT loss")     -> runs/tiny-mars-arw0 (not committed)
 5. eval       finetune.evaluate sweep on the held-out suite; model cards (README.md) with the tables
 
-`--stage2-steps N` sets the three stage-2 runs' length (default 2,000, one fresh example per row of every step);
-3,000 gives better models but takes longer than an hour on 2 cores (see STAGE2). A run whose ablation trains on its
-own afterwards (`--stages ablation,eval`) gets cards that time the ablation apart from the recipe.
+The default stages leave the ablation out: the rest fits the hour on 2 cores, and `--stages ablation,eval`
+afterwards trains the ablation from the same stage-1 checkpoint (cores to itself) and re-makes the cards, which
+time it apart from the recipe. `--stages ...,ablation,eval` in one invocation trains it side by side with the
+other two stage-2 runs instead. `--stage2-steps N` sets the stage-2 runs' length (default 3,000, one fresh
+example per row of every step).
 
 Training always goes through `python -m finetune.train` (one subprocess per stage), so
 the recipe is also a worked example of that CLI. A lone stage runs with --cores torch
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 STAGES = ("tokenizer", "base", "ar-sft", "ar-sft-2", "ar-sft-3", "mars", "ablation", "eval")
+DEFAULT_STAGES = tuple(s for s in STAGES if s != "ablation")   # the ablation trains on its own: --stages ablation,eval
 
 # Model shape: a d=256 variant (3.3 M parameters) was 1.6x slower per step and learnt less even per step on this
 # 2-core CPU (10.4% exact on 96 held-out after 1,000 steps vs 14.6% for this shape); batch 16 learnt exactly as
@@ -50,11 +53,12 @@ AR_SFT = dict(stage="ar-sft", lr=2e-3, warmup_steps=100, max_steps=3500, batch_s
               weight_decay=0.1, min_lr_ratio=0.05)
 # A second, shorter cosine cycle from the first one's weights on fresh data (seed + 1), with the three
 # families that lagged at the end of cycle 1 drawn more often (75% overall on 96 held-out examples:
-# sorting 8%, multiplication 67%, word problems 75%).
-AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=2000, batch_size=32, builtin_examples=64000,
+# sorting 8%, multiplication 67%, word problems 75%). 1,000 steps since r12 (2,000 before: the stage-1 model scored
+# 86.5% with sorting at 28%, now 80.8% with sorting at 8%): the 5.5 min saved pay for stage 2's 3,000 steps.
+AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=1000, batch_size=32, builtin_examples=32000,
                 weight_decay=0.1, min_lr_ratio=0.05, builtin_weights="sorting=3,multiplication=2,word_problem=2",
                 seed_offset=1)
-# Stage 2: 2,000 steps at lr 1e-3 with the families that lean on look-ups in the prompt drawn more often.
+# Stage 2: 3,000 steps (below) at lr 1e-3 with the families that lean on look-ups in the prompt drawn more often.
 # The AR baseline gets the same steps on the same draw (ar-sft-3): the paper compares MARS with AR-SFT on
 # the same data, and AR steps alone lift the stage-1 model from 86.5% to 92.5% (1,000 fp32 steps; sorting
 # 28% -> 66%) or ~95-96% (2,000 bf16 steps), so comparing MARS with the stage-1 model would flatter it.
@@ -67,12 +71,14 @@ AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=2000, batch_
 # 2,000 bf16 steps instead of 1,000 fp32 ones (runs by hand, one thread each): AR 92.5% -> 95.2%, MARS 90.2% / 86.8%
 # at 2.68 -> 96.5% / 94.2% at 3.39. The recipe's own AR run (two threads) came out at 96.2%: bf16 training is not
 # bit-identical across thread counts, unlike fp32 here.
-# 3,000 steps (--stage2-steps 3000), the three runs' data scaled to match: one whole run of the recipe without the
-# ablation (`--stages tokenizer,base,ar-sft,ar-sft-2,ar-sft-3,mars,eval`, stage 1 byte for byte the same as
-# before) took 30.4 + 28.5 min (AR and MARS side by side) + the evaluation, ~62 min, over the hour; 400 held-out:
-# AR 97.0%, MARS τ = 1 98.2%, τ = 0.95 96.5% at 3.63 tokens/forward (2,000 steps: 96.2%; 96.2%, 94.2% at 3.41).
+# 3,000 steps on the fixed grid with the 5,500-step stage 1 (r9, without the ablation): 62.3 min, over the hour;
+# 400 held-out AR 97.0%, MARS τ = 1 98.2%, τ = 0.95 96.5% at 3.63 tokens/forward (-1.7).
+# 3,000 steps on the random grid with the 4,500-step stage 1 (r12, the shipped models; `--stages` default, the
+# ablation afterwards): 54.4 min end to end (stage 1 17.9 + 6.2, AR / MARS side by side 15.0 / 27.0, evaluation
+# 2.6). 400 held-out: AR 96.5%, MARS τ = 1 97.0%, τ = 0.95 96.5% at 3.63 (-0.5); 1,000 held-out: AR 96.8%, MARS
+# 96.0%, 95.0% at 3.62 (-1.0). Ablation (17.1 min on its own, two threads): 5.2% at τ = 1.
 # ar_weight 2 at 2,000 steps instead (1,000 held-out): τ = 1 93.8%, τ = 0.95 91.9% at 3.51 - worse.
-STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=2000, batch_size=32, builtin_examples=64000, weight_decay=0.1,
+STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=3000, batch_size=32, builtin_examples=96000, weight_decay=0.1,
               min_lr_ratio=0.1, builtin_weights="word_problem=3,compare=3,sorting=3,units=2,reverse=2", seed_offset=2,
               compile=True, **FAST)   # compile: unless --compile says otherwise (CXX below)
 AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
@@ -95,6 +101,11 @@ ABLATION = dict(MARS, ar_weight=0.0)
 # 50% floor. Sorting is the family that learns late; one run cannot say whether compiling or chance did it, so
 # stage 1 keeps the eager numerics that learnt it.
 CXX = ("g++", "c++", "clang++")
+
+# The stage-1 checkpoint's own score, quoted in the AR card (no single recipe run measures it): `python -m
+# finetune.evaluate --models WORK/tiny-ar-sft-2/final --n 400 --taus 1.0 --timing-prompts 0`.
+STAGE1_STEPS = AR_SFT["max_steps"] + AR_SFT_2["max_steps"]
+STAGE1_SCORE = "scored 80.8% with sorting at 8%"   # r12, 2026-12-01 (5,500 steps before it: 86.5%, sorting 28%)
 
 TIMING_PROMPTS = 8   # held-out prompts timed at batch 1 for the model cards' speedup column
 
@@ -166,7 +177,8 @@ def stage_settings(settings: dict, scale: float = 1.0, compile_: bool = False, s
         s.pop("compile", None)
     if steps is not None:
         if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"--stage2-steps {steps!r}: give a whole number of steps >= 1 (the recipe's is 2000)")
+            raise ValueError(f"--stage2-steps {steps!r}: give a whole number of steps >= 1 "
+                             f"(the recipe's is {STAGE2['max_steps']})")
         s["max_steps"], s["builtin_examples"] = steps, steps * s["batch_size"]
     s["max_steps"] = max(2, round(s["max_steps"] * scale))
     s["builtin_examples"] = max(s["batch_size"] * 2, round(s["builtin_examples"] * scale))
@@ -233,9 +245,9 @@ def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = Tru
                 f"{ar['per_family'][weakest]:.0%} (the goal for an AR teaching model, ≥ 80% overall and every family "
                 f"≥ 50%, is {'met' if met else 'NOT met'}). It is the matched baseline of tiny-mars: the same "
                 "stage-1 start, the same stage-2 steps on the same draw, only the loss differs"
-                + ("; the stage-1 model alone (5,500 fp32 steps, byte for byte the same in every whole recipe run "
-                   "measured here) scored 86.5% with sorting at 28% on the default 400 held-out questions, so the "
-                   "stage-2 AR steps are what lift sorting." if recipe_stage1 else ".")
+                + (f"; the stage-1 model alone ({STAGE1_STEPS:,} eager fp32 steps, deterministic here) "
+                   f"{STAGE1_SCORE} on the default 400 held-out questions, so the stage-2 AR steps are what "
+                   "lift sorting." if recipe_stage1 else ".")
                 + (f" Rows with τ < 1 decode this AR model with masks it was never trained on (τ = 0.95: "
                    f"{guess['accuracy']:.1%} at {guess['tokens_per_forward']:.2f} tokens/forward): MARS needs its "
                    "own training." if guess else ""))
@@ -260,8 +272,8 @@ def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = Tru
         parts.append(f"The ablation (ar_weight = 0, no SFT loss in stage 2, otherwise the same run) scores "
                      f"{arw0['accuracy']:.1%} at τ = 1 against MARS's {mars['accuracy']:.1%}. ")
     parts.append(f"ar_weight is {MARS['ar_weight']:g}, not the paper's 1: at this size the mask loss competes with the "
-                 "one-token path, and weighting the AR term up bought most of it back (development runs from the same "
-                 "stage-1 model, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% at ar_weight 1, 87.5% at 2, 89.5% at 3, "
+                 "one-token path, and weighting the AR term up bought most of it back (development runs from the "
+                 "5,500-step stage-1 model of earlier recipe versions, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% at ar_weight 1, 87.5% at 2, 89.5% at 3, "
                  "90.2% at 5"
                  + ("; the table's \"1,000 fp32 steps\" rows" if "extra" in rows else "") + "). Other confidence "
                  "criteria: `python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin`.")
@@ -283,8 +295,8 @@ def timing_note(info: dict, runs: list[str]) -> str:
         where = ("Timing: the runs come from " + str(len(groups)) + " invocations of the recipe, a later one "
                  "continuing from the checkpoints of an earlier one: " + "; ".join(
                      f"{', '.join(names)} (started {when})" for when, names in groups.items()) + ".")
-    return where + (" Stage 1 (eager fp32) came out byte for byte the same in every whole recipe run measured here; "
-                    "the compiled bf16 stage 2 is reproducible only approximately. Speedups come from the first "
+    return where + (" Stage 1 (eager fp32) is deterministic here: its first cycle came out byte for byte the same in "
+                    "every whole recipe run measured; the compiled bf16 stage 2 is reproducible only approximately. Speedups come from the first "
                     f"{TIMING_PROMPTS} held-out prompts timed at batch 1, one thread, one model at a time (each the "
                     "fastest of 3 alternating runs); where a model's answers change length with τ, the speedup can "
                     "differ from tokens/forward by more than the cost of a wider forward.")
@@ -358,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="assets", help="where tiny-ar-sft/ and tiny-mars/ go")
     ap.add_argument("--work", default="runs/recipe", help="scratch dir for the base model and training runs")
     ap.add_argument("--ablation-dir", default="runs/tiny-mars-arw0", help="the ar_weight=0 model (not committed)")
-    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma list from {','.join(STAGES)}")
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES), help=f"comma list from {','.join(STAGES)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cores", type=int, default=2, help="CPU cores to use: a lone stage trains with this many "
                     "torch threads, side-by-side stages split them")

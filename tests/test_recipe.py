@@ -1,5 +1,6 @@
 """The recipe's command lines are valid finetune.train command lines, and --compile auto follows the compiler."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -105,7 +106,8 @@ def test_card_notes_are_computed_from_this_runs_rows_not_copied_from_the_shipped
     ar = recipe.card_notes("tiny-ar-sft", rows)
     assert ar.startswith("Notes: 91.3% exact overall, weakest family sorting at 52%") and "is met" in ar
     assert "(τ = 0.95: 1.1% at 1.90 tokens/forward)" in ar
-    assert "86.5%" in ar and "86.5%" not in recipe.card_notes("tiny-ar-sft", rows, recipe_stage1=False)  # --scale
+    stage1 = recipe.STAGE1_SCORE
+    assert stage1 in ar and stage1 not in recipe.card_notes("tiny-ar-sft", rows, recipe_stage1=False)  # --scale
     rows["tiny-ar-sft"][0]["per_family"]["sorting"] = 0.49
     assert "is NOT met" in recipe.card_notes("tiny-ar-sft", rows)
     assert recipe.card_notes("tiny-mars", {}) == ""   # nothing measured, nothing claimed
@@ -124,3 +126,28 @@ def test_card_timing_names_the_recipe_invocations_the_runs_came_from():
     assert ("2 invocations of the recipe, a later one continuing from the checkpoints of an earlier one: `base`, "
             "`tiny-ar-sft-1`, `tiny-ar-sft-2` (started 2026-11-30 12:06 UTC); `tiny-mars`, `eval` (started "
             "2026-11-30 18:57 UTC)") in note
+
+
+def test_the_whole_recipe_at_a_tiny_scale_trains_the_ablation_only_when_asked(tmp_path, monkeypatch):
+    # Every stage for real (subprocesses of finetune.train and finetune.evaluate), a few steps each.
+    monkeypatch.setattr(recipe, "TIMING_PROMPTS", 1)
+    out, work, arw0 = tmp_path / "out", tmp_path / "work", tmp_path / "arw0"
+    common = ["--out", str(out), "--work", str(work), "--ablation-dir", str(arw0), "--scale", "0.001",
+              "--eval-n", "4", "--compile", "off", "--cores", "2"]
+    recipe.main(common)
+    info = json.loads((work / "recipe_info.json").read_text())
+    assert {"base", "tiny-ar-sft-1", "tiny-ar-sft-2", "tiny-ar-sft", "tiny-mars", "eval"} <= set(info["stages"])
+    assert "tiny-mars-arw0" not in info["stages"] and not arw0.exists()
+    assert info["stages"]["tiny-mars"]["parallel_with"] == ["tiny-ar-sft"]
+    assert info["stages"]["tiny-mars"]["settings"]["random_block_offset"] is True
+    for name in ("tiny-ar-sft", "tiny-mars"):
+        assert (out / name / "model.safetensors").is_file() and (out / name / "README.md").is_file()
+    assert "| tiny-mars ar_weight=0 |" not in (out / "tiny-mars" / "README.md").read_text()
+
+    recipe.main(common + ["--stages", "ablation,eval", "--eval-reuse", "tiny-ar-sft,tiny-mars"])
+    info = json.loads((work / "recipe_info.json").read_text())
+    ablation = info["stages"]["tiny-mars-arw0"]
+    assert ablation["parallel_with"] == [] and ablation["threads"] == 2 and ablation["settings"]["ar_weight"] == 0
+    assert (arw0 / "model.safetensors").is_file() and "eval-ablation" in info["stages"]
+    card = (out / "tiny-mars" / "README.md").read_text()
+    assert "| tiny-mars ar_weight=0 |" in card and "not counting the ablation `tiny-mars-arw0`" in card
