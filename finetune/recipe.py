@@ -54,7 +54,7 @@ AR_SFT = dict(stage="ar-sft", lr=2e-3, warmup_steps=100, max_steps=3500, batch_s
 # A second, shorter cosine cycle from the first one's weights on fresh data (seed + 1), with the three
 # families that lagged at the end of cycle 1 drawn more often (75% overall on 96 held-out examples:
 # sorting 8%, multiplication 67%, word problems 75%). 1,000 steps since r12 (2,000 before: the stage-1 model scored
-# 86.5% with sorting at 28%, now 80.8% with sorting at 8%): the 5.5 min saved pay for stage 2's 3,000 steps.
+# 86.5% with sorting at 28%, now 80.8% with sorting at 8%): the ~5 min saved pay for stage 2's 3,000 steps.
 AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=1000, batch_size=32, builtin_examples=32000,
                 weight_decay=0.1, min_lr_ratio=0.05, builtin_weights="sorting=3,multiplication=2,word_problem=2",
                 seed_offset=1)
@@ -273,8 +273,8 @@ def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = Tru
                      f"{arw0['accuracy']:.1%} at τ = 1 against MARS's {mars['accuracy']:.1%}. ")
     parts.append(f"ar_weight is {MARS['ar_weight']:g}, not the paper's 1: at this size the mask loss competes with the "
                  "one-token path, and weighting the AR term up bought most of it back (development runs from the "
-                 "5,500-step stage-1 model of earlier recipe versions, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% at ar_weight 1, 87.5% at 2, 89.5% at 3, "
-                 "90.2% at 5"
+                 "5,500-step stage-1 model of earlier recipe versions, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% "
+                 "at ar_weight 1, 87.5% at 2, 89.5% at 3, 90.2% at 5"
                  + ("; the table's \"1,000 fp32 steps\" rows" if "extra" in rows else "") + "). Other confidence "
                  "criteria: `python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin`.")
     return "".join(parts)
@@ -296,10 +296,11 @@ def timing_note(info: dict, runs: list[str]) -> str:
                  "continuing from the checkpoints of an earlier one: " + "; ".join(
                      f"{', '.join(names)} (started {when})" for when, names in groups.items()) + ".")
     return where + (" Stage 1 (eager fp32) is deterministic here: its first cycle came out byte for byte the same in "
-                    "every whole recipe run measured; the compiled bf16 stage 2 is reproducible only approximately. Speedups come from the first "
-                    f"{TIMING_PROMPTS} held-out prompts timed at batch 1, one thread, one model at a time (each the "
-                    "fastest of 3 alternating runs); where a model's answers change length with τ, the speedup can "
-                    "differ from tokens/forward by more than the cost of a wider forward.")
+                    "every whole recipe run measured; the compiled bf16 stage 2 is reproducible only approximately. "
+                    f"Speedups come from the first {TIMING_PROMPTS} held-out prompts timed at batch 1, one thread, "
+                    "one model at a time (each the fastest of 3 alternating runs); where a model's answers change "
+                    "length with τ, the speedup can differ from tokens/forward by more than the cost of a wider "
+                    "forward.")
 
 
 def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dict], command: str,
@@ -370,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="assets", help="where tiny-ar-sft/ and tiny-mars/ go")
     ap.add_argument("--work", default="runs/recipe", help="scratch dir for the base model and training runs")
     ap.add_argument("--ablation-dir", default="runs/tiny-mars-arw0", help="the ar_weight=0 model (not committed)")
-    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES), help=f"comma list from {','.join(STAGES)}")
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                    help=f"comma list from {','.join(STAGES)} (default: all but ablation)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cores", type=int, default=2, help="CPU cores to use: a lone stage trains with this many "
                     "torch threads, side-by-side stages split them")
