@@ -209,6 +209,11 @@ def build_examples(
     return examples
 
 
+def pad_id_of(tokenizer, eos_ids: list[int]) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its first eos (pads carry no label)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example: ``input_ids``, ``labels`` (-100 on pads), ``valid`` (bool)."""
     n = max(len(e.input_ids) for e in examples)

@@ -131,12 +131,11 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
     """
     import torch
 
-    from finetune.data import build_examples, collate
+    from finetune.data import build_examples, collate, pad_id_of
     from finetune.losses import mars_loss
 
-    tok = lm.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_ids[0]   # as finetune.train pads
-    exs = build_examples([ex["messages"] for ex in examples], tok, max_length=lm.context_length,
+    pad = pad_id_of(lm.tokenizer, lm.eos_ids)   # as finetune.train pads
+    exs = build_examples([ex["messages"] for ex in examples], lm.tokenizer, max_length=lm.context_length,
                          block_size=block_size, eos_ids=lm.eos_ids)
     batches = [collate(exs[i: i + batch_size], pad) for i in range(0, len(exs), batch_size)]
     out = []
@@ -245,7 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.block_phase:
             ces = block_phase_losses(lm, examples, args.block_size)
             print(f"{name}: mask-loss CE by block offset r = 0..{args.block_size - 1}: "
-                  + " ".join(f"{ce:.4f}" for ce in ces) + f" (max/min {max(ces) / min(ces):.2f})", file=log, flush=True)
+                  + " ".join(f"{ce:.4f}" for ce in ces) + f" (max/min {max(ces) / min(ces):.2f})",
+                  file=log, flush=True)
         for criterion in args.criteria:
             t0 = time.time()
             rows += sweep(lm, examples, args.taus, args.block_size, args.max_new_tokens, batch_size=args.batch_size,

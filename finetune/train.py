@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from finetune.config import TrainConfig, config_from_args
-from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations
+from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.losses import ar_loss, mars_loss
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -243,8 +243,8 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume a run whose model- or objective-defining settings changed.
 
     --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
-    ar_weight, mask_label_smoothing, random_block_offset), the data and its draw (data, builtin_weights, seed) and the batch may
-    not: resuming a run with those changed would silently mix two trainings in one checkpoint.
+    ar_weight, mask_label_smoothing, random_block_offset), the data and its draw (data, builtin_weights, seed)
+    and the batch may not: resuming a run with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():
@@ -310,7 +310,7 @@ def setup(cfg: TrainConfig) -> Run:
             f"(--batch-size {cfg.batch_size} x {accelerator.num_processes} processes): lower --batch-size or add data"
         )
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
-    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_ids[0]
+    pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
     module = TrainModule(model, cfg, base.mask_id)
     if cfg.compile:
