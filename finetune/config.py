@@ -84,6 +84,10 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
+    train_mask_row: bool = False
+    """MARS: also train the mask token's embedding row (one vector of hidden-size numbers). For a reused special
+    token (SmolLM2's <repo_name>) that row was never trained for anything; with tied embeddings the LM head's
+    row of the mask id is the same vector, and the decoder never proposes the mask id at a mask position."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end, on SIGINT/SIGTERM)."""
     keep_checkpoints: int = 2
@@ -134,6 +138,8 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}; use 0 (off) or a positive norm")
         need(self.lora_r >= 1, f"lora_r={self.lora_r}; use 1 or more")
         need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
+        need(not self.train_mask_row or self.stage == "mars",
+             "train_mask_row applies to --stage mars only (AR-SFT never feeds the mask token): drop it")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
         need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")

@@ -3,10 +3,17 @@
 MARS (stage 2) should be trained on data the model itself would produce; for a
 model whose SFT data you lack (SmolLM2, say) its own greedy AR answers are that
 data. Answers cut off by --max-new-tokens are dropped (they would teach the
-model to stop mid-answer) unless --keep-truncated.
+model to stop mid-answer) unless --keep-truncated, and so are answers that
+repeat themselves (a loop, not an answer); the dropped prompts are counted.
 
     python -m finetune.distill --model smollm2 --prompts prompts.txt --out data.jsonl
     python -m finetune.train --stage mars --data data.jsonl ...
+
+Decoding is batched (--batch-size rows, left-padded by the project's own AR
+decoder). The run is resumable: every finished batch is appended to --out (and
+the prompts it dropped to --out's ``.dropped.jsonl`` sidecar) at once, and a
+restart skips every prompt already answered or dropped. ``--shard K/N`` takes
+every N-th prompt starting at K, so N processes can split one prompts file.
 
 The prompts file has one prompt per line (blank lines and lines starting with
 '#' are skipped), or is a .jsonl file of {"prompt": ...} or {"messages": [...]}
@@ -17,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
+
+MAX_NEW_TOKENS = 256
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -52,50 +63,170 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def distill(lm, prompts: list[str], max_new_tokens: int = 256, batch_size: int = 8,
-            keep_truncated: bool = False) -> tuple[list[dict], int]:
-    """Greedy AR answers of `lm` (a mars_core LoadedModel) as chat rows; returns (rows, dropped)."""
+def repeats_itself(ids: list[int], n: int = 8, times: int = 3) -> bool:
+    """True when some run of `n` tokens occurs `times` times or more: a decoding loop, not an answer."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(ids) - n + 1):
+        key = tuple(ids[i: i + n])
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] >= times:
+            return True
+    return False
+
+
+def drop_reason(res, keep_truncated: bool = False) -> str | None:
+    """Why an answer is not training data: 'length' (hit the cap), 'repeat' (a loop), 'empty'; else None."""
+    if res.finish_reason != "eos" and not keep_truncated:
+        return "length"
+    if repeats_itself(res.token_ids):
+        return "repeat"
+    if not res.text.strip():
+        return "empty"
+    return None
+
+
+def distill_batches(lm, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8,
+                    keep_truncated: bool = False):
+    """Yield (rows, dropped, new_tokens) per batch: greedy AR answers of `lm` as chat rows, and the
+    {"prompt", "reason"} of each dropped prompt."""
     from mars_core import DecodeConfig, generate
 
     cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
-    rows, dropped = [], 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i: i + batch_size]
+        rows, dropped, n_tokens = [], [], 0
         for prompt, res in zip(chunk, generate(lm, chunk, cfg), strict=True):
-            if res.finish_reason != "eos" and not keep_truncated:
-                dropped += 1
+            n_tokens += len(res.token_ids)
+            reason = drop_reason(res, keep_truncated)
+            if reason is not None:
+                dropped.append({"prompt": prompt, "reason": reason})
                 continue
             rows.append({"messages": [{"role": "user", "content": prompt},
                                       {"role": "assistant", "content": res.text}]})
+        yield rows, dropped, n_tokens
+
+
+def distill(lm, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8,
+            keep_truncated: bool = False) -> tuple[list[dict], int]:
+    """All rows at once; returns (rows, number dropped)."""
+    rows, dropped = [], 0
+    for r, d, _ in distill_batches(lm, prompts, max_new_tokens, batch_size, keep_truncated):
+        rows.extend(r)
+        dropped += len(d)
     return rows, dropped
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _complete_lines(path: Path) -> list[str]:
+    """The complete JSON lines of a file a killed run may have left half-written; the torn tail is cut off."""
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    keep = raw[: raw.rfind(b"\n") + 1]
+    if len(keep) != len(raw):
+        with path.open("r+b") as fh:
+            fh.truncate(len(keep))
+    lines = []
+    for line in keep.decode("utf-8").splitlines():
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return lines
+
+
+def done_prompts(out: Path) -> set[str]:
+    """Prompts an earlier run already answered (in `out`) or dropped (in its sidecar)."""
+    seen = {row["messages"][0]["content"] for row in _complete_lines(out) if "messages" in row}
+    seen |= {row["prompt"] for row in _complete_lines(dropped_path(out)) if "prompt" in row}
+    return seen
+
+
+def dropped_path(out: Path) -> Path:
+    return out.with_name(out.name + ".dropped.jsonl")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r} is not K/N: use e.g. 0/2 and 1/2 for two processes") from None
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"--shard {text!r}: need N >= 1 and 0 <= K < N (e.g. 0/2)")
+    return k, n
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m finetune.distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model name or directory (see mars_core.load_model)")
     ap.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl)")
-    ap.add_argument("--out", required=True, help="chat JSONL to write")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", required=True, help="chat JSONL to write; appended to, and resumed, if it exists")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--keep-truncated", action="store_true", help="keep answers cut off by --max-new-tokens")
+    ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th prompt starting at K (default 0/1)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (bf16 is faster on CPUs with avx512_bf16/AMX)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (use 1 per process on a 2-core machine)")
     args = ap.parse_args(argv)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: use 1 or more")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: use 1 or more")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: use 1 or more")
+    k, n = parse_shard(args.shard)
+    out, src = Path(args.out), Path(args.prompts)
+    if out.resolve() == src.resolve() or dropped_path(out).resolve() == src.resolve():
+        raise ValueError(f"--out {args.out!r} is the prompts file: writing there would destroy the prompts; "
+                         "pick another --out")
+    prompts = read_prompts(src)[k::n]
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--out {args.out!r} is not a file: pass a .jsonl path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seen = done_prompts(out)
+    todo = [p for p in prompts if p not in seen]
+    print(f"[finetune.distill] {len(prompts)} prompts, {len(prompts) - len(todo)} already done, {len(todo)} to go",
+          file=sys.stderr)
+    if not todo:
+        return 0
+
+    import torch
+    from tqdm.auto import tqdm
 
     from mars_core import load_model
 
-    prompts = read_prompts(args.prompts)
-    lm = load_model(args.model, device=args.device)
-    rows, dropped = distill(lm, prompts, args.max_new_tokens, args.batch_size, args.keep_truncated)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"wrote {len(rows)} rows to {out}" + (f"; dropped {dropped} truncated answers" if dropped else ""),
-          file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    kept = dropped = tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), unit="prompt", desc="distill", dynamic_ncols=True)
+    for rows, lost, n_tokens in distill_batches(lm, todo, args.max_new_tokens, args.batch_size, args.keep_truncated):
+        _append(out, rows)
+        _append(dropped_path(out), lost)
+        kept, dropped, tokens = kept + len(rows), dropped + len(lost), tokens + n_tokens
+        bar.update(len(rows) + len(lost))
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", kept=kept, dropped=dropped)
+    bar.close()
+    print(f"[finetune.distill] wrote {kept} rows to {out}; dropped {dropped} (see {dropped_path(out).name}); "
+          f"{tokens} tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except ValueError as exc:  # boundary errors: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

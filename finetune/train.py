@@ -98,6 +98,41 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return get_peft_model(model, lora)
 
 
+class MaskRow(nn.Module):
+    """The mask token's embedding as one trainable vector (``--train-mask-row``).
+
+    Forward hooks put it in place of the embedding's row wherever the input holds ``mask_id`` and, when the
+    LM head is tied to the embedding, in place of the head's logit column for ``mask_id``, so training sees
+    exactly the model that ``write_into`` produces at save time.
+    """
+
+    def __init__(self, lm: nn.Module, mask_id: int):
+        super().__init__()
+        embedding = lm.get_input_embeddings()
+        self.mask_id = mask_id
+        self.row = nn.Parameter(embedding.weight[mask_id].detach().float().clone())
+        embedding.register_forward_hook(self._embed)
+        head = lm.get_output_embeddings()
+        self.tied = head is not None and head.weight is embedding.weight
+        if self.tied:
+            head.register_forward_hook(self._head)
+
+    def _embed(self, module, args, output):
+        hit = (args[0] == self.mask_id).unsqueeze(-1)
+        return torch.where(hit, self.row.to(output.dtype), output)
+
+    def _head(self, module, args, output):
+        column = args[0] @ self.row.to(args[0].dtype)
+        output = output.clone()
+        output[..., self.mask_id] = column.to(output.dtype)
+        return output
+
+    @torch.no_grad()
+    def write_into(self, lm: nn.Module) -> None:
+        """Store the row in ``lm``'s embedding matrix (and so in a tied LM head): a plain checkpoint."""
+        lm.get_input_embeddings().weight[self.mask_id] = self.row.to(lm.get_input_embeddings().weight.dtype)
+
+
 class TrainModule(nn.Module):
     """Wraps the LM so that the loss runs inside ``forward``.
 
@@ -111,6 +146,7 @@ class TrainModule(nn.Module):
         self.model = model
         self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
         self.mask_label_smoothing = cfg.mask_label_smoothing
+        self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
 
     def causal_lm(self) -> nn.Module:
         """The transformers model (with LoRA layers injected in place when training LoRA)."""
@@ -250,7 +286,7 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     if not saved_path.is_file():
         return
     saved = json.loads(saved_path.read_text())
-    for key in ("base_model", "stage", "lora", "lora_r", "block_size", "ar_weight", "mask_label_smoothing",
+    for key in ("base_model", "stage", "lora", "lora_r", "train_mask_row", "block_size", "ar_weight", "mask_label_smoothing",
                 "random_block_offset", "data",
                 "builtin_weights", "seed", "batch_size", "grad_accum"):
         if key in saved and saved[key] != getattr(cfg, key):
@@ -313,6 +349,9 @@ def setup(cfg: TrainConfig) -> Run:
     pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
     module = TrainModule(model, cfg, base.mask_id)
+    if state is not None and module.mask_row is not None:
+        with torch.no_grad():
+            module.mask_row.row.copy_(state["mask_row"])
     if cfg.compile:
         # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
         decoder = module.causal_lm().model
@@ -388,6 +427,8 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
                     decoder.forward = compiled
         tmp = run.out / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        if train_module.mask_row is not None:
+            train_module.mask_row.write_into(model.get_base_model() if hasattr(model, "get_base_model") else model)
         model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
         write_json(tmp / "train_config.json", run.cfg.to_dict())
@@ -400,6 +441,7 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
             "rng": rng_state(),
             "elapsed": elapsed,
             "lora": lora_state,
+            "mask_row": None if train_module.mask_row is None else train_module.mask_row.row.detach().cpu().clone(),
             "num_processes": acc.num_processes,
         }
         torch.save(state, tmp / STATE_FILE)

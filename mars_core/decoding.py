@@ -183,6 +183,20 @@ def _sample(probs: torch.Tensor, top_p: float, generator) -> torch.Tensor:
     return tokens.reshape(b, k)
 
 
+def never_propose_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Logits [b, k, V] with the mask id ruled out at the mask rows q_1..q_{k-1}.
+
+    A mask position predicts a future token, never another mask; a reused special token (SmolLM2's
+    <repo_name>) may still carry probability there. q_0 is the plain AR prediction and stays untouched, so
+    one-token mode remains exactly greedy AR.
+    """
+    if logits.shape[1] < 2:
+        return logits
+    logits = logits.clone()
+    logits[:, 1:, mask_id] = float("-inf")
+    return logits
+
+
 def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: torch.Tensor,
                   eos_ids: torch.Tensor) -> torch.Tensor:
     """How many leading candidates each row accepts: [b, k] -> [b].
@@ -302,7 +316,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         keep = torch.arange(width - 1, width - 1 + k, device=device)   # q_0 .. q_{k-1}
         out = model(input_ids=ids, attention_mask=step_attention(kv_valid, valid), position_ids=pos,
                     cache=cache, use_cache=True, logits_to_keep=keep)
-        logits = out.logits                                     # [b_alive, k, V]
+        logits = never_propose_mask(out.logits, lm.mask_id)     # [b_alive, k, V]
         # Cache rollback, in this one place: drop the masks; the accepted tokens enter next step.
         if n_masks:
             cache.crop(-n_masks)
@@ -408,7 +422,7 @@ def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[Seq
             t0 = time.perf_counter()
             masks = [lm.mask_id] * (k if cfg.mode == "mars" else 0)
             logits = lm.model(input_ids=torch.tensor([seq + masks], device=device)).logits   # [1, T, V]
-            rows = logits[:, len(seq) - 1: len(seq) - 1 + k]                                    # q_0 .. q_{k-1}
+            rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + k], lm.mask_id)   # q_0 .. q_{k-1}
             tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
             limit = torch.tensor([min(budget - len(new), cfg.max_accept or k)], device=device)
             tau = cfg.tau if cfg.mode == "mars" else 1.0

@@ -243,3 +243,15 @@ def test_empty_and_too_long_prompts_are_rejected(llama_lm):
         generate(llama_lm, ["x" * 400], DecodeConfig())
     with pytest.raises(ValueError, match="non-empty list"):
         generate(llama_lm, [], DecodeConfig())
+
+
+def test_the_mask_id_is_never_proposed_at_a_mask_position_but_q0_is_untouched():
+    from mars_core.decoding import never_propose_mask
+
+    logits = torch.zeros(1, 4, 10)
+    logits[0, :, 3] = 5.0                  # the mask id (3) is everyone's argmax
+    logits[0, :, 6] = 4.0
+    out = never_propose_mask(logits, mask_id=3)
+    tokens, _ = propose(out)
+    assert tokens.tolist() == [[3, 6, 6, 6]]
+    assert torch.equal(out[0, 0], logits[0, 0]) and torch.equal(logits[0, 1, 3], torch.tensor(5.0))

@@ -16,8 +16,12 @@ def _tiny_model_dir(path):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():   # special tokens get logit 0 and lose to the best random one: answers are real text
+        for tid in tok.added_tokens_decoder:
+            model.lm_head.weight[tid] = 0.0
+    model.save_pretrained(path)
     return path
 
 
@@ -31,11 +35,15 @@ def test_distill_writes_the_models_greedy_answers(tmp_path):
     out = tmp_path / "d" / "data.jsonl"
     main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6",
           "--keep-truncated", "--device", "cpu"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["messages"][0]["content"] for r in rows] == ["What is 2 + 3?", "Sort in ascending order: 5, 1, 3"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    side = out.with_name(out.name + ".dropped.jsonl")
+    dropped = [json.loads(line) for line in side.read_text().splitlines()] if side.exists() else []
     lm = load_model(str(model_dir), device="cpu")
-    want = generate(lm, ["What is 2 + 3?"], DecodeConfig(mode="ar", max_new_tokens=6))[0].text
-    assert rows[0]["messages"][1] == {"role": "assistant", "content": want}
+    kept = {r["messages"][0]["content"]: r["messages"][1] for r in rows}
+    for prompt in ["What is 2 + 3?", "Sort in ascending order: 5, 1, 3"]:
+        want = generate(lm, [prompt], DecodeConfig(mode="ar", max_new_tokens=6))[0].text
+        assert want.strip() and kept[prompt] == {"role": "assistant", "content": want}
+    assert dropped == []
 
 
 def test_truncated_answers_are_dropped_by_default(tmp_path):
@@ -64,3 +72,58 @@ def test_bad_prompt_files_name_the_problem(tmp_path):
     good = tmp_path / "q.jsonl"
     good.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
     assert read_prompts(good) == ["a", "b"]
+
+
+def test_distill_resumes_without_repeating_a_prompt(tmp_path, monkeypatch):
+    import finetune.distill as distill_mod
+    from finetune.distill import dropped_path, main
+
+    model_dir = _tiny_model_dir(tmp_path / "m")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"What is {i} + 1?\n" for i in range(6)))
+    out = tmp_path / "data.jsonl"
+    flags = ["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
+             "--keep-truncated", "--device", "cpu", "--batch-size", "2"]
+    answered = []
+    real = distill_mod.distill_batches
+
+    def counting(lm, todo, *a, **k):
+        answered.extend(todo)
+        yield from real(lm, todo, *a, **k)
+
+    monkeypatch.setattr(distill_mod, "distill_batches", counting)
+    main(flags + ["--shard", "0/2"])                       # prompts 0, 2, 4
+    first = out.read_text()
+    with out.open("a") as fh:                               # a run killed mid-write leaves a torn line
+        fh.write('{"messages": [{"role": "user", "con')
+    main(flags)                                             # all six: only 1, 3, 5 are new
+    assert sorted(answered) == sorted(f"What is {i} + 1?" for i in range(6))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    kept_or_dropped = [r["messages"][0]["content"] for r in rows]
+    if dropped_path(out).exists():
+        kept_or_dropped += [json.loads(x)["prompt"] for x in dropped_path(out).read_text().splitlines()]
+    assert sorted(kept_or_dropped) == sorted(f"What is {i} + 1?" for i in range(6))
+    assert out.read_text().startswith(first)
+    answered.clear()
+    main(flags)                                             # nothing left to do: the model is not even loaded
+    assert answered == []
+
+
+def test_out_equal_to_the_prompts_file_is_refused_and_the_prompts_survive(tmp_path):
+    from finetune.distill import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 3?\n")
+    with pytest.raises(ValueError, match="prompts file"):
+        main(["--model", "tiny-mars", "--prompts", str(prompts), "--out", str(tmp_path / "." / "prompts.txt")])
+    assert prompts.read_text() == "What is 2 + 3?\n"
+    with pytest.raises(ValueError, match="K/N"):
+        main(["--model", "tiny-mars", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--shard", "2"])
+
+
+def test_looping_answers_are_recognised():
+    from finetune.distill import repeats_itself
+
+    assert repeats_itself([1, 2, 3, 4, 5, 6, 7, 8] * 3)
+    assert not repeats_itself(list(range(40)))
+    assert not repeats_itself([1, 2, 3, 4, 5, 6, 7, 8] * 2)

@@ -332,3 +332,53 @@ def test_the_training_loop_trains_on_the_random_grid_it_draws(tiny, tmp_path):
         first[name] = metrics(tmp_path / name)[0]
     assert first["random"]["loss_ar"] == pytest.approx(first["fixed"]["loss_ar"], abs=1e-6)
     assert abs(first["random"]["loss_mask"] - first["fixed"]["loss_mask"]) > 1e-4
+
+
+def test_the_mask_row_trains_is_saved_in_the_tied_embedding_and_resumes_exactly(tiny, tmp_path):
+    from mars_core import load_model
+
+    model_dir, _ = tiny
+    mask_id = load_model(str(model_dir), device="cpu", cpu_layout=False).mask_id
+    flags = ["--lora", "--lora-r", "4", "--lr", "1e-2", "--stage", "mars", "--train-mask-row", "--decay", "constant"]
+    out = tmp_path / "run"
+    main(common_flags(tiny, out, *flags, "--max-steps", "2"))
+    merged, base = weights(out / "checkpoint-2"), weights(model_dir)
+    emb, emb0 = merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"]
+    assert not torch.equal(emb[mask_id], emb0[mask_id])            # the row was trained and written
+    others = torch.ones(emb.shape[0], dtype=torch.bool)
+    others[mask_id] = False
+    assert torch.equal(emb[others], emb0[others])                   # and no other row
+    state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+    torch.testing.assert_close(state["mask_row"], emb[mask_id].float(), atol=0, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight   # still one tied matrix
+
+    straight = tmp_path / "straight"
+    main(common_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2"))
+    main(common_flags(tiny, out, *flags, "--max-steps", "3"))
+    a, b = weights(straight / "checkpoint-3"), weights(out / "checkpoint-3")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_training_with_the_mask_row_sees_the_model_it_saves(tiny):
+    """The hooks make the training forward equal a plain forward of the model with the row written in."""
+    import copy
+
+    from finetune.config import TrainConfig
+    from finetune.train import TrainModule
+    from mars_core import load_model
+
+    model_dir, _ = tiny
+    lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
+    module = TrainModule(copy.deepcopy(lm.model), TrainConfig(stage="mars", train_mask_row=True), lm.mask_id)
+    with torch.no_grad():
+        module.mask_row.row.add_(torch.randn_like(module.mask_row.row))
+    plain = copy.deepcopy(lm.model)
+    module.mask_row.write_into(plain)
+    ids = torch.tensor([[5, 9, lm.mask_id, lm.mask_id, 7]])
+    with torch.no_grad():
+        hooked = module.causal_lm()(input_ids=ids).logits
+        want = plain(input_ids=ids).logits
+    torch.testing.assert_close(hooked, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(hooked, lm.model(input_ids=ids).logits, atol=1e-3)

@@ -1,0 +1,69 @@
+"""finetune.natural: the natural-prompt generator, its splits and the checkable set's checker."""
+
+from collections import Counter
+
+import pytest
+
+from finetune.natural import (CATEGORIES, CheckItem, check, checkable_set, main, natural_prompts, prompt_table,
+                              split_of)
+
+
+def test_the_two_splits_share_no_prompt_and_no_subject():
+    train, held = prompt_table("train"), prompt_table("heldout")
+    assert len(train) + len(held) >= 3000
+    assert not {p for *_, p in train} & {p for *_, p in held}
+    assert not {(c, s) for c, s, _ in train} & {(c, s) for c, s, _ in held}
+    assert all(split_of(c, s) == "heldout" for c, s, _ in held)
+
+
+def test_prompts_are_distinct_seeded_and_every_category_is_in_train():
+    a, b, c = natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=1)
+    assert a == b and a != c and len(set(a)) == 3000
+    cats = Counter(cat for cat, _, p in prompt_table("train") if p in set(a))
+    assert set(cats) == set(CATEGORIES)
+    # a short prefix is already balanced: the first 15 come from 15 different categories
+    first = natural_prompts("heldout", 15, seed=0)
+    by_prompt = {p: cat for cat, _, p in prompt_table("heldout")}
+    assert len({by_prompt[p] for p in first}) == 15
+
+
+def test_asking_for_more_prompts_than_a_split_holds_names_the_size():
+    size = len(prompt_table("heldout"))
+    with pytest.raises(ValueError, match=str(size)):
+        natural_prompts("heldout", size + 1)
+    with pytest.raises(ValueError, match="split"):
+        natural_prompts("dev", 3)
+
+
+def test_the_checkable_set_is_large_distinct_and_never_a_training_prompt():
+    items = checkable_set()
+    assert len(items) >= 300 and len({i.prompt for i in items}) == len(items)
+    train = {p for *_, p in prompt_table("train")}
+    assert not {i.prompt for i in items} & train
+    assert checkable_set(10, seed=0) == checkable_set(10, seed=0) != checkable_set(10, seed=1)
+
+
+def test_checker_reads_words_and_numbers_as_whole_tokens():
+    paris = CheckItem("What is the capital of France?", ("paris",), "capital")
+    assert check(paris, "The capital of France is Paris.")
+    assert not check(paris, "It is Lyon.") and not check(paris, "Parisian food is good.")
+    add = CheckItem("What is 7 + 5?", ("12",), "arithmetic", numeric=True)
+    assert check(add, "To add 7 and 5: 7 + 5 = 12.")
+    assert not check(add, "7 + 5 = 13, or 120 if you like") and not check(add, "It is 1.2 or 12.5")
+    big = CheckItem("How many metres are in a kilometre?", ("1000",), "unit", numeric=True)
+    assert check(big, "There are 1,000 metres in a kilometre.")
+    freeze = CheckItem("What is the freezing point of water in Celsius?", ("0", "zero"), "fact", numeric=True)
+    assert check(freeze, "Water freezes at zero degrees.") and check(freeze, "It is 0 °C.")
+
+
+def test_arithmetic_answers_are_never_an_operand():
+    for item in checkable_set():
+        if item.kind == "arithmetic":
+            operands = [w.strip("?") for w in item.prompt.split() if w.strip("?").isdigit()]
+            assert item.answers[0] not in operands
+
+
+def test_cli_writes_one_prompt_per_line(tmp_path):
+    out = tmp_path / "p.txt"
+    assert main(["--split", "heldout", "--n", "20", "--out", str(out)]) == 0
+    assert out.read_text().splitlines() == natural_prompts("heldout", 20)
