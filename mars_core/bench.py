@@ -37,10 +37,15 @@ GENERAL_PROMPTS = [
 
 
 def default_prompts(model_name: str) -> list[str]:
-    """Held-out task prompts for the embedded models, general questions for anything else."""
+    """Held-out prompts of what each embedded model was trained on: tasks for the tiny models, the natural
+    held-out set for smollm2-mars (trained on the natural train split); general questions for anything else."""
     tasks = ASSETS / "prompts" / "tasks-heldout.txt"
     if model_name.startswith("tiny-") and tasks.exists():
         return read_prompts(str(tasks))
+    if model_name.lower() == "smollm2-mars":
+        from finetune.natural import natural_prompts  # lazy: only this model needs the catalogue
+
+        return natural_prompts("heldout", 16)
     return list(GENERAL_PROMPTS)
 
 

@@ -20,7 +20,8 @@ from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"embedded name (tiny-mars, tiny-ar-sft, smollm2), local folder, .gguf or hub id (default {DEFAULT_MODEL})")
+                   help="embedded name (tiny-mars, tiny-ar-sft, smollm2, smollm2-mars = SmolLM2 + its MARS adapter), "
+                        f"local checkpoint or adapter folder, .gguf or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is one-token (AR) mode")
     p.add_argument("--criterion", choices=CRITERIA, default="prob",
                    help="what must reach τ: prob (the candidate's probability, the paper's), entropy (exp(-H)), margin (p1 - p2)")

