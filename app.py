@@ -1,4 +1,9 @@
-"""MARS Playground: `python app.py [--host 127.0.0.1] [--port 7860] [--model tiny-mars]`."""
+"""MARS Playground: `python app.py [--host 127.0.0.1] [--port 7860] [--model tiny-mars]`.
+
+Without --model the page starts on tiny-mars at once while smollm2-mars (when its adapter is in
+assets/) is built and loaded in the background; free text then moves to it, unless the user picked
+a model. The task-suite parts stay on tiny-mars.
+"""
 import argparse
 import os
 import threading
@@ -11,7 +16,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="MARS Playground (Gradio)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--model", default="tiny-mars", help="model loaded at start-up (name, path or hub id)")
+    parser.add_argument("--model", default=None,
+                        help="model loaded at start-up and kept (name, path or hub id); default: start on tiny-mars "
+                             "and move free text to smollm2-mars once it is ready")
     parser.add_argument("--runs-dir", default=None, help="where Finetune runs live (default: ./runs)")
     parser.add_argument("--allow-hub", action="store_true",
                         help="let the model field download hub ids (off by default: the app makes no network calls)")
@@ -26,19 +33,29 @@ def main(argv=None):
         os.environ["HF_HUB_OFFLINE"] = "1"
 
     from app import models
-    builtin = [v for _, v in models.BUILTIN_MODELS]
+    builtin = models.builtin_names()
+    start_model = args.model or models.DEFAULT_MODEL
     t0 = time.perf_counter()
+    preloaded = threading.Event()
 
     def preload():  # load and warm up the start-up model while the server starts (a race waits for it)
         try:
             import torch
             torch.set_num_threads(args.threads)
-            models.get_model(models.resolve(args.model) if args.model in builtin else models.resolve("", args.model))
-            print(f"[app] model {args.model!r} ready ({time.perf_counter() - t0:.1f} s)", flush=True)
+            named = start_model in builtin or start_model == models.SMOLLM2_MARS   # a name, not a path
+            models.get_model(models.resolve(start_model) if named else models.resolve("", start_model))
+            print(f"[app] model {start_model!r} ready ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as exc:
-            print(f"[app] warning: could not preload {args.model!r}: {models.friendly_error(exc)}", flush=True)
+            print(f"[app] warning: could not preload {start_model!r}: {models.friendly_error(exc)}", flush=True)
+        finally:
+            preloaded.set()
 
     threading.Thread(target=preload, daemon=True).start()   # torch/transformers import beside gradio's
+    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's,
+    # in their own thread; the page polls models.prepare_status() and never waits for it.
+    if models.start_background_prepare(wait_for=preloaded, log=lambda msg: print(f"[app] {msg}", flush=True)):
+        print(f"[app] {models.SMOLLM2_MARS} loads in the background ({models.PREPARE_ESTIMATE}; "
+              "seconds when built before)", flush=True)
 
     import gradio as gr
     from app import ui

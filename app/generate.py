@@ -85,7 +85,8 @@ def load_model_ui(choice, free_text, jobs=None):
         yield f"⚠ {models.friendly_error(exc)}"
         return
     if not models.is_loaded(name):
-        yield f"Loading **{name}** … (first load of a model takes a few seconds)"
+        note = models.loading_note(name) or " (first load of a model takes a few seconds)"
+        yield f"Loading **{name}** …{note}"
     try:
         lm, secs = models.load_with_timing(name)
     except Exception as exc:
@@ -158,7 +159,7 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
     try:
         for n in dict.fromkeys([name, ar_name]):
             if not models.is_loaded(n):
-                yield _outputs(f"Loading **{n}** …", mars, ar, ar_label)
+                yield _outputs(f"Loading **{n}** …{models.loading_note(n)}", mars, ar, ar_label)
             models.get_model(n)
         lm, ar_lm = models.get_model(name), models.get_model(ar_name)
     except Exception as exc:
@@ -221,3 +222,27 @@ def examples_for(choice, free_text="", jobs=None):
     name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
     prompts = models.example_prompts(name, jobs=jobs)
     return gr.update(choices=prompts, value=None)
+
+
+PREPARE_POLL_S = 2.0  # how often the page asks about the background model (gr.Timer in ui.py)
+
+
+def poll_default_model(choice, free_text="", picked=False, jobs=None):
+    """Timer tick / page load: the background model's status line, and the switch to it once it is ready.
+
+    Returns (status markdown, picker update, examples update, timer update). The picker moves to
+    smollm2-mars only when it is ready, the user has not picked a model (`picked`, set by the picker's
+    input event) and the free field is empty; the examples follow it. The timer stops once nothing is
+    left to wait for (ready, failed, not available, never started).
+    """
+    st = models.prepare_status()
+    target = models.PREPARER.name
+    stop = gr.Timer(active=False)
+    if st["state"] == "preparing":
+        return st["text"], gr.skip(), gr.skip(), gr.skip()
+    if st["state"] != "ready":
+        return st["text"], gr.skip(), gr.skip(), stop
+    if picked or (free_text or "").strip() or choice == target or target not in models.builtin_names():
+        return st["text"], gr.skip(), gr.skip(), stop
+    return (st["text"], gr.update(choices=models.model_choices(jobs), value=target),
+            gr.update(choices=models.example_prompts(target, jobs=jobs), value=None), stop)

@@ -1,9 +1,12 @@
 """Which models the app may load, loading them once, and example prompts that suit each.
 
-The picker offers the embedded models, SmolLM2 (offline), finished Finetune runs
-(addressed as "run:<name>", resolved inside the runs directory only) and a free
-field: a local directory / .gguf file or a hub id the user types. Loading itself is
-`mars_core.load_model`; this module only validates names and caches results.
+The picker offers the embedded models, smollm2-mars (SmolLM2 + the MARS LoRA in
+assets/smollm2-mars, listed only when that folder holds an adapter), SmolLM2 (offline),
+finished Finetune runs (addressed as "run:<name>", resolved inside the runs directory
+only) and a free field: a local directory / .gguf file or a hub id the user types.
+Loading itself is `mars_core.load_model`; this module only validates names and caches
+results, and `PREPARER` builds and loads smollm2-mars in a background thread at app start
+(its first build takes ~40 s), so the page works on tiny-mars meanwhile.
 """
 from __future__ import annotations
 
@@ -17,10 +20,18 @@ BUILTIN_MODELS = [
     ("tiny-ar-sft — embedded AR-SFT baseline", "tiny-ar-sft"),
     ("smollm2 — SmolLM2-135M-Instruct (offline, AR only)", "smollm2"),
 ]
-DEFAULT_MODEL = "tiny-mars"
+# The MARS-trained real-language model: listed (first) only while its adapter folder exists.
+SMOLLM2_MARS = "smollm2-mars"
+SMOLLM2_MARS_ENTRY = ("smollm2-mars — SmolLM2-135M taught MARS here (B=4, real language)", SMOLLM2_MARS)
+SMOLLM2_MARS_DIR = Path(__file__).resolve().parent.parent / "assets" / SMOLLM2_MARS
+ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
+DEFAULT_MODEL = "tiny-mars"       # the page starts here; the task-suite parts (built-in sweep, Learn) stay here
+TASK_MODEL = "tiny-mars"
+FREE_TEXT_DEFAULT = SMOLLM2_MARS  # the default for free text once PREPARER has it ready
 SAME_MODEL = "same"  # AR baseline = the selected checkpoint in one-token mode
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 TINY_MODELS = ("tiny-mars", "tiny-ar-sft")
+NATURAL_MODELS = (SMOLLM2_MARS, "smollm2", "smollm2-135m-instruct")  # real-language models: natural prompts
 
 GENERAL_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -31,12 +42,27 @@ GENERAL_PROMPTS = [
 ]
 
 _cache: dict[str, object] = {}
-_lock = threading.Lock()
+_lock = threading.Lock()                    # guards _name_locks
+_name_locks: dict[str, threading.Lock] = {}  # one per model: loading one never blocks another
+
+
+def smollm2_mars_available() -> bool:
+    """Whether assets/smollm2-mars holds an adapter (cheap: two file checks, no torch import)."""
+    return all((SMOLLM2_MARS_DIR / f).is_file() for f in ADAPTER_FILES)
+
+
+def builtin_models() -> list[tuple[str, str]]:
+    """The named models of the picker: smollm2-mars first when its adapter exists, then BUILTIN_MODELS."""
+    return ([SMOLLM2_MARS_ENTRY] if smollm2_mars_available() else []) + list(BUILTIN_MODELS)
+
+
+def builtin_names() -> list[str]:
+    return [v for _, v in builtin_models()]
 
 
 def model_choices(jobs=None) -> list[tuple[str, str]]:
     """(label, value) pairs for the picker; finished runs come last, newest first."""
-    choices = list(BUILTIN_MODELS)
+    choices = builtin_models()
     if jobs is not None:
         for name, _path in jobs.finished_checkpoints():
             choices.append((f"run: {name} (your finetune)", f"run:{name}"))
@@ -71,7 +97,10 @@ def resolve(choice: str, free_text: str = "", jobs=None) -> str:
         if jobs is None:
             raise ValueError("finetune runs are not available in this app")
         return jobs.checkpoint_for(choice[4:])
-    known = [v for _, v in BUILTIN_MODELS]
+    known = builtin_names()
+    if choice == SMOLLM2_MARS and choice not in known:
+        raise ValueError(f"{SMOLLM2_MARS} is not available: its adapter is missing in assets/{SMOLLM2_MARS} "
+                         f"(build it with `python -m finetune.recipe_smollm2`)")
     if choice not in known:
         raise ValueError(f"model {choice!r} is not in the list {known}; type other paths in the free field")
     return choice
@@ -81,9 +110,25 @@ def is_loaded(name: str) -> bool:
     return name in _cache
 
 
+def task_model(choice: str, free_text: str = "", picked: bool = True, jobs=None) -> str:
+    """The model for the task-suite parts (the explorer's built-in sweep, the Learn step).
+
+    The user's choice when they picked one (picker or free field); otherwise tiny-mars, the model
+    trained on the task suite, even after the picker switched itself to smollm2-mars for free text.
+    """
+    if not picked and not (free_text or "").strip():
+        return TASK_MODEL
+    return resolve(choice, free_text, jobs)
+
+
 def get_model(name: str):
-    """mars_core.load_model(name), loaded once per server process (thread-safe)."""
+    """mars_core.load_model(name), loaded once per server process (thread-safe, one lock per model)."""
+    lm = _cache.get(name)
+    if lm is not None:
+        return lm
     with _lock:
+        lock = _name_locks.setdefault(name, threading.Lock())
+    with lock:
         if name not in _cache:
             from mars_core import load_model
             lm = load_model(name)
@@ -135,12 +180,135 @@ def _trained_on_builtin(name: str, jobs=None) -> bool:
 
 def example_prompts(name: str, n: int = 6, jobs=None) -> list[str]:
     """Prompts that suit the model: held-out task prompts for the tiny models and anything trained on the
-    built-in suite, general prompts otherwise."""
-    if name in TINY_MODELS or _trained_on_builtin(name, jobs):
+    built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts
+    followed by natural held-out prompts (`finetune.natural`: subjects no training prompt mentions);
+    general prompts otherwise."""
+    if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name, jobs)):
         try:
             from finetune.tasks import make_examples
             examples = make_examples("heldout", n, seed=0)
             return [ex["messages"][0]["content"] for ex in examples]
         except Exception:  # finetune.tasks missing or broken: fall back to general prompts
             pass
+    if name in NATURAL_MODELS:
+        curated = [GENERAL_PROMPTS[0], GENERAL_PROMPTS[2], GENERAL_PROMPTS[3]]
+        try:
+            from finetune.natural import natural_prompts
+            return list(dict.fromkeys(curated + natural_prompts("heldout", n, seed=0)))
+        except Exception:  # finetune.natural missing or broken: the general prompts still suit the model
+            pass
     return list(GENERAL_PROMPTS)
+
+
+# ----------------------------------------------------------------------------- background preparation
+PREPARE_ESTIMATE = "about 40 s, first start only"
+
+
+class BackgroundPreparer:
+    """Builds (mars_core.loading.prepare) and loads (get_model, warm) one model in a daemon thread.
+
+    States: "idle" (not started), "not-available" (its assets are missing), "preparing", "ready",
+    "failed" (with a one-line reason). `status()` is cheap and safe to call from any thread.
+    """
+
+    def __init__(self, name: str = SMOLLM2_MARS, available=None):
+        self.name = name
+        self._available = available or (lambda: smollm2_mars_available())  # looked up at call time
+        self._lock = threading.Lock()
+        self.state = "idle"
+        self.first_start: bool | None = None   # None until known: True = the slow one-time build runs
+        self.error = ""
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, wait_for: threading.Event | None = None, log=None, wait_limit_s: float = 300.0) -> bool:
+        """Start the thread (once); False when the model is not available. The thread waits for
+        `wait_for` first (the start-up model's preload), so that model gets the CPU first."""
+        with self._lock:
+            if self.thread is not None or self.state in ("preparing", "ready"):
+                return True
+            if not self._available():
+                self.state = "not-available"
+                return False
+            self.state, self.error, self.first_start = "preparing", "", None
+            self.started_at, self.finished_at = time.monotonic(), None
+            self.thread = threading.Thread(target=self._run, args=(wait_for, log, wait_limit_s), daemon=True,
+                                           name=f"prepare-{self.name}")
+        self.thread.start()
+        return True
+
+    def _run(self, wait_for, log, wait_limit_s) -> None:
+        try:
+            if wait_for is not None:
+                wait_for.wait(wait_limit_s)
+            from mars_core import loading
+            first = not loading.is_prepared(self.name)
+            with self._lock:
+                self.first_start = first
+            if first:
+                loading.prepare(self.name)   # the slow one-time build, cached on disk
+            get_model(self.name)             # load and warm up: a race on it starts at once
+            with self._lock:
+                self.state, self.finished_at = "ready", time.monotonic()
+            if log:
+                log(f"{self.name} ready ({self.finished_at - self.started_at:.1f} s)")
+        except Exception as exc:   # never a traceback: one line on the page, the app stays on tiny-mars
+            with self._lock:
+                self.state, self.error, self.finished_at = "failed", friendly_error(exc), time.monotonic()
+            if log:
+                log(f"{self.name} unavailable: {self.error} (free text stays on {TASK_MODEL})")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the thread (tests); True when it has finished."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.thread is None or not self.thread.is_alive()
+
+    def status(self) -> dict:
+        """{"state", "elapsed_s", "error", "text"}: text is the one status line for the page."""
+        with self._lock:
+            state, error, first = self.state, self.error, self.first_start
+            t0, t1 = self.started_at, self.finished_at
+        if state == "idle" and not self._available():
+            state = "not-available"
+        elapsed = 0.0 if t0 is None else (t1 if t1 is not None else time.monotonic()) - t0
+        name = self.name
+        if state == "preparing":
+            if first is False:
+                text = (f"⏳ loading {name} (prepared on an earlier start: a few seconds) — {elapsed:.0f} s so far; "
+                        "the page works meanwhile")
+            else:
+                text = (f"⏳ preparing {name}, {PREPARE_ESTIMATE} — {elapsed:.0f} s so far; "
+                        "the page works meanwhile")
+        elif state == "ready":
+            text = f"✓ {name} ready (took {elapsed:.0f} s): the default model for free text"
+        elif state == "failed":
+            text = f"⚠ {name} failed: {error} — free text stays on {TASK_MODEL}"
+        elif state == "not-available":
+            text = (f"{name} is not available here (no adapter in assets/{name}; `python -m finetune.recipe_smollm2` "
+                    f"builds it): free text runs on {TASK_MODEL}")
+        else:
+            text = ""
+        return {"state": state, "elapsed_s": elapsed, "error": error, "text": text}
+
+
+PREPARER = BackgroundPreparer()
+
+
+def start_background_prepare(wait_for: threading.Event | None = None, log=None) -> bool:
+    """At app start: build and load smollm2-mars in the background when its adapter exists."""
+    return PREPARER.start(wait_for=wait_for, log=log)
+
+
+def prepare_status() -> dict:
+    """The background model's state for the page to poll (see BackgroundPreparer.status)."""
+    return PREPARER.status()
+
+
+def loading_note(name: str) -> str:
+    """' (preparing …)' while the background preparer is still building `name`, else ''."""
+    st = PREPARER.status() if name == PREPARER.name else None
+    if st and st["state"] == "preparing":
+        return f" ({st['text'].removeprefix('⏳ ').split(';')[0]})"
+    return ""

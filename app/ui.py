@@ -69,13 +69,18 @@ keeps them left to right while their confidence is at least **τ**. Easy spans a
 hard tokens one by one — and with τ off it is exactly greedy AR decoding."""
 
 
-def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = RUNS_DIR,
+def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
              launcher: str = "accelerate") -> gr.Blocks:
+    """default_model None = automatic: start on tiny-mars and move free text to smollm2-mars once the
+    background preparer (models.PREPARER, started by app.py) has it ready; a named model is the user's
+    choice and stays."""
     jobs = JobManager(runs_dir, launcher=launcher)
-    builtin = [v for _, v in models.BUILTIN_MODELS]
-    picker_value = default_model if default_model in builtin else models.DEFAULT_MODEL
-    free_value = "" if default_model in builtin else default_model
-    first_examples = models.example_prompts(default_model)
+    auto = default_model is None
+    start_model = models.DEFAULT_MODEL if auto else default_model
+    builtin = models.builtin_names()
+    picker_value = start_model if start_model in builtin else models.DEFAULT_MODEL
+    free_value = "" if start_model in builtin else start_model
+    first_examples = models.example_prompts(start_model)
 
     with gr.Blocks(title="MARS Playground", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
@@ -84,10 +89,14 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                                 elem_id="model-picker")
             free = gr.Textbox(value=free_value, label="…or a local path / hub id", scale=3, max_length=300,
                               placeholder="/path/to/checkpoint or owner/model (overrides the list)")
-            ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.BUILTIN_MODELS,
+            ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.builtin_models(),
                                     value=models.SAME_MODEL, label="AR baseline", scale=2, elem_id="ar-picker")
             load_btn = gr.Button("Load model", scale=1)
         model_status = gr.Markdown("", elem_id="model-status")
+        # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
+        prep_status = gr.Markdown("", elem_id="prep-status")
+        prep_timer = gr.Timer(generate.PREPARE_POLL_S)
+        picked = gr.State(not auto)  # True once the user chose a model: the page then never switches it
 
         with gr.Tabs():
             # ---------------------------------------------------------------- Generate
@@ -144,7 +153,9 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
             with gr.Tab("τ explorer", id="explorer"):
                 gr.Markdown("Sweep τ over a set of prompts with the model chosen above. Built-in tasks are scored "
                             "by exact answer; pasted prompts by **agreement with the model's own AR output** "
-                            "(identical tokens). Speedup = AR time ÷ MARS time, measured alternately, batch 1.")
+                            "(identical tokens). Speedup = AR time ÷ MARS time, measured alternately, batch 1. "
+                            f"Until you pick a model yourself, built-in tasks run on **{models.TASK_MODEL}** (trained "
+                            f"on them) even when free text has moved to {models.FREE_TEXT_DEFAULT}.")
                 with gr.Row():
                     source = gr.Radio([("built-in held-out tasks", "builtin"), ("my prompts (one per line)", "free")],
                                       value="builtin", label="prompts", scale=2)
@@ -179,6 +190,8 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 with gr.Row():
                     with gr.Column(scale=2):
                         gr.Markdown(learn.STEP_TEXT)
+                        gr.Markdown(f"Runs on **{models.TASK_MODEL}** until you pick a model above.",
+                                    elem_classes="defs")
                         step_btn = gr.Button("Lay out the first step of the Generate tab's prompt", variant="primary",
                                              elem_id="learn-step-btn")
                     with gr.Column(scale=3):
@@ -229,6 +242,13 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                 partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
         examples.change(lambda p, cur: p or cur, [examples, prompt], prompt)
         demo.load(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
+        # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
+        model.input(lambda: True, None, picked, show_progress="hidden", concurrency_limit=None)
+        prep_inputs, prep_outputs = [model, free, picked], [prep_status, model, examples, prep_timer]
+        prep_timer.tick(partial(generate.poll_default_model, jobs=jobs), prep_inputs, prep_outputs,
+                        show_progress="hidden", concurrency_limit=None)
+        demo.load(partial(generate.poll_default_model, jobs=jobs), prep_inputs, prep_outputs,
+                  show_progress="hidden")
 
         race_outputs = [race_status, mars_html, ar_html, stats, tpf_plot, acc_plot, diff_plot, ledger_step, ledger,
                         race_state]
@@ -248,11 +268,13 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
         ledger_side.change(generate.ledger_side_changed, [race_state, ledger_side], [ledger_step, ledger],
                            show_progress="hidden")
 
-        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, progress=gr.Progress()):
+        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, user_picked,
+                      progress=gr.Progress()):
             try:
                 taus = explorer.parse_taus(taus_s)
                 crit = generate.check_criterion(crit)
-                name = models.resolve(choice, free_text, jobs)
+                name = (models.resolve(choice, free_text, jobs) if src == "free"
+                        else models.task_model(choice, free_text, user_picked, jobs))  # tasks: tiny-mars by default
                 lm = models.get_model(name)
                 if src == "free":
                     rows = explorer.sweep_free(lm, explorer.parse_prompts(prompts_s), taus, int(b), int(mx), progress,
@@ -267,7 +289,7 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
                     explorer.pareto_figure(rows), explorer.table_rows(rows), path)
 
         sweep_btn.click(run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new,
-                                    ex_criterion],
+                                    ex_criterion, picked],
                         [sweep_status, pareto, table, export], concurrency_id="model")
 
         def show_mask(n, b):
@@ -280,17 +302,18 @@ def build_ui(default_model: str = models.DEFAULT_MODEL, runs_dir: str | Path = R
             comp.change(show_mask, [mask_n, mask_b], mask_plot, show_progress="hidden")
         demo.load(show_mask, [mask_n, mask_b], mask_plot)
 
-        def one_step(choice, free_text, p, t, off, b, crit):
+        def one_step(choice, free_text, p, t, off, b, crit, user_picked):
             try:
                 p, t, b, _, _ = generate.check_inputs(p, t, off, b, 8, 0.0)
                 crit = generate.check_criterion(crit)
-                lm = models.get_model(models.resolve(choice, free_text, jobs))
+                lm = models.get_model(models.task_model(choice, free_text, user_picked, jobs))
                 event = learn.first_step(lm, p, t, b, crit)
                 return learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
             except Exception as exc:
                 return f"<p>⚠ {models.friendly_error(exc)}</p>", gr.skip()
 
-        step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size, criterion], [step_view, conf_plot],
+        step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size, criterion, picked],
+                       [step_view, conf_plot],
                        concurrency_id="model")
 
         ft_inputs = [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora]

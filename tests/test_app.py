@@ -398,3 +398,296 @@ def test_builtin_sweep_uses_the_task_evaluator(tiny_dir):
     assert len(rows) == 1 and rows[0]["n"] == 2 and rows[0]["quality_name"] == "accuracy"
     assert rows[0]["quality"] == rows[0]["accuracy"] and rows[0]["tokens_per_forward"] == 1.0
     assert explorer.table_rows(rows)[0][0] == "off"
+
+
+# ----------------------------------------------------------------------------- smollm2-mars as the free-text default
+def _fake_adapter(tmp_path, monkeypatch, files=models.ADAPTER_FILES):
+    """Point models at an assets/smollm2-mars folder holding `files` (nothing is ever loaded from it)."""
+    folder = tmp_path / "assets" / "smollm2-mars"
+    folder.mkdir(parents=True)
+    for f in files:
+        (folder / f).write_text("{}")
+    monkeypatch.setattr(models, "SMOLLM2_MARS_DIR", folder)
+    return folder
+
+
+def _values(choices):
+    return [v for _, v in choices]
+
+
+def _dropdown(demo, elem_id):
+    return next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == elem_id)
+
+
+def test_picker_lists_smollm2_mars_only_when_its_adapter_exists(tmp_path, monkeypatch):
+    from app.ui import build_ui
+    folder = _fake_adapter(tmp_path, monkeypatch, files=("adapter_config.json",))   # weights not written yet
+    assert "smollm2-mars" not in _values(models.model_choices())
+    with pytest.raises(ValueError, match="smollm2-mars is not available"):
+        models.resolve("smollm2-mars")
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    assert "smollm2-mars" not in _values(_dropdown(demo, "model-picker").choices)
+    assert "smollm2-mars" not in _values(_dropdown(demo, "ar-picker").choices)
+
+    (folder / "adapter.safetensors").write_text("{}")
+    choices = models.model_choices()
+    assert choices[0] == ("smollm2-mars — SmolLM2-135M taught MARS here (B=4, real language)", "smollm2-mars")
+    assert _values(choices)[1:] == _values(models.BUILTIN_MODELS)   # the others keep their order
+    assert models.resolve("smollm2-mars") == "smollm2-mars"
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs2")
+    assert "smollm2-mars" in _values(_dropdown(demo, "model-picker").choices)
+    assert _dropdown(demo, "model-picker").value == "tiny-mars"
+
+
+def test_example_prompts_are_natural_for_smollm2_and_task_prompts_for_tiny():
+    from finetune.natural import natural_prompts
+    from finetune.tasks import make_examples
+    natural = set(natural_prompts("heldout"))
+    tasks = [ex["messages"][0]["content"] for ex in make_examples("heldout", 6, seed=0)]
+    for name in ("smollm2-mars", "smollm2"):
+        ex = models.example_prompts(name)
+        assert len(ex) == len(set(ex)) >= 6
+        held = [p for p in ex if p in natural]
+        assert len(held) >= 6, ex                                       # mostly natural held-out prompts
+        assert all(p in natural or p in models.GENERAL_PROMPTS for p in ex)   # the rest: curated general ones
+        assert not set(ex) & set(tasks)
+    assert models.example_prompts("tiny-mars") == tasks
+    assert not set(models.example_prompts("tiny-mars")) & natural
+    update = generate.examples_for("smollm2-mars")
+    assert update["choices"] == models.example_prompts("smollm2-mars") and update["value"] is None
+
+
+@pytest.fixture()
+def preparer(monkeypatch):
+    """A fresh background preparer for smollm2-mars with fake prepare / is_prepared / get_model."""
+    from mars_core import loading
+    calls = {"prepare": [], "get_model": []}
+    gates = {"prepare": None, "get_model": None}
+    state = {"prepared": False, "prepare_error": None}
+
+    def fake_is_prepared(name):
+        return state["prepared"]
+
+    def fake_prepare(name):
+        calls["prepare"].append(name)
+        if gates["prepare"] is not None:
+            assert gates["prepare"].wait(30)
+        if state["prepare_error"] is not None:
+            raise state["prepare_error"]
+        return "/fake/merged"
+
+    def fake_get_model(name):
+        calls["get_model"].append(name)
+        if gates["get_model"] is not None:
+            assert gates["get_model"].wait(30)
+        return object()
+
+    monkeypatch.setattr(loading, "is_prepared", fake_is_prepared)
+    monkeypatch.setattr(loading, "prepare", fake_prepare)
+    monkeypatch.setattr(models, "get_model", fake_get_model)
+    prep = models.BackgroundPreparer("smollm2-mars", available=lambda: True)
+    monkeypatch.setattr(models, "PREPARER", prep)
+    return prep, calls, gates, state
+
+
+def _is_skip(update):
+    return isinstance(update, dict) and update == {"__type__": "update"}
+
+
+def _stops(timer_update):
+    import gradio as gr
+    return isinstance(timer_update, gr.Timer) and timer_update.active is False
+
+
+def test_preparer_goes_from_preparing_to_ready(preparer):
+    import threading
+    prep, calls, gates, _ = preparer
+    assert models.prepare_status()["state"] == "idle" and calls == {"prepare": [], "get_model": []}
+    gates["prepare"] = threading.Event()
+    waited = threading.Event()
+    assert models.start_background_prepare(wait_for=waited)
+    st = models.prepare_status()
+    assert st["state"] == "preparing"
+    assert "preparing smollm2-mars, about 40 s, first start only" in st["text"] and "s so far" in st["text"]
+    time.sleep(0.2)
+    assert calls["prepare"] == []                    # it waits for the start-up model first
+    waited.set()
+    deadline = time.time() + 10
+    while not calls["prepare"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert calls["prepare"] == ["smollm2-mars"] and calls["get_model"] == []
+    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    assert "preparing smollm2-mars" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
+    assert "preparing smollm2-mars" in models.loading_note("smollm2-mars") and models.loading_note("tiny-mars") == ""
+    gates["prepare"].set()
+    assert prep.wait(10)
+    assert calls["get_model"] == ["smollm2-mars"]    # loaded (and warmed) right after the build
+    st = models.prepare_status()
+    assert st["state"] == "ready" and "preparing" not in st["text"] and "ready" in st["text"]
+    assert models.start_background_prepare() and calls["prepare"] == ["smollm2-mars"]   # once only
+
+
+def test_preparer_loads_a_model_built_on_an_earlier_start_in_the_background(preparer):
+    import threading
+    prep, calls, gates, state = preparer
+    state["prepared"] = True
+    gates["get_model"] = threading.Event()
+    assert prep.start()
+    deadline = time.time() + 10
+    while not calls["get_model"] and time.time() < deadline:
+        time.sleep(0.01)
+    st = prep.status()
+    assert st["state"] == "preparing" and "earlier start" in st["text"] and "about 40 s" not in st["text"]
+    gates["get_model"].set()
+    assert prep.wait(10) and prep.status()["state"] == "ready"
+    assert calls["prepare"] == []                    # nothing to build
+
+
+@pytest.mark.parametrize("error, line", [
+    (ValueError("the adapter 'smollm2-mars' is missing at /x/assets/smollm2-mars\nrebuild it"),
+     "the adapter 'smollm2-mars' is missing at /x/assets/smollm2-mars"),
+    (RuntimeError("boom\n  File 'x.py', line 3"), "RuntimeError: boom"),
+])
+def test_a_failing_prepare_says_why_in_one_line_and_the_app_stays_on_tiny_mars(preparer, capfd, error, line):
+    prep, calls, gates, state = preparer
+    state["prepare_error"] = error
+    logged = []
+    assert prep.start(log=logged.append)
+    assert prep.wait(10)
+    st = models.prepare_status()
+    assert st["state"] == "failed" and st["error"] == line
+    assert st["text"] == f"⚠ smollm2-mars failed: {line} — free text stays on tiny-mars"
+    assert "\n" not in st["text"] and "Traceback" not in st["text"]
+    assert calls["get_model"] == []
+    assert logged == [f"smollm2-mars unavailable: {line} (free text stays on tiny-mars)"]
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    assert text == st["text"] and _is_skip(picker) and _is_skip(examples) and _stops(timer)
+    assert models.task_model("tiny-mars", "", False) == "tiny-mars"
+    assert models.resolve("tiny-mars") == "tiny-mars"
+
+
+def test_the_app_still_loads_tiny_mars_after_a_failed_prepare(preparer, monkeypatch):
+    prep, calls, gates, state = preparer
+    state["prepare_error"] = ValueError("no base model")
+    assert prep.start() and prep.wait(10) and prep.status()["state"] == "failed"
+    monkeypatch.undo()   # the real get_model again
+    monkeypatch.setattr(models, "PREPARER", prep)
+    outs = list(generate.load_model_ui("tiny-mars", ""))
+    assert outs[-1].startswith("✓") and "tiny-mars" in outs[-1], outs
+
+
+def _ready_preparer(monkeypatch, tmp_path):
+    _fake_adapter(tmp_path, monkeypatch)
+    prep = models.BackgroundPreparer("smollm2-mars")
+    prep.state, prep.first_start, prep.started_at, prep.finished_at = "ready", True, 1.0, 39.0
+    monkeypatch.setattr(models, "PREPARER", prep)
+    return prep
+
+
+def test_poll_switches_the_default_to_smollm2_mars_only_when_the_user_has_not_picked(monkeypatch, tmp_path):
+    _ready_preparer(monkeypatch, tmp_path)
+    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    assert text == "✓ smollm2-mars ready (took 38 s): the default model for free text"
+    assert picker["value"] == "smollm2-mars" and "smollm2-mars" in _values(picker["choices"])
+    assert examples["choices"] == models.example_prompts("smollm2-mars") and examples["value"] is None
+    assert _stops(timer)
+    for choice, free, picked in (("tiny-mars", "", True),                # the user chose tiny-mars
+                                 ("tiny-ar-sft", "", True),
+                                 ("tiny-mars", "owner/model", False),   # a typed model overrides the list
+                                 ("smollm2-mars", "", False)):          # already there
+        text, picker, examples, timer = generate.poll_default_model(choice, free, picked)
+        assert "ready" in text and _is_skip(picker) and _is_skip(examples) and _stops(timer), (choice, free)
+    # while it is still preparing nothing switches, and the timer keeps running
+    models.PREPARER.state, models.PREPARER.finished_at = "preparing", None
+    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    assert "preparing" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
+
+
+def test_task_suite_parts_stay_on_tiny_mars_unless_the_user_picked(monkeypatch, tmp_path):
+    _fake_adapter(tmp_path, monkeypatch)
+    assert models.task_model("smollm2-mars", "", picked=False) == "tiny-mars"
+    assert models.task_model("smollm2-mars", "", picked=True) == "smollm2-mars"
+    assert models.task_model("tiny-ar-sft", "", picked=True) == "tiny-ar-sft"
+    assert models.task_model("smollm2-mars", "owner/model", picked=False) == "owner/model"
+
+
+def test_page_wires_the_poll_and_the_users_own_pick(monkeypatch, tmp_path):
+    import gradio as gr
+    from app.ui import build_ui
+    _ready_preparer(monkeypatch, tmp_path)
+    for default, picked in ((None, False), ("tiny-mars", True)):
+        demo = build_ui(default, runs_dir=tmp_path / f"runs-{picked}")
+        picker = _dropdown(demo, "model-picker")
+        assert picker.value == "tiny-mars"
+        fns = list(demo.fns.values())
+        polls = [f for f in fns if getattr(f.fn, "func", None) is generate.poll_default_model]
+        kinds = {ev for f in polls for _, ev in f.targets}
+        assert kinds == {"tick", "load"}
+        timer = next(demo.blocks[t] for f in polls for t, ev in f.targets if ev == "tick")
+        assert isinstance(timer, gr.Timer) and timer.value == generate.PREPARE_POLL_S
+        state = polls[0].inputs[2]
+        assert isinstance(state, gr.State) and state.value is picked
+        assert polls[0].outputs[1] is picker
+        pick = [f for f in fns if (picker._id, "input") in f.targets]
+        assert len(pick) == 1 and pick[0].outputs == [state] and pick[0].fn() is True
+    # the task-suite handlers receive the pick too
+    for name in ("run_sweep", "one_step"):
+        f = next(f for f in fns if getattr(f.fn, "__name__", "") == name)
+        assert f.inputs[-1] is state
+
+
+def test_get_model_loads_different_models_independently(monkeypatch):
+    import threading
+    import mars_core
+    gate, started = threading.Event(), threading.Event()
+
+    def fake_load(name):
+        if name == "slow":
+            started.set()
+            assert gate.wait(30)
+        return f"lm:{name}"
+
+    monkeypatch.setattr(mars_core, "load_model", fake_load)
+    monkeypatch.setattr(models, "warm_up", lambda lm: None)
+    monkeypatch.setattr(models, "_cache", {})
+    t = threading.Thread(target=models.get_model, args=("slow",), daemon=True)
+    t.start()
+    assert started.wait(10)
+    t0 = time.perf_counter()
+    assert models.get_model("fast") == "lm:fast"    # not stuck behind the slow load
+    assert time.perf_counter() - t0 < 5
+    gate.set()
+    t.join(10)
+    assert models.get_model("slow") == "lm:slow" and models.is_loaded("slow")
+
+
+def test_app_start_preloads_tiny_mars_then_prepares_smollm2_mars_in_the_background(monkeypatch, tmp_path):
+    import importlib.util
+    import threading
+    import gradio as gr
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+    spec = importlib.util.spec_from_file_location("app_main", Path(__file__).resolve().parent.parent / "app.py")
+    app_main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app_main)
+    loaded, started, launched = [], {}, {}
+
+    def fake_start(wait_for=None, log=None):
+        started.update(wait_for=wait_for, log=log)
+        return True
+
+    def fake_launch(self, **kw):
+        launched.update(kw, demo=self)
+        return self
+
+    monkeypatch.setattr(models, "get_model", lambda name: loaded.append(name))
+    monkeypatch.setattr(models, "start_background_prepare", fake_start)
+    monkeypatch.setattr(gr.Blocks, "launch", fake_launch)
+    app_main.main(["--runs-dir", str(tmp_path / "runs")])
+    assert isinstance(started["wait_for"], threading.Event) and started["wait_for"].wait(10)
+    assert loaded == ["tiny-mars"]                   # the page's model first; smollm2-mars waits for it
+    assert launched["server_name"] == "127.0.0.1" and launched["share"] is False
+    poll = next(f for f in launched["demo"].fns.values() if getattr(f.fn, "func", None) is generate.poll_default_model)
+    assert poll.inputs[2].value is False              # automatic mode: the page may switch free text

@@ -64,9 +64,9 @@ def app_server(tmp_path_factory):
     runs = tmp_path_factory.mktemp("e2e") / "runs"
     port = _free_port()
     log = open(ARTIFACTS / "app-server.log", "w")
-    cmd = [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port), "--runs-dir", str(runs)]
-    if MODEL != "tiny-mars":
-        cmd += ["--model", MODEL]
+    # --model pins the page to MODEL: without it the app moves free text to smollm2-mars once that is ready
+    cmd = [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port), "--runs-dir", str(runs),
+           "--model", MODEL]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/"
