@@ -38,7 +38,7 @@ MAX_NEW_TOKENS = 256    # distillation cap; answers that reach it are dropped
 # LoRA on every projection plus the mask row: r = 32 keeps the bf16 adapter under 20 MB (9.8 M numbers).
 TRAIN = dict(stage="mars", block_size=4, ar_weight=1.0, random_block_offset=True, lora=True, lora_r=32,
              lora_alpha=64, train_mask_row=True, lr=5e-4, warmup_steps=10, decay="cosine", min_lr_ratio=0.1,
-             batch_size=4, max_length=384, overlong="drop", max_steps=1200, save_every=25, keep_checkpoints=2,
+             batch_size=4, max_length=384, overlong="drop", max_steps=800, save_every=25, keep_checkpoints=2,
              log_every=1)
 CPU_FAST = dict(mixed_precision="bf16", attention="eager")   # only where the CPU multiplies bf16 natively
 GPU = dict(mixed_precision="bf16", attention="sdpa", batch_size=32)

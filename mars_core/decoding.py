@@ -183,6 +183,12 @@ def _sample(probs: torch.Tensor, top_p: float, generator) -> torch.Tensor:
     return tokens.reshape(b, k)
 
 
+def masks_this_step(tau: float, n_masks: int, room: int) -> int:
+    """Masks to append this step: none at τ >= 1, so one-token mode runs exactly AR's computation (in any
+    dtype, at AR's cost); otherwise B - 1, or fewer when the context has no room for them."""
+    return 0 if tau >= 1.0 else max(0, min(n_masks, room))
+
+
 def never_propose_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """Logits [b, k, V] with the mask id ruled out at the mask rows q_1..q_{k-1}.
 
@@ -266,7 +272,8 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     so q_0 (the last committed token) and q_1..q_{B-1} (the masks) sit in the same B columns for
     every row and the LM head runs on those B columns only. The spec appends B masks; the output at
     the last one is never used and, under causal attention, nothing before it depends on it, so we
-    append B-1: identical candidates, one position less per forward.
+    append B-1: identical candidates, one position less per forward. A step at τ >= 1 appends none, so
+    one-token mode is AR's own computation; near the context's end a step appends only the masks that fit.
     """
     cfg = cfg or DecodeConfig()
     model, device = lm.model, lm.device
@@ -278,13 +285,15 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     if cfg.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-    # Positions must stay inside the context: a row stops ("length") when its masks would leave it.
-    budget = [min(cfg.max_new_tokens, lm.context_length - len(p) - k) for p in prompt_ids]
+    # Positions must stay inside the context: a row stops ("length") at its last position, as AR does;
+    # near the end a step appends only the masks that still fit (masks_this_step).
+    budget = [min(cfg.max_new_tokens, lm.context_length - len(p) - 1) for p in prompt_ids]
     if min(budget) < 1:
         raise ValueError(f"a prompt leaves no room in the context of {lm.context_length} tokens: shorten it")
 
     # Per-row host state (one sync per step builds the event anyway).
     generated = [[] for _ in range(b)]
+    committed = [len(p) for p in prompt_ids]                   # prompt + accepted tokens, per original row
     alive = list(range(b))                                     # original row index of each batch row
     # Device state for the alive rows.
     lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
@@ -306,25 +315,26 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         if cfg.mode == "ar":
             tau = 1.0
         width = pending.shape[1]
+        masks = masks_this_step(tau, n_masks, lm.context_length - max(committed[r] for r in alive))
         ids, valid, src = right_align(pending, pending_n, width, fill=lm.mask_id)
         pos = torch.where(valid, cached[:, None] + src, torch.zeros_like(src))   # holes take no position
-        if n_masks:
-            mask_cols = torch.arange(1, n_masks + 1, device=device)[None, :]
-            ids = torch.cat([ids, torch.full((len(alive), n_masks), lm.mask_id, device=device)], dim=1)
+        if masks:
+            mask_cols = torch.arange(1, masks + 1, device=device)[None, :]
+            ids = torch.cat([ids, torch.full((len(alive), masks), lm.mask_id, device=device)], dim=1)
             pos = torch.cat([pos, cached[:, None] + pending_n[:, None] - 1 + mask_cols], dim=1)
-            valid = torch.cat([valid, torch.ones(len(alive), n_masks, dtype=torch.bool, device=device)], dim=1)
-        keep = torch.arange(width - 1, width - 1 + k, device=device)   # q_0 .. q_{k-1}
+            valid = torch.cat([valid, torch.ones(len(alive), masks, dtype=torch.bool, device=device)], dim=1)
+        keep = torch.arange(width - 1, width + masks, device=device)   # q_0 .. q_masks
         out = model(input_ids=ids, attention_mask=step_attention(kv_valid, valid), position_ids=pos,
                     cache=cache, use_cache=True, logits_to_keep=keep)
-        logits = never_propose_mask(out.logits, lm.mask_id)     # [b_alive, k, V]
+        logits = never_propose_mask(out.logits, lm.mask_id)     # [b_alive, masks + 1, V]
         # Cache rollback, in this one place: drop the masks; the accepted tokens enter next step.
-        if n_masks:
-            cache.crop(-n_masks)
+        if masks:
+            cache.crop(-masks)
         kv_valid = torch.cat([kv_valid, valid[:, :width]], dim=1)
         cached = cached + pending_n
 
         tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator)
-        limit = left.clamp(max=min(cfg.max_accept or k, k))
+        limit = left.clamp(max=min(cfg.max_accept or k, masks + 1))
         n = accept_counts(tokens, conf, tau, limit, eos_ids)
         tokens_h, conf_h, n_h = tokens.tolist(), conf.tolist(), n.tolist()   # the step's one host sync
         step_time = time.perf_counter() - t0
@@ -334,6 +344,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         for i, r in enumerate(alive):
             accepted = tokens_h[i][: n_h[i]]
             generated[r].extend(accepted)
+            committed[r] += len(accepted)
             reason = "eos" if accepted[-1] in lm.eos_ids else "length" if len(generated[r]) >= budget[r] else None
             if cfg.stop_strings and reason is None and _trim_at_stop(lm, generated[r], accepted, cfg.stop_strings):
                 reason = "stop"
@@ -411,7 +422,7 @@ def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[Seq
     results = []
     for prompt in _prompt_ids(lm, prompts):
         k = cfg.candidates
-        budget = min(cfg.max_new_tokens, lm.context_length - len(prompt) - k)
+        budget = min(cfg.max_new_tokens, lm.context_length - len(prompt) - 1)
         generator = None
         if cfg.temperature > 0:
             generator = torch.Generator(device=device)
@@ -420,12 +431,14 @@ def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[Seq
         start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            masks = [lm.mask_id] * (k if cfg.mode == "mars" else 0)
-            logits = lm.model(input_ids=torch.tensor([seq + masks], device=device)).logits   # [1, T, V]
-            rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + k], lm.mask_id)   # q_0 .. q_{k-1}
-            tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
-            limit = torch.tensor([min(budget - len(new), cfg.max_accept or k)], device=device)
             tau = cfg.tau if cfg.mode == "mars" else 1.0
+            used = masks_this_step(tau, k - 1, lm.context_length - len(seq)) + 1     # candidates q_0 .. q_{used-1}
+            # the spec's B masks when they fit (the last one's output is never read), else as many as fit
+            masks = [lm.mask_id] * (min(used, lm.context_length - len(seq)) if used > 1 else 0)
+            logits = lm.model(input_ids=torch.tensor([seq + masks], device=device)).logits   # [1, T, V]
+            rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + used], lm.mask_id)
+            tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
+            limit = torch.tensor([min(budget - len(new), cfg.max_accept or k, used)], device=device)
             n = int(accept_counts(tokens, conf, tau, limit, eos_ids)[0])
             accepted = tokens[0, :n].tolist()
             seq += accepted

@@ -255,3 +255,36 @@ def test_the_mask_id_is_never_proposed_at_a_mask_position_but_q0_is_untouched():
     tokens, _ = propose(out)
     assert tokens.tolist() == [[3, 6, 6, 6]]
     assert torch.equal(out[0, 0], logits[0, 0]) and torch.equal(logits[0, 1, 3], torch.tensor(5.0))
+
+
+def test_one_token_mode_runs_ars_computation_in_bf16_too(llama_lm, monkeypatch):
+    """τ >= 1 appends no masks: each step feeds exactly what AR feeds, so the tokens agree in bf16 as well."""
+    import copy
+
+    from mars_core.loading import wrap_model
+
+    lm = wrap_model(copy.deepcopy(llama_lm.model).to(torch.bfloat16), llama_lm.tokenizer, name="tiny-bf16")
+    widths = []
+    forward = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *a, **k: (widths.append(k["input_ids"].shape[1]), forward(*a, **k))[1])
+    prompts = [lm.encode(p) for p in PROMPTS]
+    mars = generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, block_size=4, max_new_tokens=16))
+    mars_widths, widths[:] = list(widths), []
+    ar = generate(lm, prompts, DecodeConfig(mode="ar", max_new_tokens=16))
+    assert [r.token_ids for r in mars] == [r.token_ids for r in ar]
+    assert mars_widths == widths and set(widths[1:]) == {1}
+
+
+def test_near_the_context_limit_one_token_mode_writes_as_many_tokens_as_ar(llama_lm):
+    ids = llama_lm.encode(PROMPTS[0])
+    room = llama_lm.context_length - len(ids)
+    cfg = dict(max_new_tokens=room + 10)
+    ar = generate(llama_lm, [ids], DecodeConfig(mode="ar", **cfg))[0]
+    one = generate(llama_lm, [ids], DecodeConfig(mode="mars", tau=1.0, **cfg))[0]
+    assert ar.finish_reason == "length" and len(ar.token_ids) == room - 1    # this prompt runs to the limit
+    assert one.token_ids == ar.token_ids
+    # MARS at τ < 1 also runs to the last position, appending only the masks that still fit, as the reference does
+    lossy = generate(llama_lm, [ids], DecodeConfig(mode="mars", tau=0.5, **cfg))[0]
+    ref = reference_generate(llama_lm, [ids], DecodeConfig(mode="mars", tau=0.5, **cfg))[0]
+    assert lossy.token_ids == ref.token_ids and lossy.steps == ref.steps and len(lossy.token_ids) == room - 1
+    assert all(len(p) + len(r.token_ids) <= llama_lm.context_length for p, r in [(ids, ar), (ids, lossy)])
