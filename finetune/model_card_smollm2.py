@@ -28,7 +28,7 @@ def eval_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_card(out: Path, work: Path, command: str) -> Path:
+def write_card(out: Path, work: Path) -> Path:
     def info(stage: str) -> dict:
         path = work / f"stage-{stage}.json"
         return json.loads(path.read_text()) if path.is_file() else {}
@@ -36,8 +36,12 @@ def write_card(out: Path, work: Path, command: str) -> Path:
     distill, train, export = info("distill"), info("train"), info("export")
     settings = train.get("settings", {})
     rows = json.loads((work / "eval.json").read_text()) if (work / "eval.json").is_file() else []
-    minutes = {s: info(s).get("seconds", 0) / 60 for s in ("prompts", "distill", "train", "export", "eval")}
+    minutes = {s: info(s).get("seconds", 0) / 60 for s in ("prompts", "distill", "train", "export", "eval-base", "eval")}
+    beside = " (beside the training, on the other core)" if info("eval-base").get("beside") else ""
     dropped = distill.get("dropped", {})
+    stages = ("prompts", "distill", "train", "eval-base", "export", "eval")
+    commands = list(dict.fromkeys(info(s)["command"] for s in stages if info(s).get("command")))
+    made_with = "\n".join(f"    {c}" for c in commands) or "    (no recorded command)"
     text = f"""# smollm2-mars
 
 SmolLM2-135M-Instruct taught MARS (multi-token generation, arXiv 2604.07023) by self-distillation, on a CPU.
@@ -64,13 +68,18 @@ ar_weight {settings.get('ar_weight')}, random block grid, mixed precision {setti
 Adapter files: {export.get('bytes', 0) / 1e6:.1f} MB.
 
 Wall time on the machine that made it: prompts {minutes['prompts']:.1f} min, distillation {minutes['distill']:.1f} min,
-training {minutes['train']:.1f} min, export {minutes['export']:.1f} min, evaluation {minutes['eval']:.1f} min.
+training {minutes['train']:.1f} min, export {minutes['export']:.1f} min, evaluation of the base
+{minutes['eval-base']:.1f} min{beside} and of this model {minutes['eval']:.1f} min.
 
-Reproduce: `{command}`
+Made by these invocations, in order (each resumes the same run folder; one invocation with the defaults runs
+every stage):
+
+{made_with}
 
 ## Evaluation
-`python -m finetune.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions) with
-report seed 1; no setting of the recipe was chosen on this sample. HumanEval runs model-written code in a
+`python -m finetune.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions), drawn
+with report seed 1. No setting was chosen on this sample: the recipe's settings came from training losses and
+from development checks drawn with other seeds from the same held-out split (which can share a few prompts). HumanEval runs model-written code in a
 subprocess with a timeout. "Same answer as τ = 1": the share of natural and checkable answers identical to the
 model's own one-token-mode answer.
 

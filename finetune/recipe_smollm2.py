@@ -26,6 +26,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = train_settings(gpu, native, args.steps, args.scale)
     threads = args.threads or os.cpu_count() or 1
     total = time.perf_counter()
+    command = shlex.join(["python", "-m", "finetune.recipe_smollm2"] + (argv if argv is not None else sys.argv[1:]))
     side = None   # the base model's evaluation, on a core of its own while training runs
     for stage in stages:
         if stage != "card" and stage_done(work, stage):
@@ -232,18 +234,24 @@ def main(argv: list[str] | None = None) -> int:
             if "eval-base" in stages and not stage_done(work, "eval-base") and not gpu and threads > 1:
                 cmd = eval_cmd(args.base, Path(args.base).name, work / "eval-base.json", args, dtype, True)
                 log("eval-base beside the training: $ " + shlex.join(cmd))
-                side = (subprocess.Popen(cmd, stdout=(work / "eval-base.log").open("a"), stderr=subprocess.STDOUT),
-                        time.perf_counter())
+                proc = subprocess.Popen(cmd, stdout=(work / "eval-base.log").open("a"), stderr=subprocess.STDOUT)
+                side = (proc, time.perf_counter(), {})
+                # its own wall time, not the training's: a thread notes when it ends
+                threading.Thread(target=lambda p=proc, d=side[2]: d.setdefault("end", (p.wait(), time.perf_counter())[1]),
+                                 daemon=True).start()
                 train_threads = threads - args.eval_threads
             cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(work / "data.jsonl"),
                    "--output-dir", str(work / "train"), *flags(settings)]
             run(cmd + ([] if gpu else ["--threads", str(train_threads)]), work / "train.log")
             info = {"steps": settings["max_steps"], "settings": settings, "threads": train_threads}
             if side is not None:
-                proc, started = side
+                proc, started, ended = side
                 if proc.wait():
                     raise SystemExit(f"eval-base failed (exit {proc.returncode}): see {work / 'eval-base.log'}")
-                mark_done(work, "eval-base", time.perf_counter() - started, rows=len(merge_eval(work)), beside="train")
+                while "end" not in ended:
+                    time.sleep(0.05)
+                mark_done(work, "eval-base", ended["end"] - started, command=command,
+                          rows=len(merge_eval(work)), beside="train")
         elif stage == "export":
             info = stage_export(work, out, args.base, settings)
         elif stage == "eval-base":
@@ -256,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from finetune.model_card_smollm2 import write_card
 
-            write_card(out, work, " ".join(["python -m finetune.recipe_smollm2"] + (argv or sys.argv[1:])))
+            write_card(out, work)
             info = {}
         seconds = time.perf_counter() - t0
-        mark_done(work, stage, seconds, **info)
+        mark_done(work, stage, seconds, command=command, **info)
         log(f"{stage}: {seconds / 60:.1f} min")
     log(f"all stages: {(time.perf_counter() - total) / 60:.1f} min")
     return 0
