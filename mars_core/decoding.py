@@ -190,16 +190,14 @@ def masks_this_step(tau: float, n_masks: int, room: int) -> int:
 
 
 def never_propose_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Logits [b, k, V] with the mask id ruled out at the mask rows q_1..q_{k-1}.
+    """Logits [b, k, V] with the mask id ruled out at the mask rows q_1..q_{k-1} (changed in place).
 
     A mask position predicts a future token, never another mask; a reused special token (SmolLM2's
     <repo_name>) may still carry probability there. q_0 is the plain AR prediction and stays untouched, so
     one-token mode remains exactly greedy AR.
     """
-    if logits.shape[1] < 2:
-        return logits
-    logits = logits.clone()
-    logits[:, 1:, mask_id] = float("-inf")
+    if logits.shape[1] > 1:
+        logits[:, 1:, mask_id] = float("-inf")   # in place: the step's own fresh logits, no [b, k, V] copy
     return logits
 
 
