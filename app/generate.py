@@ -21,7 +21,7 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 # Slow motion for teaching: after each forward, wait (factor - 1) × its measured time. Both sides are
 # stretched by the same factor, so the relative speed on screen stays the measured one.
 SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
-# What "confidence ≥ τ" measures (MARS_SPEC step 3): the decoder's CRITERIA, labelled for the page.
+# What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA, labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 

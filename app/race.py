@@ -84,7 +84,7 @@ class SideRecord:
             text=row.text, done=bool(row.done), finish_reason=getattr(row, "finish_reason", None)))
         self.finished = self.finished or bool(row.done)
 
-    # Measurements (definitions in STAT_DEFINITIONS, from MARS_SPEC "What to measure").
+    # Measurements (definitions in STAT_DEFINITIONS, from docs/algorithm.md, "Metrics").
     @property
     def forwards(self) -> int:
         return len(self.steps)
@@ -197,7 +197,7 @@ _FINISH = {"eos": "the model ended its turn (end-of-turn token accepted)",
 
 
 def stop_reason(s: StepRecord) -> str:
-    """Why this pass accepted exactly n_accepted of its candidates (MARS_SPEC Inference step 4)."""
+    """Why this pass accepted exactly n_accepted of its candidates (docs/algorithm.md, "Decoding", step 4)."""
     n, B = s.n_accepted, len(s.candidates)
     if B == 1:
         why = "one-token mode: the AR token t0 is always accepted, nothing else is proposed"

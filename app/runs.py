@@ -84,7 +84,7 @@ def build_command(req: FinetuneRequest, run_dir: Path, launcher: str = "accelera
            "--output-dir", str(run_dir)]
     if req.lora:
         cmd.append("--lora")
-    if req.stage == "mars":   # masks at every phase, as the decoder appends them (README, "Block phase")
+    if req.stage == "mars":   # masks at every phase, as the decoder appends them (docs/experiments.md, "Block phase")
         cmd.append("--random-block-offset")
     if not _gpu_visible() and native_bf16_cpu():   # bf16 autocast + eager attention: ~1.7x faster steps here
         cmd += ["--mixed-precision", "bf16", "--attention", "eager"]

@@ -43,11 +43,11 @@ class TrainConfig:
     """Weight of the clean-stream (AR) loss in MARS: 1.0 is MARS, 0.0 the no-SFT-loss ablation."""
     mask_label_smoothing: float = 0.0
     """Label smoothing on the noisy-stream (mask) loss only; 0 = off, the paper. Not in the paper: an experiment
-    in calibrating the mask predictions' confidence (see README, "Confidence criteria")."""
+    in calibrating the mask predictions' confidence (see docs/experiments.md, "Confidence criteria")."""
     random_block_offset: bool = False
     """MARS: shift the block grid by a random r in [0, B) at every step (block(i) = (i + r) // B) instead of
-    MARS_SPEC's fixed absolute blocks, so the mask runs the decoder appends at any position are in the training
-    distribution (README, "Block phase")."""
+    the fixed grid (docs/algorithm.md), so the mask runs the decoder appends at any position are in the training
+    distribution (docs/experiments.md, "Block phase")."""
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 0
@@ -191,7 +191,7 @@ def _bool(text: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m finetune.train",
-        description="Fine-tune a causal LM with AR-SFT or MARS (see MARS_SPEC.md). "
+        description="Fine-tune a causal LM with AR-SFT or MARS (see docs/algorithm.md). "
         "Runs data-parallel unchanged under `accelerate launch`. "
         "Re-running with the same --output-dir resumes from its last checkpoint.",
         epilog="Data: chat JSONL, one {\"messages\": [...]} per line; prompt tokens are not supervised, the last "

@@ -17,7 +17,7 @@ dropped). Prompt tokens get label -100.
 
 Block padding (MARS stage): the response is extended with end-of-turn tokens
 (as labels) until the total length is a multiple of the block size B, so the
-batch padding never shares a block with real tokens (MARS_SPEC.md).
+batch padding never shares a block with real tokens (docs/algorithm.md, "The loss").
 
 Over-long examples (length > ``max_length`` after block padding), chosen by
 ``overlong``:

@@ -1,7 +1,7 @@
 """Evaluate models on the held-out task suite across confidence thresholds τ.
 
 For each model and τ: exact-answer accuracy (overall and per family), tokens per
-forward (mean over sequences, MARS_SPEC "What to measure") and the wall-clock
+forward (mean over sequences, docs/algorithm.md "Metrics") and the wall-clock
 speedup over AR decoding with a KV cache (AR time ÷ MARS time on the same
 prompts, batch size and max_new_tokens, both warmed up, measured alternately in
 one process).
@@ -10,7 +10,7 @@ one process).
     python -m finetune.evaluate --models tiny-mars runs/mars-arw0 --n 200 --json rows.json --html pareto.html
     python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin   # one curve per criterion
 
-The confidence criterion (MARS_SPEC step 3) decides what "confidence >= τ" means: prob = q(t), the paper's;
+The confidence criterion (docs/algorithm.md) decides what "confidence >= τ" means: prob = q(t), the paper's;
 entropy = exp(-H(q)), so τ = 0.95 accepts when H <= 0.051 nats; margin = top-1 minus top-2 probability.
 
 `sweep(...)` is the library API (the app's τ explorer calls it for the built-in tasks); `pareto_figure(...)`
@@ -157,7 +157,7 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
     Teacher-forced, so no decoding: the MARS loss's noisy half on `examples`, once per grid offset r
     (block(i) = (i + r) // B). The decoder appends its masks after whatever it accepted last, so its mask
     runs start at every phase; a model trained on one grid that reads its phase from absolute positions
-    shows a CE that rises for the offsets it never saw (README, "Block phase").
+    shows a CE that rises for the offsets it never saw (docs/experiments.md, "Block phase").
     """
     import torch
 
@@ -269,7 +269,7 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[flo
 
 
 def mean_tokens_per_forward(results) -> float | None:
-    """Tokens per forward, mean over sequences (MARS_SPEC "What to measure"); None for no sequences."""
+    """Tokens per forward, mean over sequences (docs/algorithm.md, "Metrics"); None for no sequences."""
     return sum(r.tokens_per_forward for r in results) / len(results) if results else None
 
 

@@ -1,4 +1,4 @@
-"""MARS and AR-SFT losses as pure functions (MARS_SPEC.md, "Training").
+"""MARS and AR-SFT losses as pure functions (docs/algorithm.md, "Training").
 
 One training example is a prompt followed by a response, length ``n``, with
 labels ``-100`` on the prompt. MARS trains on the concatenation
@@ -12,13 +12,13 @@ Attention (True = may attend; q and k are positions inside their own half):
 - noisy -> clean: ``block(k) < block(q)``
 - clean -> noisy: never
 
-``block_offset = r`` (not in MARS_SPEC or the paper; 0 = the spec) shifts the
+``block_offset = r`` (not in the paper; 0 = the paper's grid; docs/algorithm.md) shifts the
 grid to ``block(i) = (i + r) // B``. On the fixed grid every run of masks in
 the noisy half starts at a multiple of B, while the decoder appends its masks
 after whatever it accepted last, at any position; a small model learns the
 grid's phase and its mask predictions get worse off it. Training with r drawn
 afresh every step (``finetune.train --random-block-offset``) removes that
-mismatch (README, "Block phase").
+mismatch (docs/experiments.md, "Block phase").
 
 Loss: ``CE(noisy) + ar_weight * CE(clean)``, each the mean over labelled
 tokens, with the usual causal shift inside each half. Logits are computed only
@@ -77,7 +77,7 @@ def mars_attention_mask(n: int, block_size: int, noisy_start: int = 0, block_off
     so dropping them changes no kept output.
 
     ``block_offset = r`` shifts the block grid: ``block(i) = (i + r) // B``, so the
-    first block is ``B - r`` positions long (``r = 0``: MARS_SPEC's absolute blocks).
+    first block is ``B - r`` positions long (``r = 0``: the paper's absolute blocks, docs/algorithm.md).
     """
     if n < 1 or block_size < 1:
         raise ValueError(f"need n >= 1 and block_size >= 1, got n={n}, block_size={block_size}")

@@ -47,7 +47,7 @@ VOCAB_SIZE = 512
 # Stage 1 is fp32. Stage 2 trains with bf16 autocast and eager attention (FAST): ~1.7x faster steps on this CPU
 # (avx512_bf16), and at 1,000 steps from the same start as good as fp32 (400 held-out: AR 93.0% vs 92.5%; MARS
 # 90.5% / 87.0% vs 90.2% / 86.8% at τ = 1 / 0.95). The time saved buys stage 2 twice the steps. A whole run in
-# bf16 learnt sorting worse in stage 1 (stage-1 model: sorting 10% vs 28%; README, "Training"), so stage 1 stays fp32.
+# bf16 learnt sorting worse in stage 1 (stage-1 model: sorting 10% vs 28%; docs/experiments.md), so stage 1 stays fp32.
 FAST = dict(mixed_precision="bf16", attention="eager")
 AR_SFT = dict(stage="ar-sft", lr=2e-3, warmup_steps=100, max_steps=3500, batch_size=32, builtin_examples=112000,
               weight_decay=0.1, min_lr_ratio=0.05)
@@ -83,7 +83,7 @@ STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=3000, batch_size=32, builtin_e
               compile=True, **FAST)   # compile: unless --compile says otherwise (CXX below)
 AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
 # The block grid is shifted by a random r in [0, B) at every step (finetune.train --random-block-offset; not in
-# MARS_SPEC): on the spec's fixed grid the tiny model learnt the grid's phase, while the decoder puts its masks at
+# the paper): on the paper's fixed grid the tiny model learnt the grid's phase, while the decoder puts its masks at
 # any phase. Same start, same 2,000 steps, 1,000 held-out, τ = 1 / τ = 0.95 at tokens/forward: fixed grid 96.4% /
 # 94.2% at 3.39 (-2.2; a second run -2.3); random grid 95.9% / 94.6% at 3.38 (-1.3; a second draw, --seed 1: 95.6% /
 # 93.8% at 3.39, -1.8; ar_weight 3: 95.1% / 94.3% at 3.46, -0.8, but τ = 1 1.2 points under the AR baseline).
@@ -333,7 +333,7 @@ def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dic
         f", not counting the ablation `tiny-mars-arw0` (`--stages ablation,eval`, {arw0['wall_s'] / 60:.1f} min)")
     if len({info["stages"][k].get("invocation") for k in seen if k in info["stages"]}) > 1:
         ablation += ("; they come from separate invocations (below), so runs the recipe puts side by side may be "
-                     "counted one after the other: the README's \"Recipe time\" has an uninterrupted run")
+                     "counted one after the other: docs/experiments.md, \"Recipe time\", has an uninterrupted run")
     return f"""# {name}
 
 {what}
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
                            "`tiny-mars` with the AR loss alone: the matched baseline for `tiny-mars`.",
             "tiny-mars": "Stage 2 of the MARS recipe (arXiv 2604.07023): the stage-1 AR-SFT model fine-tuned with the "
                          f"MARS loss (B = {MARS['block_size']}, ar_weight = {MARS['ar_weight']:g}"
-                         + (", the block grid shifted at random every step (README, \"Block phase\")"
+                         + (", the block grid shifted at random every step (docs/experiments.md, \"Block phase\")"
                             if MARS.get("random_block_offset") else "") + "). The same "
                          "architecture and weight count as the AR model — no heads, no draft model; decode with "
                          "`mars_core` and a confidence threshold τ.",

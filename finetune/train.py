@@ -71,7 +71,7 @@ class Base:
 
 
 def load_base(name: str) -> Base:
-    """Load ``name`` through mars_core (names, dirs, GGUF; mask id per MARS_SPEC) in fp32 on CPU."""
+    """Load ``name`` through mars_core (names, dirs, GGUF; mask id per docs/algorithm.md) in fp32 on CPU."""
     from mars_core import load_model
 
     lm = load_model(name, device="cpu", dtype="float32", cpu_layout=False)   # stock modules: trained and saved
@@ -166,7 +166,7 @@ class TrainModule(nn.Module):
 
 
 def block_offset_at(cfg: TrainConfig, index: int) -> int:
-    """The block grid's offset for micro-batch `index`: 0 (MARS_SPEC), or with --random-block-offset a draw in
+    """The block grid's offset for micro-batch `index`: 0 (the paper's grid), or with --random-block-offset a draw in
     [0, B) that depends only on the seed and the index, so a resumed run and every process agree on it."""
     if not (cfg.random_block_offset and cfg.stage == "mars"):
         return 0

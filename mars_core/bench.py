@@ -1,6 +1,6 @@
 """Side-by-side benchmark: AR with a KV cache vs MARS, measured alternately in one process.
 
-Ratios, not absolute times, are the result (MARS_SPEC "What to measure"):
+Ratios, not absolute times, are the result (docs/algorithm.md, "Metrics"):
   speedup      = AR time / MARS time  (same prompts, batch size, max_new_tokens; both warmed up)
   forward cost = (MARS time per forward) / (AR time per forward); tokens/forward ÷ forward cost
                  is roughly the speedup, so this says how close we get to the ceiling.

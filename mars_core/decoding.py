@@ -1,4 +1,4 @@
-"""MARS and AR decoding: one generator yields one event per forward pass (MARS_SPEC "Inference").
+"""MARS and AR decoding: one generator yields one event per forward pass (docs/algorithm.md, "Decoding").
 
 Pieces, each a pure function of tensors:
   propose(logits)          -> candidates, confidences      (fp32 softmax on the B rows used)
@@ -389,7 +389,7 @@ def generate(lm, prompts, cfg: DecodeConfig | None = None, tau_control: TauContr
 
 
 def collect(lm, prompt_ids: list[list[int]], events) -> list[SequenceResult]:
-    """Fold a stream of StepEvents into per-sequence results (metrics as MARS_SPEC defines them)."""
+    """Fold a stream of StepEvents into per-sequence results (metrics as docs/algorithm.md, "Metrics", defines them)."""
     steps = [[] for _ in prompt_ids]
     times = [[] for _ in prompt_ids]
     wall = [0.0 for _ in prompt_ids]

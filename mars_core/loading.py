@@ -1,7 +1,7 @@
 """Model loading: embedded assets, SmolLM2 from its GGUF, local dirs, hub ids, MARS checkpoints, adapters.
 
 Everything returns a `LoadedModel`: the model in eval mode, its tokenizer, the resolved `mask_id`
-(MARS_SPEC "Tokens") and every end-of-turn id. Nothing here downloads unless the user names a hub id.
+(docs/algorithm.md, "Tokens") and every end-of-turn id. Nothing here downloads unless the user names a hub id.
 
 GGUFs and adapters (`mars_core.adapter`, e.g. smollm2-mars = SmolLM2 + a MARS LoRA) are turned into plain
 checkpoint folders once, under cache_dir(); `prepare(name)` does only that step and `is_prepared(name)`
@@ -95,7 +95,7 @@ class LoadedModel:
 # ----------------------------------------------------------------------------- tokens
 
 def resolve_mask_id(tokenizer, model, mask_token: str | None = None) -> tuple[int, str]:
-    """The mask id per MARS_SPEC: the tokenizer's own mask token; else a spare embedding row;
+    """The mask id per docs/algorithm.md ("Tokens"): the tokenizer's own mask token; else a spare embedding row;
     else a special token that chat never emits. Never resizes the embeddings."""
     vocab = tokenizer.get_vocab()
     if mask_token is not None:

@@ -76,7 +76,7 @@ def test_ar_sft_model_solves_heldout_tasks(heldout):
 def test_mars_mask_predictions_do_not_depend_on_the_block_grid_phase(mars):
     """tiny-mars trained on a block grid shifted at random every step, so its held-out mask loss is about the same
     whichever way the grid is shifted (on these 64 tasks max/min 1.08); the fixed-grid tiny-mars of c5c8762 read
-    0.10 on its own grid and 0.15-0.20 on the other three, max/min 1.98 (README, "Block phase"). 64 tasks, not
+    0.10 on its own grid and 0.15-0.20 on the other three, max/min 1.98 (docs/experiments.md). 64 tasks, not
     16: at this model's loss (~0.05) 16 tasks' ratio wanders (1.35 for the same weights)."""
     from finetune.evaluate import block_phase_losses
     from finetune.tasks import make_examples

@@ -1,4 +1,4 @@
-"""The MARS attention mask and losses (MARS_SPEC.md "Training") on a tiny random Llama."""
+"""The MARS attention mask and losses (docs/algorithm.md, "Training") on a tiny random Llama."""
 
 import pytest
 import torch
@@ -213,7 +213,7 @@ def test_the_training_module_passes_mask_label_smoothing_to_the_loss(model):
 # ----------------------------------------------------------------------------- shifted block grid
 
 def spec_rules_mask(n: int, B: int, r: int) -> torch.Tensor:
-    """MARS_SPEC's four attention rules, entry by entry, with block(i) = (i + r) // B (r = 0: the spec's)."""
+    """docs/algorithm.md's four attention rules, entry by entry, with block(i) = (i + r) // B (r = 0: the paper's)."""
     def block(i):
         return (i + r) // B
 
