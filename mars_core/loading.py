@@ -26,7 +26,21 @@ from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADA
 from mars_core.adapter import merge_adapter, read_adapter_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ASSETS = REPO_ROOT / "assets"
+
+
+def find_assets() -> Path:
+    """The embedded models' folder: $MARS_ASSETS if set; else the copy `pip install .` puts inside the
+    package (mars_core/assets); else assets/ of this checkout (also what an editable install reads)."""
+    if os.environ.get("MARS_ASSETS"):
+        return Path(os.environ["MARS_ASSETS"]).expanduser().resolve()
+    for path in (Path(__file__).resolve().parent / "assets", REPO_ROOT / "assets"):
+        if path.is_dir():
+            return path
+    return REPO_ROOT / "assets"   # missing: resolve_source's errors name it and MARS_ASSETS
+
+
+ASSETS = find_assets()
+ASSETS_HINT = "set MARS_ASSETS to a folder holding the embedded models (a checkout's assets/), or reinstall mars-playground"
 DEFAULT_MODEL = "tiny-mars"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,12 +89,9 @@ class LoadedModel:
             raise ValueError(f"prompt={prompt!r} is empty: type a question or instruction for the model")
         tok = self.tokenizer
         if chat and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(prompt)["input_ids"]
+            ids = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:   # raw text is text too: a typed "<|im_end|>" is characters, not the control token
+            ids = tok(prompt, split_special_tokens=True)["input_ids"]
         if len(ids) + 2 > self.context_length:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens but {self.name} has a context of {self.context_length}: "
@@ -93,6 +104,74 @@ class LoadedModel:
 
 
 # ----------------------------------------------------------------------------- tokens
+
+# User text is text: "<|im_end|>", "<|mask|>" or "<repo_name>" typed in a message are characters, never the
+# control ids, while the chat template's own control tokens stay real. The template is rendered once with a
+# marker in place of each message's content to find where the content lies in the rendered text; only when some
+# content holds the text of a special token is the text tokenised in pieces (that content with
+# split_special_tokens=True), so every other prompt is tokenised exactly as before.
+_MARK = "\ue000{}\ue001"   # private-use characters: never in a template
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The text of every special token (the ones a tokenizer would turn into control ids), longest first."""
+    texts = {a.content for a in getattr(tokenizer, "added_tokens_decoder", {}).values() if a.special}
+    texts.update(t for t in getattr(tokenizer, "all_special_tokens", []) if t)
+    return sorted(texts, key=len, reverse=True)
+
+
+def has_special_text(tokenizer, text: str) -> bool:
+    return any(t in text for t in special_token_texts(tokenizer))
+
+
+def chat_spans(tokenizer, messages: list[dict], **template_kwargs) -> tuple[str, list[tuple[int, int]] | None]:
+    """(the chat template's text for `messages`, the (start, end) of each message's content in it), or None for
+    the spans when the template does not copy the content verbatim (it strips or rewrites it)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    marks = [_MARK.format(i) for i in range(len(messages))]
+    marked = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                           tokenize=False, **template_kwargs)
+    spans, rebuilt, pos = [], "", 0
+    for m, mark in zip(messages, marks):
+        at = marked.find(mark, pos)
+        if at < 0 or marked.count(mark) != 1:
+            return text, None
+        rebuilt += marked[pos:at]
+        spans.append((len(rebuilt), len(rebuilt) + len(m["content"])))
+        rebuilt += m["content"]
+        pos = at + len(mark)
+    rebuilt += marked[pos:]
+    return text, (spans if rebuilt == text else None)
+
+
+def encode_with_text_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Token ids of `text` (no BOS added) where the characters inside `spans` are plain text: special-token text
+    there is split into ordinary tokens. Without special-token text in any span: one call, the usual ids."""
+    risky = [(a, b) for a, b in sorted(spans) if b > a and has_special_text(tokenizer, text[a:b])]
+    if not risky:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids, pos = [], 0
+    for a, b in risky:
+        if a > pos:
+            ids += tokenizer(text[pos:a], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(text[a:b], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        pos = b
+    if pos < len(text):
+        ids += tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
+    return list(ids)
+
+
+def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """The chat template's token ids for `messages`, the messages' content tokenised as plain text."""
+    text, spans = chat_spans(tokenizer, messages, **template_kwargs)
+    if spans is None:
+        typed = next((t for t in special_token_texts(tokenizer) for m in messages if t in m["content"]), None)
+        if typed is not None:
+            raise ValueError(f"a message contains the text {typed!r}, and this tokenizer's chat template rewrites "
+                             "message text, so it could not be kept as plain text: remove it from the message")
+        spans = []
+    return encode_with_text_spans(tokenizer, text, spans)
+
 
 def resolve_mask_id(tokenizer, model, mask_token: str | None = None) -> tuple[int, str]:
     """The mask id per docs/algorithm.md ("Tokens"): the tokenizer's own mask token; else a spare embedding row;
@@ -192,7 +271,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
                 recipe = ADAPTER_RECIPES.get(name.lower(), "its recipe under finetune/")
                 raise ValueError(
                     f"the adapter {name!r} is missing at {path} (it needs {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}): "
-                    f"restore it with `git checkout assets/{where}` or rebuild it with `{recipe}`"
+                    f"restore it with `git checkout assets/{where}` or rebuild it with `{recipe}` ({ASSETS_HINT})"
                 )
             return "adapter", str(path)
         if kind == "assets":
@@ -200,7 +279,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
             if not (path / "config.json").exists():
                 raise ValueError(
                     f"the embedded model {name!r} is missing at {path}: rebuild it with "
-                    "`python -m finetune.recipe --out assets` or pick another model"
+                    f"`python -m finetune.recipe --out assets` or pick another model ({ASSETS_HINT})"
                 )
             return "dir", str(path)
         return "gguf", _packaged_gguf(*where.split("/", 1))

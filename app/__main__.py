@@ -1,0 +1,3 @@
+from app.launch import main
+
+main()
