@@ -3,7 +3,7 @@
 Pieces, each a pure function of tensors:
   propose(logits)          -> candidates, confidences      (fp32 softmax on the B rows used)
   accept_counts(...)       -> how many candidates each row keeps
-  build_chunk(...)         -> the step's input: [holes | uncached committed tokens | masks]
+  _Batch.chunk(...)        -> the step's input: [holes | uncached tokens | masks], right-aligned
   step_attention(...)      -> the 4D mask that hides holes
 `generate_stream` strings them together around one KV cache; `generate` collects its events.
 `reference_generate` is the plain uncached sampler (one full forward per step, one row at a time)
@@ -12,6 +12,7 @@ that the tests hold the cached decoder against.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -19,8 +20,16 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-MODES = ("mars", "ar")
+MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
 CRITERIA = ("prob", "entropy", "margin")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_tau(tau) -> float:
@@ -38,7 +47,7 @@ def check_tau(tau) -> float:
 class DecodeConfig:
     """How to decode. Validated on creation; every error names the value and the fix."""
     mode: str = "mars"            # "mars": B candidates per forward; "ar": plain one-token decoding
-    tau: float = 0.95             # acceptance threshold; >= 1.0 accepts exactly one token per step
+    tau: float = 0.95             # acceptance threshold (verify: draft threshold); >= 1.0 is one token per step
     block_size: int = 4           # B: candidates per forward pass (q_0 .. q_{B-1})
     max_new_tokens: int = 128     # hard cap on new tokens per sequence (eos included)
     temperature: float = 0.0      # 0 = greedy; > 0 samples every candidate at this temperature
@@ -49,29 +58,40 @@ class DecodeConfig:
     stop_strings: tuple[str, ...] = ()  # stop once the decoded text contains one of these
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (also called by the decoder, so a config changed after creation is checked too)."""
         if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown: use 'mars' or 'ar'")
+            raise ValueError(f"mode={self.mode!r} is unknown: use 'mars', 'verify' or 'ar'")
         self.tau = check_tau(self.tau)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size!r} must be an integer >= 1 (the paper uses 4)")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        for name in ("block_size", "max_new_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1" + (" (the paper uses 4)" if name == "block_size" else ""))
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
         if self.criterion not in CRITERIA:
             raise ValueError(f"criterion={self.criterion!r} is unknown: use one of {', '.join(CRITERIA)}")
-        if self.max_accept is not None and (not isinstance(self.max_accept, int) or self.max_accept < 1):
+        if self.max_accept is not None and (not _is_int(self.max_accept) or self.max_accept < 1):
             raise ValueError(f"max_accept={self.max_accept!r} must be None or an integer >= 1")
+        if self.mode == "verify" and self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r} with mode='verify': verify mode reproduces greedy AR, "
+                             "so use temperature=0 (or mode='mars' to sample)")
         if isinstance(self.stop_strings, str):
             self.stop_strings = (self.stop_strings,)
+        if not all(isinstance(s, str) for s in self.stop_strings):
+            raise ValueError(f"stop_strings={self.stop_strings!r} must be strings")
         self.stop_strings = tuple(s for s in self.stop_strings if s)
 
     @property
     def candidates(self) -> int:
-        """Rows of logits each forward uses: B in MARS mode, 1 in AR mode."""
-        return self.block_size if self.mode == "mars" else 1
+        """Candidates per forward at most: B in MARS and verify mode, 1 in AR mode."""
+        return 1 if self.mode == "ar" else self.block_size
 
 
 class TauControl:
@@ -100,6 +120,10 @@ class RowStep:
     active: bool
     tokenizer: object = field(default=None, repr=False)
     finish_reason: str | None = None   # eos | length | stop, on the step that finished the row
+    # verify mode only: `candidates`/`confidences` are the mask proposals, and
+    drafts: list[int] = field(default_factory=list)   # the ones kept as drafts, checked by the next forward
+    confirmed: int = 0                # how many of the previous step's drafts equal AR's token (now committed)
+    rejected: int | None = None       # the first previous draft that did not; accepted_ids[confirmed] replaced it
 
     @property
     def text(self) -> str:
@@ -189,15 +213,15 @@ def masks_this_step(tau: float, n_masks: int, room: int) -> int:
     return 0 if tau >= 1.0 else max(0, min(n_masks, room))
 
 
-def never_propose_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Logits [b, k, V] with the mask id ruled out at the mask rows q_1..q_{k-1} (changed in place).
+def never_propose_mask(logits: torch.Tensor, mask_id: int, first: int = 1) -> torch.Tensor:
+    """Logits [b, k, V] with the mask id ruled out at the mask rows, columns `first`.. (changed in place).
 
     A mask position predicts a future token, never another mask; a reused special token (SmolLM2's
     <repo_name>) may still carry probability there. q_0 is the plain AR prediction and stays untouched, so
     one-token mode remains exactly greedy AR.
     """
-    if logits.shape[1] > 1:
-        logits[:, 1:, mask_id] = float("-inf")   # in place: the step's own fresh logits, no [b, k, V] copy
+    if logits.shape[1] > first:
+        logits[:, first:, mask_id] = float("-inf")   # in place: the step's own fresh logits, no [b, k, V] copy
     return logits
 
 
@@ -216,18 +240,6 @@ def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: t
     is_eos = torch.isin(tokens, eos_ids)
     first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, tokens.shape[1])
     return torch.minimum(n, first_eos)
-
-
-def right_align(tokens: torch.Tensor, counts: torch.Tensor, width: int,
-                fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Put each row's first `counts[r]` tokens at the right end of a [b, width] block.
-    Returns (ids, valid, src), each [b, width]: the left holes hold `fill` and are invalid; `src` is the
-    index of each column's token among the row's tokens (negative for holes)."""
-    cols = torch.arange(width, device=tokens.device)
-    src = cols[None, :] - (width - counts[:, None])            # [b, width] source column, < 0 for holes
-    valid = src >= 0
-    ids = tokens.gather(1, src.clamp(min=0, max=tokens.shape[1] - 1))
-    return torch.where(valid, ids, torch.full_like(ids, fill)), valid, src
 
 
 def step_attention(kv_valid: torch.Tensor, chunk_valid: torch.Tensor) -> torch.Tensor:
@@ -250,9 +262,20 @@ def step_attention(kv_valid: torch.Tensor, chunk_valid: torch.Tensor) -> torch.T
 def _prompt_ids(lm, prompts) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or of token-id lists")
+    vocab = _vocab_size(lm)
     out = []
     for p in prompts:
-        ids = lm.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        if isinstance(p, str):
+            ids = lm.encode(p)
+        elif isinstance(p, Sequence) and not isinstance(p, (bytes, bytearray)):
+            ids = list(p)
+            bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]!r} is not an integer in [0, {vocab}): pass token ids from this "
+                                 "model's tokenizer, or the prompt as a string")
+            ids = [int(t) for t in ids]
+        else:
+            raise ValueError(f"prompt {p!r} must be a string or a list of token ids (decode bytes to str first)")
         if not ids:
             raise ValueError("a prompt has no tokens: pass a non-empty prompt")
         if len(ids) + 2 > lm.context_length:
@@ -261,111 +284,218 @@ def _prompt_ids(lm, prompts) -> list[list[int]]:
     return out
 
 
+def _vocab_size(lm) -> int:
+    return lm.model.get_input_embeddings().weight.shape[0]
+
+
+
+@dataclass
+class _Row:
+    """One sequence still decoding."""
+    index: int                  # its position in the caller's batch
+    budget: int                 # new tokens it may write
+    pending: list[int]          # tokens not in the cache yet: committed ones, then `n_drafts` unverified drafts
+    n_drafts: int = 0
+    cached: int = 0             # real tokens in the cache, so also the next free position
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def left(self) -> int:
+        return self.budget - len(self.generated)
+
+
+class _Batch:
+    """The rows still decoding and their shared KV cache; `kv_valid` marks which cached columns are real."""
+
+    def __init__(self, rows: list[_Row], cache, device):
+        self.rows, self.cache, self.device = rows, cache, device
+        self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
+
+    def chunk(self, n_masks: int, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The step's input, right-aligned: [holes | pending | masks] per row -> ids, positions, valid, width.
+        Right alignment puts every row's last pending token and its masks in the same columns."""
+        width = max(len(r.pending) for r in self.rows)
+        ids, pos, valid = [], [], []
+        for r in self.rows:
+            holes, real = width - len(r.pending), len(r.pending) + n_masks
+            ids.append([fill] * holes + r.pending + [fill] * n_masks)
+            pos.append([0] * holes + list(range(r.cached, r.cached + real)))   # holes take no position
+            valid.append([False] * holes + [True] * real)
+        as_tensor = lambda x, **kw: torch.tensor(x, device=self.device, **kw)
+        return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width
+
+    def rollback(self, n_masks: int, rejected: list[int], chunk_valid: torch.Tensor) -> None:
+        """The one place the cache shrinks: the masks always leave; so do rejected drafts (verify mode).
+        Columns every row rejects are cropped; a row's further rejected drafts become holes."""
+        common = min(rejected)
+        if n_masks + common:
+            self.cache.crop(-(n_masks + common))
+        width = chunk_valid.shape[1]
+        kept = chunk_valid[:, : width - common].clone()
+        for i, n in enumerate(rejected):
+            if n > common:
+                kept[i, width - n: width - common] = False
+        self.kv_valid = torch.cat([self.kv_valid, kept], dim=1)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only these batch rows (finished rows leave the batch and the cache)."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.kv_valid = self.kv_valid[index]
+
+
+@dataclass
+class _Settled:
+    """What a row does with one forward's outputs."""
+    commit: list[int]                          # tokens final from this step on
+    candidates: list[int]
+    confidences: list[float]
+    drafts: list[int] = field(default_factory=list)   # verify: fed next step, unverified
+    confirmed: int = 0                         # verify: previous drafts equal to AR's token
+    rejected: int | None = None                # verify: the first previous draft that was not
+    n_rejected: int = 0                        # verify: previous drafts dropped from the cache
+
+
+def _check_finite(logits: torch.Tensor, lm, step: int) -> None:
+    if not torch.isfinite(logits.amax(dim=-1)).all():
+        raise FloatingPointError(
+            f"{getattr(lm, 'name', 'the model')} produced NaN/inf logits at step {step}: its weights are damaged "
+            "or the dtype overflows; reload the checkpoint, or decode in float32")
+
+
+def clip_commit(tokens: list[int], left: int, eos_ids) -> list[int]:
+    """Committed tokens end at the budget and right after the first eos."""
+    tokens = tokens[:left]
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def confirm(drafts: list[int], ar_tokens: list[int]) -> int:
+    """How many leading drafts equal AR's own greedy token at their position."""
+    n = 0
+    while n < len(drafts) and drafts[n] == ar_tokens[n]:
+        n += 1
+    return n
+
+
+def keep_drafts(tokens: list[int], conf: list[float], tau: float, cap: int, eos_ids) -> list[int]:
+    """Verify mode: the leading mask proposals with confidence >= τ become drafts (none at τ >= 1),
+    at most `cap`, none after an eos."""
+    drafts = []
+    if tau >= 1.0:
+        return drafts
+    for t, c in zip(tokens[:max(0, cap)], conf):
+        if c < tau:
+            break
+        drafts.append(t)
+        if t in eos_ids:
+            break
+    return drafts
+
+
+def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_Settled]:
+    """Lossy MARS (and AR): accept the leading candidates q_0.. whose confidence stays >= τ."""
+    tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator)
+    left = torch.tensor([r.left for r in rows], device=tokens.device)
+    limit = left.clamp(max=min(cfg.max_accept or cfg.candidates, n_masks + 1))
+    n = accept_counts(tokens, conf, tau, limit, eos_ids)
+    tokens_h, conf_h, n_h = tokens.tolist(), conf.tolist(), n.tolist()   # the step's one host sync
+    return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
+
+
+def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos_ids) -> list[_Settled]:
+    """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
+    drafts are kept while equal to them, the first one that differs is replaced by AR's token, and new
+    drafts come from the masks only when every draft was confirmed (else the masks saw a wrong token)."""
+    ar = logits[:, : n_verify + 1].argmax(dim=-1).tolist()
+    props, conf = ([[]] * len(rows), [[]] * len(rows))
+    if n_masks:
+        p, c = propose(logits[:, n_verify + 1:], cfg.criterion)
+        props, conf = p.tolist(), c.tolist()
+    eos = set(int(e) for e in eos_ids.tolist())
+    settled = []
+    for i, r in enumerate(rows):
+        m = r.n_drafts
+        drafts, want = r.pending[len(r.pending) - m:], ar[i][n_verify - m:]
+        ok = confirm(drafts, want)
+        commit = clip_commit(want[: ok + 1], r.left, eos)
+        new = []
+        if ok == m and len(commit) == ok + 1 and commit[-1] not in eos:
+            cap = min(n_masks, r.left - len(commit) - 1, (cfg.max_accept or cfg.candidates) - 1)
+            new = keep_drafts(props[i], conf[i], tau, cap, eos)
+        settled.append(_Settled(commit, props[i], conf[i], new, ok, drafts[ok] if ok < m else None, m - ok))
+    return settled
+
+
 @torch.inference_mode()
 def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
                     tau_control: TauControl | None = None) -> Iterator[StepEvent]:
     """Decode a batch; yield one StepEvent per forward pass.
 
-    Every step feeds [holes | uncached committed tokens | B-1 masks] per row. Rows are right-aligned,
-    so q_0 (the last committed token) and q_1..q_{B-1} (the masks) sit in the same B columns for
-    every row and the LM head runs on those B columns only. The spec appends B masks; the output at
-    the last one is never used and, under causal attention, nothing before it depends on it, so we
-    append B-1: identical candidates, one position less per forward. A step at τ >= 1 appends none, so
-    one-token mode is AR's own computation; near the context's end a step appends only the masks that fit.
+    Every step feeds [holes | uncached tokens | B-1 masks] per row and runs the LM head on the last
+    columns only. The spec appends B masks; the output at the last one is never used and, under causal
+    attention, nothing before it depends on it, so we append B-1: identical candidates, one position less.
+    A step at τ >= 1 appends none, so one-token mode is AR's own computation; near the context's end a step
+    appends only the masks that fit. In verify mode the uncached tokens end with the drafts to check.
     """
     cfg = cfg or DecodeConfig()
-    model, device = lm.model, lm.device
+    cfg.validate()
     prompt_ids = _prompt_ids(lm, prompts)
-    b, k = len(prompt_ids), cfg.candidates
-    n_masks = k - 1
+    device, n_masks_max = lm.device, cfg.candidates - 1
     eos_ids = torch.tensor(lm.eos_ids, device=device)
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
-    # Positions must stay inside the context: a row stops ("length") at its last position, as AR does;
-    # near the end a step appends only the masks that still fit (masks_this_step).
+    # Positions must stay inside the context: a row stops ("length") at its last position, as AR does.
     budget = [min(cfg.max_new_tokens, lm.context_length - len(p) - 1) for p in prompt_ids]
     if min(budget) < 1:
         raise ValueError(f"a prompt leaves no room in the context of {lm.context_length} tokens: shorten it")
-
-    # Per-row host state (one sync per step builds the event anyway).
-    generated = [[] for _ in range(b)]
-    committed = [len(p) for p in prompt_ids]                   # prompt + accepted tokens, per original row
-    alive = list(range(b))                                     # original row index of each batch row
-    # Device state for the alive rows.
-    lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
-    width = int(lengths.max())
-    pending = torch.zeros(b, width, dtype=torch.long, device=device)
-    for r, p in enumerate(prompt_ids):
-        pending[r, : len(p)] = torch.tensor(p, device=device)   # left-aligned, like accepted tokens
-    pending_n = lengths.clone()                                 # real tokens in `pending` per row
-    cached = torch.zeros(b, dtype=torch.long, device=device)   # real tokens already in the cache
-    left = torch.tensor(budget, device=device)                  # tokens each row may still accept
-    kv_valid = torch.zeros(b, 0, dtype=torch.bool, device=device)
-    cache = DynamicCache(config=model.config)
-
-    start = time.perf_counter()
-    step = 0
-    while alive:
+    batch = _Batch([_Row(i, budget[i], list(p)) for i, p in enumerate(prompt_ids)],
+                   DynamicCache(config=lm.model.config), device)
+    start, step = time.perf_counter(), 0
+    while batch.rows:
         t0 = time.perf_counter()
-        tau = tau_control.value if tau_control is not None else cfg.tau
-        if cfg.mode == "ar":
-            tau = 1.0
-        width = pending.shape[1]
-        masks = masks_this_step(tau, n_masks, lm.context_length - max(committed[r] for r in alive))
-        ids, valid, src = right_align(pending, pending_n, width, fill=lm.mask_id)
-        pos = torch.where(valid, cached[:, None] + src, torch.zeros_like(src))   # holes take no position
-        if masks:
-            mask_cols = torch.arange(1, masks + 1, device=device)[None, :]
-            ids = torch.cat([ids, torch.full((len(alive), masks), lm.mask_id, device=device)], dim=1)
-            pos = torch.cat([pos, cached[:, None] + pending_n[:, None] - 1 + mask_cols], dim=1)
-            valid = torch.cat([valid, torch.ones(len(alive), masks, dtype=torch.bool, device=device)], dim=1)
-        keep = torch.arange(width - 1, width + masks, device=device)   # q_0 .. q_masks
-        out = model(input_ids=ids, attention_mask=step_attention(kv_valid, valid), position_ids=pos,
-                    cache=cache, use_cache=True, logits_to_keep=keep)
-        logits = never_propose_mask(out.logits, lm.mask_id)     # [b_alive, masks + 1, V]
-        # Cache rollback, in this one place: drop the masks; the accepted tokens enter next step.
-        if masks:
-            cache.crop(-masks)
-        kv_valid = torch.cat([kv_valid, valid[:, :width]], dim=1)
-        cached = cached + pending_n
-
-        tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator)
-        limit = left.clamp(max=min(cfg.max_accept or k, masks + 1))
-        n = accept_counts(tokens, conf, tau, limit, eos_ids)
-        tokens_h, conf_h, n_h = tokens.tolist(), conf.tolist(), n.tolist()   # the step's one host sync
+        tau = 1.0 if cfg.mode == "ar" else (tau_control.value if tau_control is not None else cfg.tau)
+        n_verify = max(r.n_drafts for r in batch.rows)
+        n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
+        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id)
+        keep = torch.arange(width - 1 - n_verify, width + n_masks, device=device)   # q_0 (and drafts), masks
+        out = lm.model(input_ids=ids, attention_mask=step_attention(batch.kv_valid, valid), position_ids=pos,
+                       cache=batch.cache, use_cache=True, logits_to_keep=keep)
+        logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
+        _check_finite(logits, lm, step)
+        if cfg.mode == "verify":
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, eos_ids)
+        else:
+            settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
+        batch.rollback(n_masks, [s.n_rejected for s in settled], valid[:, :width])
         step_time = time.perf_counter() - t0
 
-        rows = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in range(b)]
-        finished = []
-        for i, r in enumerate(alive):
-            accepted = tokens_h[i][: n_h[i]]
-            generated[r].extend(accepted)
-            committed[r] += len(accepted)
-            reason = "eos" if accepted[-1] in lm.eos_ids else "length" if len(generated[r]) >= budget[r] else None
-            if cfg.stop_strings and reason is None and _trim_at_stop(lm, generated[r], accepted, cfg.stop_strings):
+        events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in prompt_ids]
+        still = []
+        for i, (r, s) in enumerate(zip(batch.rows, settled)):
+            r.cached += len(r.pending) - s.n_rejected
+            r.generated.extend(s.commit)
+            reason = "eos" if s.commit[-1] in lm.eos_ids else "length" if r.left <= 0 else None
+            if cfg.stop_strings and reason is None and _trim_at_stop(lm, r.generated, s.commit, cfg.stop_strings):
                 reason = "stop"
-            done = reason is not None
-            rows[r] = RowStep(accepted, tokens_h[i], conf_h[i], len(accepted), done, True, lm.tokenizer, reason)
-            if done:
-                finished.append(i)
-        yield StepEvent(step, tau, step_time, time.perf_counter() - start, rows)
+            # Next input: what is not cached yet. Verify mode caches confirmed drafts; AR's token comes next.
+            r.pending = (s.commit[-1:] if cfg.mode == "verify" else s.commit) + s.drafts
+            r.n_drafts = len(s.drafts)
+            events[r.index] = RowStep(s.commit, s.candidates, s.confidences, len(s.commit), reason is not None, True,
+                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected)
+            if reason is None:
+                still.append(i)
+        yield StepEvent(step, tau, step_time, time.perf_counter() - start, events)
         step += 1
-
-        # Next input: this step's accepted tokens, right-aligned; finished rows leave the batch.
-        pending, pending_n = tokens, n
-        left = left - n
-        width = max(n_h[i] for i in range(len(alive)) if i not in finished) if len(finished) < len(alive) else 0
-        if finished:
-            keep_rows = torch.tensor([i for i in range(len(alive)) if i not in finished], device=device)
-            alive = [r for i, r in enumerate(alive) if i not in finished]
-            if not alive:
-                break
-            cache.batch_select_indices(keep_rows)
-            pending, pending_n = pending[keep_rows], pending_n[keep_rows]
-            kv_valid, cached, left = kv_valid[keep_rows], cached[keep_rows], left[keep_rows]
-        pending = pending[:, :width]          # width from the host copy: no second sync per step
+        batch.select(still)
 
 
 def _trim_at_stop(lm, generated: list[int], accepted: list[int], stops: tuple[str, ...]) -> bool:
@@ -415,30 +545,20 @@ def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[Seq
     """The plain sampler: every step is one full forward of [all committed tokens | B masks], no cache,
     one row at a time, the LM head on every position. Slow on purpose; the tests' yardstick."""
     cfg = cfg or DecodeConfig()
-    device = lm.device
-    eos_ids = torch.tensor(lm.eos_ids, device=device)
+    cfg.validate()
     results = []
     for prompt in _prompt_ids(lm, prompts):
-        k = cfg.candidates
         budget = min(cfg.max_new_tokens, lm.context_length - len(prompt) - 1)
         generator = None
         if cfg.temperature > 0:
-            generator = torch.Generator(device=device)
+            generator = torch.Generator(device=lm.device)
             generator.manual_seed(cfg.seed if cfg.seed is not None else 0)
-        seq, new, steps, times = list(prompt), [], [], []
+        step = _reference_verify_step if cfg.mode == "verify" else _reference_mars_step
+        seq, new, steps, times, drafts = list(prompt), [], [], [], []
         start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            tau = cfg.tau if cfg.mode == "mars" else 1.0
-            used = masks_this_step(tau, k - 1, lm.context_length - len(seq)) + 1     # candidates q_0 .. q_{used-1}
-            # the spec's B masks when they fit (the last one's output is never read), else as many as fit
-            masks = [lm.mask_id] * (min(used, lm.context_length - len(seq)) if used > 1 else 0)
-            logits = lm.model(input_ids=torch.tensor([seq + masks], device=device)).logits   # [1, T, V]
-            rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + used], lm.mask_id)
-            tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
-            limit = torch.tensor([min(budget - len(new), cfg.max_accept or k, used)], device=device)
-            n = int(accept_counts(tokens, conf, tau, limit, eos_ids)[0])
-            accepted = tokens[0, :n].tolist()
+            accepted, drafts = step(lm, cfg, seq, drafts, budget - len(new), generator)
             seq += accepted
             new += accepted
             steps.append(accepted)
@@ -449,3 +569,32 @@ def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[Seq
         results.append(SequenceResult(list(prompt), new, lm.decode(new), steps, times,
                                       time.perf_counter() - start, reason))
     return results
+
+
+def _reference_mars_step(lm, cfg, seq, drafts, left, generator):
+    k, tau = cfg.candidates, (cfg.tau if cfg.mode == "mars" else 1.0)
+    used = masks_this_step(tau, k - 1, lm.context_length - len(seq)) + 1     # candidates q_0 .. q_{used-1}
+    # the spec's B masks when they fit (the last one's output is never read), else as many as fit
+    masks = [lm.mask_id] * (min(used, lm.context_length - len(seq)) if used > 1 else 0)
+    logits = lm.model(input_ids=torch.tensor([seq + masks], device=lm.device)).logits   # [1, T, V]
+    rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + used], lm.mask_id)
+    tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
+    limit = torch.tensor([min(left, cfg.max_accept or k, used)], device=lm.device)
+    n = int(accept_counts(tokens, conf, tau, limit, torch.tensor(lm.eos_ids, device=lm.device))[0])
+    return tokens[0, :n].tolist(), []
+
+
+def _reference_verify_step(lm, cfg, seq, drafts, left, generator):
+    """Feed [committed | drafts | masks]; AR's greedy tokens check the drafts; new drafts only after a full match."""
+    n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
+    logits = lm.model(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
+    ar = logits[len(seq) - 1: len(seq) + len(drafts)].argmax(dim=-1).tolist()
+    ok = confirm(drafts, ar)
+    commit = clip_commit(ar[: ok + 1], left, lm.eos_ids)
+    new = []
+    if ok == len(drafts) and len(commit) == ok + 1 and commit[-1] not in lm.eos_ids and n_masks:
+        rows = never_propose_mask(logits[None, len(seq) + len(drafts):], lm.mask_id, first=0)
+        tokens, conf = propose(rows, cfg.criterion)
+        cap = min(n_masks, left - len(commit) - 1, (cfg.max_accept or cfg.block_size) - 1)
+        new = keep_drafts(tokens[0].tolist(), conf[0].tolist(), cfg.tau, cap, lm.eos_ids)
+    return commit, new

@@ -223,10 +223,34 @@ def test_entropy_and_margin_criteria():
     (dict(tau=0), "tau"), (dict(tau=-0.5), "tau"), (dict(tau=float("nan")), "tau"), (dict(tau="fast"), "tau"),
     (dict(block_size=0), "block_size"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="beam"), "mode"),
     (dict(criterion="vibes"), "criterion"), (dict(temperature=-1.0), "temperature"),
+    (dict(block_size=True), "block_size=True"), (dict(block_size=2.5), "block_size"),
+    (dict(max_new_tokens=False), "max_new_tokens"), (dict(temperature="hot"), "temperature='hot'"),
+    (dict(temperature=float("inf")), "finite"), (dict(top_p="all"), "top_p"), (dict(seed=1.5), "seed"),
+    (dict(max_accept=True), "max_accept"), (dict(stop_strings=(3,)), "stop_strings"),
 ])
 def test_bad_config_raises_value_error_naming_the_value(kwargs, word):
     with pytest.raises(ValueError, match=word):
         DecodeConfig(**kwargs)
+
+
+def test_a_config_changed_after_creation_is_checked_before_decoding(llama_lm):
+    cfg = DecodeConfig()
+    cfg.block_size = 0
+    with pytest.raises(ValueError, match="block_size=0"):
+        generate(llama_lm, [PROMPTS[0]], cfg)
+    cfg.block_size, cfg.temperature = 4, "hot"
+    with pytest.raises(ValueError, match="temperature='hot'"):
+        list(generate_stream(llama_lm, [PROMPTS[0]], cfg))
+
+
+@pytest.mark.parametrize("prompts, word", [
+    ([[1.7, 2.2]], "token id 1.7"), ([[True, 3]], "token id True"), ([[None]], "token id None"),
+    ([[-1, 3]], "token id -1"), ([[10**6]], "token id 1000000"), (b"hi", "non-empty list"), ([b"hi"], "decode bytes"),
+    ([None], "prompt None"), ([[2, None]], "token id None"),
+])
+def test_bad_prompts_and_token_ids_are_refused_naming_the_value(llama_lm, prompts, word):
+    with pytest.raises(ValueError, match=word):
+        generate(llama_lm, prompts, DecodeConfig(max_new_tokens=2))
 
 
 def test_tau_control_rejects_bad_values():
