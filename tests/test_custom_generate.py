@@ -1,0 +1,165 @@
+"""custom_generate/: MARS decoding through `model.generate(..., custom_generate=<repo>, trust_remote_code=True)`.
+
+The tests play the user, who opts into the remote code; the repository's own code never does (last test).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from mars_core import DecodeConfig, generate, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["What is 2+3?", "Sort: c a b"]
+
+
+def mars_generate(model, ids, **kw):
+    return model.generate(ids, custom_generate=str(REPO), trust_remote_code=True, **kw)
+
+
+def ids_of(lm, prompt: str) -> torch.Tensor:
+    return torch.tensor([lm.encode(prompt)])
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.5])
+def test_tokens_and_steps_equal_our_own_generate(tiny_lm, tau):
+    ids = ids_of(tiny_lm, PROMPTS[0])
+    out = mars_generate(tiny_lm.model, ids, tau=tau, block_size=4, mask_token_id=tiny_lm.mask_id, max_new_tokens=24,
+                        eos_token_id=tiny_lm.eos_ids, return_dict_in_generate=True)
+    ref = generate(tiny_lm, [ids[0].tolist()], DecodeConfig(tau=tau, block_size=4, max_new_tokens=24))[0]
+    assert out.sequences[0, : ids.shape[1]].tolist() == ids[0].tolist()
+    assert out.sequences[0, ids.shape[1]:].tolist() == ref.token_ids
+    assert out.step_tokens[0] == ref.steps
+    assert out.accepted_counts[0] == [len(s) for s in ref.steps]
+    assert out.finish_reasons[0] == ref.finish_reason
+
+
+def test_tau_one_equals_plain_greedy_generate(tiny_lm):
+    ids = ids_of(tiny_lm, PROMPTS[1])
+    plain = tiny_lm.model.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=tiny_lm.eos_ids)
+    # no mask id needed in one-token mode: no masks are appended
+    ours = mars_generate(tiny_lm.model, ids, tau=1.0, max_new_tokens=30, eos_token_id=tiny_lm.eos_ids)
+    assert torch.equal(plain, ours)
+
+
+def test_embedded_tiny_mars_accepts_several_tokens_and_matches_our_generate_and_plain_generate():
+    lm = load_model("tiny-mars", device="cpu", cpu_layout=False)
+    ids = ids_of(lm, "What is 17 + 25?")
+    out = mars_generate(lm.model, ids, tau=0.95, block_size=4, mask_token_id=lm.mask_id, max_new_tokens=48,
+                        return_dict_in_generate=True)    # eos from the checkpoint's generation_config
+    ref = generate(lm, [ids[0].tolist()], DecodeConfig(tau=0.95, block_size=4, max_new_tokens=48))[0]
+    assert out.sequences[0, ids.shape[1]:].tolist() == ref.token_ids
+    assert max(out.accepted_counts[0]) > 1 and len(out.accepted_counts[0]) < len(ref.token_ids)
+    plain = lm.model.generate(ids, do_sample=False, max_new_tokens=48)
+    assert torch.equal(mars_generate(lm.model, ids, tau=1.0, max_new_tokens=48), plain)
+
+
+def left_padded(lm, prompts, pad_id):
+    rows = [lm.encode(p) for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    assert mask.min() == 0   # the batch really is padded
+    return rows, ids, mask
+
+
+def test_left_padded_batch_of_two(tiny_lm):
+    pad = tiny_lm.tokenizer.pad_token_id
+    rows, ids, mask = left_padded(tiny_lm, PROMPTS, pad)
+    plain = tiny_lm.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=pad,
+                                   eos_token_id=tiny_lm.eos_ids)
+    one = mars_generate(tiny_lm.model, ids, attention_mask=mask, tau=1.0, max_new_tokens=20, pad_token_id=pad,
+                        eos_token_id=tiny_lm.eos_ids)
+    assert torch.equal(plain, one)
+    out = mars_generate(tiny_lm.model, ids, attention_mask=mask, tau=0.9, mask_token_id=tiny_lm.mask_id,
+                        max_new_tokens=20, pad_token_id=pad, eos_token_id=tiny_lm.eos_ids, return_dict_in_generate=True)
+    width = ids.shape[1]
+    for r, row in enumerate(rows):   # each row gets exactly the tokens it gets alone, pads after them
+        alone = generate(tiny_lm, [row], DecodeConfig(tau=0.9, block_size=4, max_new_tokens=20))[0]
+        got = out.sequences[r, width:].tolist()
+        assert got[: len(alone.token_ids)] == alone.token_ids
+        assert set(got[len(alone.token_ids):]) <= {pad}
+        assert out.step_tokens[r] == alone.steps
+
+
+def test_a_right_padded_batch_is_refused_with_the_fix(tiny_lm):
+    ids = torch.tensor([[10, 11, 12], [10, 11, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        mars_generate(tiny_lm.model, ids, attention_mask=mask, tau=0.9, mask_token_id=tiny_lm.mask_id)
+
+
+class Recorder:
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_prompt_then_each_forwards_tokens(tiny_lm, capsys):
+    ids = ids_of(tiny_lm, PROMPTS[0])
+    rec = Recorder()
+    out = mars_generate(tiny_lm.model, ids, streamer=rec, tau=0.5, mask_token_id=tiny_lm.mask_id, max_new_tokens=20,
+                        eos_token_id=tiny_lm.eos_ids, return_dict_in_generate=True)
+    assert rec.puts[0] == ids.tolist() and rec.ended == 1
+    assert rec.puts[1:] == out.step_tokens[0]
+    assert any(len(p) > 1 for p in rec.puts[1:])          # several tokens in one put: a MARS step
+    # transformers' own TextStreamer takes these puts and prints the same text as decoding the result
+    mars_generate(tiny_lm.model, ids, streamer=TextStreamer(tiny_lm.tokenizer, skip_prompt=True), tau=0.5,
+                  mask_token_id=tiny_lm.mask_id, max_new_tokens=20, eos_token_id=tiny_lm.eos_ids)
+    printed = capsys.readouterr().out
+    assert printed.strip() == tiny_lm.tokenizer.decode(out.sequences[0, ids.shape[1]:]).strip()
+
+
+def test_mask_id_from_the_config_and_errors_that_name_the_fix(tiny_lm):
+    ids = ids_of(tiny_lm, PROMPTS[0])
+    model = tiny_lm.model
+    with pytest.raises(ValueError, match="pass mask_token_id="):
+        mars_generate(model, ids, tau=0.9, max_new_tokens=4)
+    with pytest.raises(ValueError, match="mask_token_id=99999 is not a token id"):
+        mars_generate(model, ids, tau=0.9, mask_token_id=99999, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_beams=2 is not supported.*num_beams=1"):
+        mars_generate(model, ids, tau=0.9, mask_token_id=tiny_lm.mask_id, num_beams=2)
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['tua'\]"):
+        mars_generate(model, ids, tua=0.9, mask_token_id=tiny_lm.mask_id)
+    with pytest.raises(ValueError, match="tau=-1"):
+        mars_generate(model, ids, tau=-1, mask_token_id=tiny_lm.mask_id)
+    ref = mars_generate(model, ids, tau=0.9, mask_token_id=tiny_lm.mask_id, max_new_tokens=12,
+                        eos_token_id=tiny_lm.eos_ids)
+    model.config.mask_token_id = tiny_lm.mask_id          # what `python -m mars_core export` writes
+    try:
+        assert torch.equal(mars_generate(model, ids, tau=0.9, max_new_tokens=12, eos_token_id=tiny_lm.eos_ids), ref)
+    finally:
+        del model.config.mask_token_id
+
+
+def test_without_mars_core_the_import_error_says_how_to_install(tmp_path):
+    code = ("import sys, runpy; sys.modules['mars_core'] = None; sys.modules['mars_core.decoding'] = None\n"
+            f"runpy.run_path({str(REPO / 'custom_generate' / 'generate.py')!r})")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode != 0
+    assert "ImportError" in done.stderr and "pip install mars-playground" in done.stderr
+
+
+def test_our_own_code_never_sets_trust_remote_code():
+    files = [REPO / "app.py", *(p for d in ("mars_core", "finetune", "app", "custom_generate")
+                                for p in (REPO / d).rglob("*.py"))]
+    offenders = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.keyword) and node.arg == "trust_remote_code":
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.value.lineno}")
+    assert len(files) > 20 and offenders == []
