@@ -126,12 +126,12 @@ def _mask_id(model, tokenizer, explicit, tau: float) -> int:
 
 
 def generate(model, inputs=None, generation_config: GenerationConfig | None = None, streamer=None, *,
-             tau: float = 0.95, block_size: int = 4, mask_token_id: int | None = None, criterion: str = "prob",
+             tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None, criterion: str = "prob",
              max_accept: int | None = None, tokenizer=None, **kwargs):
     """Run MARS decoding (mars_core) on `model`; arguments as `model.generate`, plus:
 
     tau: acceptance threshold; >= 1 is one-token mode, token for token plain greedy decoding.
-    block_size: B, the candidates of one forward pass (the model's training block size).
+    block_size: B, the candidates of one forward pass; default: model.config.mars_block_size (an export's), else 4.
     mask_token_id: the mask token's id; default: model.config.mask_token_id, else tokenizer.mask_token_id.
     criterion: prob | entropy | margin (what must reach tau). max_accept: cap on tokens kept per forward.
     tokenizer: only for stop_strings (and the text of streamed steps).
@@ -176,6 +176,8 @@ def generate(model, inputs=None, generation_config: GenerationConfig | None = No
     if sampling and gen.top_k not in (None, 0):
         raise ValueError(f"top_k={gen.top_k!r} is not supported by MARS sampling (temperature and top_p are): "
                          "pass top_k=0")
+    if block_size is None:
+        block_size = getattr(model.config, "mars_block_size", None) or 4
     cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new,
                        temperature=(gen.temperature if gen.temperature is not None else 1.0) if sampling else 0.0,
                        top_p=gen.top_p if sampling and gen.top_p is not None else 1.0, criterion=criterion,

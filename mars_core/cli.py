@@ -1,4 +1,4 @@
-"""`python -m mars_core generate|bench` — the decoder from the command line.
+"""`python -m mars_core generate|bench|export` — the decoder from the command line.
 
 generate prints the answer as it streams, one `|`-separated chunk per forward pass, then the
 metrics; with --json it prints one JSON object (a stable contract, see the README).
@@ -15,6 +15,7 @@ import torch
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
                              rows_as_dicts)
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
+from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
 
 
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what the hardware allows: speedup <= tokens/forward x cost(1 row) / cost(rows fed))")
     b.add_argument("--rounds", type=int, default=50,
                    help="--row-costs: timed forwards per row count; the median is reported")
+    x = sub.add_parser("export", help="write a plain transformers checkpoint: stock architecture, mask_token_id "
+                                      "in config.json (mars_core/export.py)")
+    add_export_arguments(x)
     return parser
 
 
@@ -127,6 +131,8 @@ def _bench_row_costs(lm, prompt: str, args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
