@@ -1,12 +1,12 @@
 """mars_core: MARS multi-token decoding and the AR baseline for ordinary causal LMs (arXiv 2604.07023)."""
 from mars_core.decoding import (
-    DecodeConfig, RowStep, SequenceResult, StepEvent, TauControl, accept_counts, generate,
+    DecodeConfig, RowStep, SequenceResult, StepEvent, TauControl, accept_counts, draft_acceptance, generate,
     generate_stream, propose, reference_generate,
 )
 from mars_core.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model, resolve_mask_id, wrap_model
 
 __all__ = [
     "DEFAULT_MODEL", "KNOWN_MODELS", "DecodeConfig", "LoadedModel", "RowStep", "SequenceResult", "StepEvent",
-    "TauControl", "accept_counts", "generate", "generate_stream", "load_model", "propose", "reference_generate",
+    "TauControl", "accept_counts", "draft_acceptance", "generate", "generate_stream", "load_model", "propose", "reference_generate",
     "resolve_mask_id", "wrap_model",
 ]

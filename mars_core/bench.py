@@ -16,12 +16,12 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from mars_core.decoding import DecodeConfig, generate, reference_generate, step_attention
+from mars_core.decoding import DecodeConfig, draft_acceptance, generate, reference_generate, step_attention
 from mars_core.loading import ASSETS
 
 GENERAL_PROMPTS = [
@@ -51,9 +51,21 @@ def default_prompts(model_name: str) -> list[str]:
 
 def read_prompts(path: str) -> list[str]:
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"prompts file {path!r} is a directory: give a text file with one prompt per line")
     if not p.is_file():
         raise ValueError(f"prompts file {path!r} does not exist: give a text file with one prompt per line")
-    prompts = [line.replace("\\n", "\n") for line in p.read_text().splitlines() if line.strip()]
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"prompts file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}): "
+                         "give a UTF-8 text file with one prompt per line") from None
+    if "\x00" in text:
+        raise ValueError(f"prompts file {path!r} holds NUL bytes (a binary file?): give a text file with one "
+                         "prompt per line")
+    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompts file {path!r} has no prompts: put one prompt per line")
     return prompts
@@ -63,8 +75,8 @@ def read_prompts(path: str) -> list[str]:
 class BenchRow:
     batch_size: int
     prompts: int
-    tokens_per_forward: float      # mean over sequences
-    ar_time: float                 # median seconds for all prompts
+    tokens_per_forward: float      # MARS, mean over sequences
+    ar_time: float                 # median seconds for all prompts, our AR
     mars_time: float
     speedup: float                 # ar_time / mars_time
     ar_forward_ms: float           # mean ms per batched forward
@@ -75,6 +87,19 @@ class BenchRow:
     reference_time: float | None   # uncached reference, one row at a time (the same run for every batch size)
     reference_speedup: float | None  # ar_time / reference_time
     peak_memory_mb: float          # CUDA: peak allocated in this batch size; CPU: process peak RSS so far
+    hf_time: float | None = None   # transformers generate(do_sample=False), same model and batches
+    hf_equals_ar: bool | None = None
+    fastest_ar: str = "ours"       # the AR baseline every speedup below divides: "ours" or "transformers"
+    mars_speedup: float = 0.0      # fastest AR time / MARS time
+    verify_time: float | None = None          # lossless MARS (mode="verify")
+    verify_tokens_per_forward: float | None = None
+    verify_speedup: float | None = None       # fastest AR time / verify time
+    verify_equals_ar: bool | None = None      # token for token (guaranteed in fp32)
+    draft_acceptance: list | None = None      # verify: share of drafts confirmed, per mask slot 1 .. B-1
+    mars_agreement: float = 0.0    # share of sequences whose MARS answer equals AR's
+    time_ranges: dict = field(default_factory=dict)   # side -> [min, max] seconds over the repeats
+    overhead_ms: dict = field(default_factory=dict)   # side -> ms per forward spent outside the model's forward
+    overhead_share: dict = field(default_factory=dict)  # side -> that as a share of the step
 
 
 def _sync(device):
@@ -82,17 +107,64 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+@dataclass
+class HFGreedy:
+    """The transformers side of the bench: `model.generate(do_sample=False)` with its default cache."""
+    max_new_tokens: int
+
+
 def _timed_run(lm, batches, cfg) -> tuple[float, int, list]:
-    """Seconds, batched forwards and results for all batches."""
+    """Seconds, batched forwards and results for all batches (HFGreedy: token lists, forwards not counted)."""
     _sync(lm.device)
     t0 = time.perf_counter()
     results, forwards = [], 0
     for batch in batches:
+        if isinstance(cfg, HFGreedy):
+            results.extend(hf_generate(lm, batch, cfg.max_new_tokens))
+            continue
         out = generate(lm, batch, cfg)
         forwards += max(r.forwards for r in out)
         results.extend(out)
     _sync(lm.device)
     return time.perf_counter() - t0, forwards, results
+
+
+@torch.inference_mode()
+def hf_generate(lm, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate on a left-padded batch; each row's tokens up to its first eos."""
+    width = max(map(len, batch))
+    pad = lm.eos_ids[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=lm.device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=lm.device)
+    out = lm.model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=lm.eos_ids, pad_token_id=pad)[:, width:].tolist()
+    rows = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t in lm.eos_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def decoder_overhead(lm, batches, cfg) -> tuple[float, float]:
+    """One extra, instrumented run: ms per forward spent outside the model's forward, and its share of a step."""
+    spent = [0.0]
+    forward = lm.model.forward
+
+    def timed(*args, **kwargs):
+        _sync(lm.device)
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        _sync(lm.device)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    lm.model.forward = timed
+    try:
+        total, forwards, _ = _timed_run(lm, batches, cfg)
+    finally:
+        del lm.model.forward          # back to the class's own forward
+    outside = max(0.0, total - spent[0])
+    return 1000 * outside / forwards, outside / total
 
 
 def peak_memory_mb(device) -> float:
@@ -103,59 +175,109 @@ def peak_memory_mb(device) -> float:
 
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
-          criterion: str = "prob") -> list[BenchRow]:
+          criterion: str = "prob", transformers: bool = True, verify: bool = True) -> list[BenchRow]:
+    """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
+    bad = [b for b in batch_sizes if not isinstance(b, int) or b < 1]
+    if bad:
+        raise ValueError(f"batch size {bad[0]!r} must be an integer >= 1 (--batch-sizes)")
     ids = [lm.encode(p) for p in prompts]
-    ar_cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
-    mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                            criterion=criterion)
+    if max(batch_sizes) > len(ids):
+        raise ValueError(f"batch size {max(batch_sizes)} is larger than the {len(ids)} prompts: pass more prompts "
+                         f"(--n-prompts, --prompts) or a batch size <= {len(ids)}")
+    cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=max_new_tokens),
+            "mars": DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                                 criterion=criterion)}
+    if verify:
+        cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                                      criterion=criterion)
+    if transformers:
+        cfgs["transformers"] = HFGreedy(max_new_tokens)
     rows = []
     ref_time = None
     for bs in batch_sizes:
         batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
-        _timed_run(lm, batches[:1], ar_cfg)            # warm-up, both sides
-        _timed_run(lm, batches[:1], mars_cfg)
-        ar_t, mars_t = [], []
-        for _ in range(repeats):                       # alternate so drift hits both sides alike
-            t, ar_fwd, ar_res = _timed_run(lm, batches, ar_cfg)
-            ar_t.append(t)
-            t, mars_fwd, mars_res = _timed_run(lm, batches, mars_cfg)
-            mars_t.append(t)
+        for cfg in cfgs.values():                      # warm-up, every side
+            _timed_run(lm, batches[:1], cfg)
+        times = {side: [] for side in cfgs}
+        runs = {}
+        for _ in range(repeats):                       # alternate so drift hits every side alike
+            for side, cfg in cfgs.items():
+                t, forwards, res = _timed_run(lm, batches, cfg)
+                times[side].append(t)
+                runs[side] = (forwards, res)
             if progress:
-                progress(f"batch {bs}: AR {ar_t[-1]:.2f}s, MARS {mars_t[-1]:.2f}s")
-        ar_time, mars_time = statistics.median(ar_t), statistics.median(mars_t)
+                progress(f"batch {bs}: " + ", ".join(f"{side} {times[side][-1]:.2f}s" for side in cfgs))
+        med = {side: statistics.median(t) for side, t in times.items()}
         if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
             t0 = time.perf_counter()
-            reference_generate(lm, ids, mars_cfg)
+            reference_generate(lm, ids, cfgs["mars"])
             ref_time = time.perf_counter() - t0
-        ar_ms, mars_ms = 1000 * ar_time / ar_fwd, 1000 * mars_time / mars_fwd
-        rows.append(BenchRow(
-            batch_size=bs, prompts=len(ids),
-            tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
-            ar_time=ar_time, mars_time=mars_time, speedup=ar_time / mars_time,
-            ar_forward_ms=ar_ms, mars_forward_ms=mars_ms, forward_cost=mars_ms / ar_ms,
-            ar_tokens_per_s=sum(len(r.token_ids) for r in ar_res) / ar_time,
-            mars_tokens_per_s=sum(len(r.token_ids) for r in mars_res) / mars_time,
-            reference_time=ref_time, reference_speedup=(ar_time / ref_time) if ref_time else None,
-            peak_memory_mb=peak_memory_mb(lm.device),
-        ))
+        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size))
     return rows
 
 
+def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size) -> BenchRow:
+    (ar_fwd, ar_res), (mars_fwd, mars_res) = runs["ar"], runs["mars"]
+    ar_tokens = [r.token_ids for r in ar_res]
+    fastest = "transformers" if "transformers" in med and med["transformers"] < med["ar"] else "ours"
+    base = med["transformers"] if fastest == "transformers" else med["ar"]
+    ar_ms, mars_ms = 1000 * med["ar"] / ar_fwd, 1000 * med["mars"] / mars_fwd
+    overhead = {side: decoder_overhead(lm, batches, cfgs[side]) for side in cfgs if side != "transformers"}
+    row = BenchRow(
+        batch_size=bs, prompts=len(ids),
+        tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
+        ar_time=med["ar"], mars_time=med["mars"], speedup=med["ar"] / med["mars"],
+        ar_forward_ms=ar_ms, mars_forward_ms=mars_ms, forward_cost=mars_ms / ar_ms,
+        ar_tokens_per_s=sum(map(len, ar_tokens)) / med["ar"],
+        mars_tokens_per_s=sum(len(r.token_ids) for r in mars_res) / med["mars"],
+        reference_time=ref_time, reference_speedup=(med["ar"] / ref_time) if ref_time else None,
+        peak_memory_mb=peak_memory_mb(lm.device),
+        fastest_ar=fastest, mars_speedup=base / med["mars"],
+        mars_agreement=statistics.mean(r.token_ids == a for r, a in zip(mars_res, ar_tokens)),
+        time_ranges={side: [min(t), max(t)] for side, t in times.items()},
+        overhead_ms={side: o[0] for side, o in overhead.items()},
+        overhead_share={side: o[1] for side, o in overhead.items()},
+    )
+    if "transformers" in med:
+        row.hf_time, row.hf_equals_ar = med["transformers"], runs["transformers"][1] == ar_tokens
+    if "verify" in med:
+        v_res = runs["verify"][1]
+        row.verify_time, row.verify_speedup = med["verify"], base / med["verify"]
+        row.verify_tokens_per_forward = statistics.mean(r.tokens_per_forward for r in v_res)
+        row.verify_equals_ar = [r.token_ids for r in v_res] == ar_tokens
+        row.draft_acceptance = draft_acceptance(v_res, block_size)
+    return row
+
+
 def format_table(rows: list[BenchRow]) -> str:
-    head = ("batch", "tok/fwd", "AR s", "MARS s", "speedup", "AR ms/fwd", "MARS ms/fwd", "fwd cost",
-            "no-cache s", "no-cache ×", "peak MB")
+    head = ("batch", "transformers s", "AR s", "MARS s", "tok/fwd", "speedup", "same as AR", "lossless s",
+            "lossless tok/fwd", "lossless speedup", "AR ms/fwd", "MARS ms/fwd", "fwd cost", "MARS overhead",
+            "no-cache s", "peak MB")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
+    opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        ref = f"{r.reference_time:.2f}" if r.reference_time else "-"
-        refx = f"{r.reference_speedup:.2f}" if r.reference_speedup else "-"
+        spread = lambda side: (f" ({r.time_ranges[side][0]:.2f}–{r.time_ranges[side][1]:.2f})"
+                               if side in r.time_ranges else "")
         lines.append(" | ".join([
-            str(r.batch_size), f"{r.tokens_per_forward:.2f}", f"{r.ar_time:.2f}", f"{r.mars_time:.2f}",
-            f"{r.speedup:.2f}", f"{r.ar_forward_ms:.1f}", f"{r.mars_forward_ms:.1f}", f"{r.forward_cost:.2f}",
-            ref, refx, f"{r.peak_memory_mb:.0f}",
+            str(r.batch_size), opt(r.hf_time, ".2f") + spread("transformers"), f"{r.ar_time:.2f}" + spread("ar"),
+            f"{r.mars_time:.2f}" + spread("mars"), f"{r.tokens_per_forward:.2f}", f"{r.mars_speedup:.2f}",
+            f"{r.mars_agreement:.0%}", opt(r.verify_time, ".2f") + spread("verify"),
+            opt(r.verify_tokens_per_forward, ".2f"), opt(r.verify_speedup, ".2f"),
+            f"{r.ar_forward_ms:.1f}", f"{r.mars_forward_ms:.1f}", f"{r.forward_cost:.2f}",
+            f"{r.overhead_ms.get('mars', 0):.2f} ms ({r.overhead_share.get('mars', 0):.0%})",
+            opt(r.reference_time, ".2f"), f"{r.peak_memory_mb:.0f}",
         ]))
-    return "\n".join(lines)
+    notes = []
+    for r in rows:
+        notes.append(f"batch {r.batch_size}: speedups divide the fastest AR ({r.fastest_ar}); "
+                     f"transformers == our AR: {r.hf_equals_ar}; lossless == AR: {r.verify_equals_ar}; "
+                     "lossless drafts confirmed per slot: "
+                     + (", ".join("-" if a is None else f"{a:.0%}" for a in r.draft_acceptance or []) or "-"))
+    return "\n".join(lines + notes)
 
 
 def rows_as_dicts(rows: list[BenchRow]) -> list[dict]:

@@ -150,6 +150,8 @@ class SequenceResult:
     step_times: list[float]
     wall_time: float              # seconds until this sequence finished
     finish_reason: str            # eos | length | stop
+    drafted: list[int] = field(default_factory=list)     # verify mode: drafts proposed per forward
+    confirmed: list[int] = field(default_factory=list)   # verify mode: previous drafts confirmed per forward
 
     @property
     def forwards(self) -> int:
@@ -164,7 +166,7 @@ class SequenceResult:
             "prompt_ids": self.prompt_ids, "token_ids": self.token_ids, "text": self.text,
             "forwards": self.forwards, "tokens_per_forward": self.tokens_per_forward,
             "steps": self.steps, "step_times": self.step_times, "wall_time": self.wall_time,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason, "drafted": self.drafted, "confirmed": self.confirmed,
         }
 
 
@@ -429,7 +431,7 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos_ids) -> list[_
         if ok == m and len(commit) == ok + 1 and commit[-1] not in eos:
             cap = min(n_masks, r.left - len(commit) - 1, (cfg.max_accept or cfg.candidates) - 1)
             new = keep_drafts(props[i], conf[i], tau, cap, eos)
-        settled.append(_Settled(commit, props[i], conf[i], new, ok, drafts[ok] if ok < m else None, m - ok))
+        settled.append(_Settled(commit, props[i], conf[i], new, min(ok, len(commit)), drafts[ok] if ok < m else None, m - ok))
     return settled
 
 
@@ -519,23 +521,36 @@ def generate(lm, prompts, cfg: DecodeConfig | None = None, tau_control: TauContr
 
 
 def collect(lm, prompt_ids: list[list[int]], events) -> list[SequenceResult]:
-    """Fold a stream of StepEvents into per-sequence results (metrics as docs/algorithm.md, "Metrics", defines them)."""
-    steps = [[] for _ in prompt_ids]
-    times = [[] for _ in prompt_ids]
-    wall = [0.0 for _ in prompt_ids]
-    reasons = ["length" for _ in prompt_ids]
+    """Fold a stream of StepEvents into per-sequence results (metrics as docs/algorithm.md defines them)."""
+    rows = [dict(steps=[], times=[], wall=0.0, reason="length", drafted=[], confirmed=[]) for _ in prompt_ids]
     for event in events:
         for r, row in enumerate(event.rows):
             if row.active:
-                steps[r].append(row.accepted_ids)
-                times[r].append(event.step_time)
-                wall[r] = event.elapsed
-                reasons[r] = row.finish_reason or reasons[r]
+                acc = rows[r]
+                acc["steps"].append(row.accepted_ids)
+                acc["times"].append(event.step_time)
+                acc["drafted"].append(len(row.drafts))
+                acc["confirmed"].append(row.confirmed)
+                acc["wall"] = event.elapsed
+                acc["reason"] = row.finish_reason or acc["reason"]
     results = []
-    for r, p in enumerate(prompt_ids):
-        ids = [t for s in steps[r] for t in s]
-        results.append(SequenceResult(p, ids, lm.decode(ids), steps[r], times[r], wall[r], reasons[r]))
+    for p, acc in zip(prompt_ids, rows):
+        ids = [t for s in acc["steps"] for t in s]
+        results.append(SequenceResult(p, ids, lm.decode(ids), acc["steps"], acc["times"], acc["wall"], acc["reason"],
+                                      acc["drafted"], acc["confirmed"]))
     return results
+
+
+def draft_acceptance(results: list[SequenceResult], block_size: int) -> list[float | None]:
+    """Verify mode: per mask slot j = 1 .. B-1, the share of drafts in slot j that the next forward confirmed
+    (None where no draft was ever checked there). Drafts left when a sequence ends were never checked."""
+    drafted, kept = [0] * (block_size - 1), [0] * (block_size - 1)
+    for r in results:
+        for d, c in zip(r.drafted[:-1], r.confirmed[1:]):
+            for j in range(d):
+                drafted[j] += 1
+                kept[j] += j < c
+    return [k / d if d else None for k, d in zip(kept, drafted)]
 
 
 # ----------------------------------------------------------------------------- uncached reference

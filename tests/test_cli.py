@@ -57,13 +57,22 @@ def test_bench_prints_table_and_json(model_dir, tmp_path):
                   "--max-new-tokens", "8", "--repeats", "1", "--tau", "0.9", "--criterion", "margin")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert lines[1].startswith("batch | tok/fwd")
+    assert lines[1].startswith("batch | transformers s | AR s | MARS s | tok/fwd")
     data = json.loads(lines[-1])
     assert [r["batch_size"] for r in data["rows"]] == [1, 2] and data["criterion"] == "margin"
     assert data["layout"] == "row-major" and data["device"] == "cpu"    # the CPU decoding layout is the default
     for row in data["rows"]:
         assert row["speedup"] == pytest.approx(row["ar_time"] / row["mars_time"])
         assert row["forward_cost"] > 0 and row["reference_time"] > 0 and row["tokens_per_forward"] >= 1
+        fastest = min(row["ar_time"], row["hf_time"])                     # speedups divide the fastest AR
+        assert row["mars_speedup"] == pytest.approx(fastest / row["mars_time"])
+        assert row["fastest_ar"] == ("transformers" if row["hf_time"] < row["ar_time"] else "ours")
+        assert row["hf_equals_ar"] is True and row["verify_equals_ar"] is True   # fp32: the same tokens
+        assert row["verify_speedup"] == pytest.approx(fastest / row["verify_time"])
+        assert set(row["time_ranges"]) == {"transformers", "ar", "mars", "verify"}
+        assert all(lo <= hi for lo, hi in row["time_ranges"].values())
+        assert set(row["overhead_ms"]) == {"ar", "mars", "verify"} and all(0 <= v < 1 for v in row["overhead_share"].values())
+        assert len(row["draft_acceptance"]) == 3
 
 
 def test_bench_decodes_with_the_chosen_criterion():
