@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from finetune.config import native_bf16_cpu
+from finetune.status import read_status
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 STAGES = ("ar-sft", "mars")
@@ -261,9 +262,9 @@ class JobManager:
     def status(self, name: str) -> dict:
         """Merged view: the trainer's status.json + process liveness + recorded exit code."""
         run_dir = self.run_dir(name)
-        st = _read_json(run_dir / "status.json") or {}
+        st = read_status(run_dir) or {}   # a "running" whose trainer is gone reads as "interrupted"
         job = self._job(name) or {}
-        running = self.is_running(name)
+        running = self.is_running(name) or st.get("state") == "running"   # a CLI run has no job.json
         code_file = run_dir / "exit_code"
         exit_code = None
         if code_file.exists():
@@ -275,7 +276,7 @@ class JobManager:
         if running:
             state = "running"
         elif exit_code is None:  # ended while no server was watching: trust the trainer's own file
-            state = trainer_state if trainer_state in ("finished", "stopped", "failed") else "ended"
+            state = trainer_state if trainer_state in ("finished", "stopped", "failed", "interrupted") else "ended"
         elif exit_code == 0:
             state = trainer_state if trainer_state in ("finished", "stopped") else "finished"
         elif exit_code == -signal.SIGKILL:

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(message)
 
+        check_types(self)
         need(self.stage in STAGES, f"stage={self.stage!r}; use one of {', '.join(STAGES)}")
         need(self.decay in DECAYS, f"decay={self.decay!r}; use one of {', '.join(DECAYS)}")
         need(self.overlong in OVERLONG, f"overlong={self.overlong!r}; use one of {', '.join(OVERLONG)}")
@@ -157,6 +159,66 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+# How each field's annotation is checked, and the fix the error suggests.
+_TYPE_HINTS = {
+    "bool": "true or false (a JSON boolean, not a string)",
+    "int": "a whole number",
+    "int | None": "a whole number (or null)",
+    "float": "a finite number",
+    "str": "a string",
+}
+
+
+def check_types(cfg: "TrainConfig") -> None:
+    """Every field holds its annotated type: booleans only for bool fields ("false" is a string, refused),
+    whole numbers for int fields (2.5 and true are refused), finite numbers for float fields (inf and nan
+    are refused). A JSON --config reaches TrainConfig unconverted, so this is where its values are checked."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind in ("int", "int | None"):
+            ok = (value is None and kind == "int | None") or (isinstance(value, int) and not isinstance(value, bool))
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:  # a new annotation: nothing to check against
+            continue
+        if not ok:
+            raise ValueError(f"{f.name}={value!r} is not valid: use {_TYPE_HINTS[kind]} "
+                             f"(--{f.name.replace('_', '-')} on the command line)")
+
+
+def check_output_file(flag: str, path: str | Path) -> Path:
+    """An output file path that can be written: not a directory, not under a file, its folder creatable and
+    writable. Checked before any long work, so results are never lost to a bad path at the end. The file itself
+    is left as it was (a probe file next to it is created and removed)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory: pass a file path")
+    for folder in p.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"{flag} {str(path)!r} lies under {str(folder)!r}, which is a file: "
+                                 "pass a path inside a directory")
+            break
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists():
+            with p.open("ab"):
+                pass
+        else:
+            probe = p.with_name(f".{p.name}.write-test")
+            probe.write_bytes(b"")
+            probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r} cannot be written ({exc.strerror or exc}): pass a path you can "
+                         "write to") from None
+    return p
 
 
 def native_bf16_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
@@ -224,12 +286,18 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     values: dict = {}
     if args.config:
         path = Path(args.config)
+        if path.is_dir():
+            raise ValueError(f"--config {str(path)!r} is a directory; pass a JSON file")
         if not path.is_file():
             raise ValueError(f"--config {str(path)!r} does not exist; pass a JSON file")
         try:
-            values = json.loads(path.read_text())
+            values = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--config {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                             f"{e.start}); save it as UTF-8 JSON") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg}, line {e.lineno})") from None
+            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                             f"{e.colno}); fix the file") from None
         if not isinstance(values, dict):
             raise ValueError(f"--config {str(path)!r} must hold a JSON object of TrainConfig keys")
         values = {k.replace("-", "_"): v for k, v in values.items()}

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from mars_core.loading import chat_spans, encode_with_text_spans, special_token_texts
+
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("drop", "truncate")
@@ -67,8 +69,9 @@ def validate_conversation(row, where: str) -> list[dict]:
             raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
     if messages[-1]["role"] != "assistant":
         raise ValueError(f"{where}: the last message must be the assistant's answer, got role {messages[-1]['role']!r}")
-    if not messages[-1]["content"]:
-        raise ValueError(f"{where}: the last assistant message is empty")
+    if not messages[-1]["content"].strip():
+        raise ValueError(f"{where}: the last assistant message is empty or only whitespace "
+                         f"({messages[-1]['content']!r}): give it an answer to learn, or drop the row")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -77,16 +80,26 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data file {str(path)!r} does not exist; pass a .jsonl path or 'builtin'")
+    if path.is_dir():
+        raise ValueError(f"data file {str(path)!r} is a directory; pass a .jsonl file or 'builtin'")
     conversations = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")   # a byte-order mark is not part of the first row
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at line {lineno}, column {e.colno}); "
+                                 "write one JSON object per line") from None
             conversations.append(validate_conversation(row, where))
     if not conversations:
         raise ValueError(f"data file {str(path)!r} has no conversations")
@@ -137,15 +150,24 @@ def end_of_turn_ids(tokenizer, eos_ids=None) -> list[int]:
 
 def tokenize_conversation(tokenizer, messages: list[dict], eos_ids: list[int]) -> Example:
     """Prompt (template + generation prompt) and supervised last assistant turn, up to its end-of-turn token."""
-    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+    prompt_text, prompt_spans = chat_spans(tokenizer, messages[:-1], add_generation_prompt=True)
+    full_text, spans = chat_spans(tokenizer, messages)
     if not full_text.startswith(prompt_text):
         raise ValueError(
             "the chat template does not render the prompt as a prefix of the conversation; "
             "use a tokenizer whose template appends turns (ChatML-style)"
         )
-    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
-    response = tokenizer.encode(full_text[len(prompt_text) :], add_special_tokens=False)
+    if spans is None or prompt_spans is None:
+        typed = next((t for t in special_token_texts(tokenizer) for m in messages if t in m["content"]), None)
+        if typed is not None:
+            raise ValueError(f"a message contains the text {typed!r}, and this tokenizer's chat template rewrites "
+                             "message text, so it could not be trained on as plain text: remove it from the data")
+        spans, prompt_spans = [], []
+    # Message text is text: "<|im_end|>" typed in a message is characters, not the end-of-turn id.
+    cut = len(prompt_text)
+    prompt = encode_with_text_spans(tokenizer, prompt_text, prompt_spans)
+    response_spans = [(max(a - cut, 0), b - cut) for a, b in spans if b > cut]
+    response = encode_with_text_spans(tokenizer, full_text[cut:], response_spans)
     ends = [i for i, t in enumerate(response) if t in eos_ids]
     if ends:
         response = response[: ends[-1] + 1]  # drop what the template adds after end-of-turn

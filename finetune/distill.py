@@ -35,12 +35,18 @@ MAX_NEW_TOKENS = 256
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a text file (one per line) or a JSONL file; ValueError naming file and line."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"prompts file {str(path)!r} is a directory: pass a text file with one prompt per line")
     if not path.is_file():
         raise ValueError(f"prompts file {str(path)!r} does not exist: pass a text file with one prompt per line")
     prompts = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.rstrip("\n")
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\n")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 "save the prompts file as UTF-8") from None
             if not line.strip() or (path.suffix != ".jsonl" and line.lstrip().startswith("#")):
                 continue
             if path.suffix != ".jsonl":
@@ -48,13 +54,17 @@ def read_prompts(path: str | Path) -> list[str]:
                 continue
             try:
                 row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at line {lineno}, column {e.colno}); "
+                                 "write one JSON object per line") from None
+            try:
                 if "prompt" in row:
                     prompt = row["prompt"]
                 else:
                     prompt = next(m["content"] for m in row["messages"] if m["role"] == "user")
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty prompt")
-            except (json.JSONDecodeError, KeyError, StopIteration, TypeError, ValueError) as exc:
+            except (KeyError, StopIteration, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a prompt row ({exc}); expected "
                                  '{"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}') from None
             prompts.append(prompt)
@@ -193,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(src)[k::n]
     if out.exists() and not out.is_file():
         raise ValueError(f"--out {args.out!r} is not a file: pass a .jsonl path")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from finetune.config import check_output_file
+
+    check_output_file("--out", out)
     seen = done_prompts(out)
     todo = [p for p in prompts if p not in seen]
     print(f"[finetune.distill] {len(prompts)} prompts, {len(prompts) - len(todo)} already done, {len(todo)} to go",

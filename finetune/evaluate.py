@@ -111,16 +111,17 @@ def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tupl
 
 def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_tokens: int = MAX_NEW_TOKENS,
           progress: Callable[[float, str], None] | None = None, batch_size: int = 16, timing_prompts: int = 8,
-          model_name: str | None = None, criterion: str = "prob") -> list[dict]:
+          model_name: str | None = None, criterion: str = "prob", mode: str = "mars") -> list[dict]:
     """One row per τ for a loaded model (`mars_core.load_model`) on `examples`.
 
-    Row keys: model, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
-    tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts. Accuracy and tokens/forward come
+    Row keys: model, mode, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
+    tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts; verify rows (mode "verify", lossless
+    MARS) add draft_acceptance (share of drafts confirmed per mask slot). Accuracy and tokens/forward come
     from all examples decoded in batches of `batch_size`; the speedup from the first `timing_prompts`
     examples at batch 1 (see `time_against_ar`). `criterion` is DecodeConfig's confidence criterion.
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
     """
-    from mars_core import DecodeConfig
+    from mars_core import DecodeConfig, draft_acceptance
 
     if not examples:
         raise ValueError("examples is empty: pass e.g. finetune.tasks.make_examples('heldout', 200)")
@@ -131,16 +132,18 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     name = model_name or lm.name
     rows = []
     for k, tau in enumerate(taus):
-        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+        cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                            criterion=criterion)
         results = _decode(lm, prompts, cfg, batch_size)
         accuracy, per_family = score(examples, [r.text for r in results])
         tpf = sum(r.tokens_per_forward for r in results) / len(results)
         row = {
-            "model": name, "tau": tau, "criterion": criterion, "block_size": block_size, "n": len(examples),
-            "accuracy": accuracy, "per_family": per_family, "tokens_per_forward": tpf,
+            "model": name, "mode": mode, "tau": tau, "criterion": criterion, "block_size": block_size,
+            "n": len(examples), "accuracy": accuracy, "per_family": per_family, "tokens_per_forward": tpf,
             "speedup": None, "ar_time_s": None, "mars_time_s": None, "timing_prompts": 0,
         }
+        if mode == "verify":
+            row["draft_acceptance"] = draft_acceptance(results, block_size)
         if timing_prompts > 0:
             ar_t, mars_t = time_against_ar(lm, prompts[:timing_prompts], cfg)
             row.update(speedup=ar_t / mars_t, ar_time_s=ar_t, mars_time_s=mars_t,
@@ -182,9 +185,11 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
 
 
 def curve_label(row: dict) -> str:
-    """The model's name, with the confidence criterion appended when it is not the paper's (prob)."""
+    """The model's name, with the confidence criterion appended when it is not the paper's (prob) and
+    "lossless" for verify-mode rows."""
     criterion = row.get("criterion", "prob")
-    return row["model"] if criterion == "prob" else f"{row['model']} [{criterion}]"
+    label = row["model"] if criterion == "prob" else f"{row['model']} [{criterion}]"
+    return label + " (lossless)" if row.get("mode") == "verify" else label
 
 
 def _tau_curve(rows: list[dict], x_key: str, y_key: str, name: str, y_label: str, **style):
@@ -466,6 +471,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--criteria", nargs="+", default=["prob"], choices=CRITERIA, metavar="CRITERION",
                     help="confidence criteria, one sweep each: prob (default, the paper's), entropy, margin")
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--lossless", action="store_true",
+                    help="tasks suite: also sweep lossless MARS (mode verify: drafts checked by the next forward, "
+                         "the answer is exactly AR's) beside lossy MARS")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"new-token cap (default: tasks suite {MAX_NEW_TOKENS}; natural suite "
                          f"{NATURAL_MAX_NEW_TOKENS}, for natural prompts and HumanEval)")
@@ -504,8 +512,33 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_args(args) -> None:
+    """Counts, thresholds and output paths, before any model is loaded (a bad --html path must not cost the
+    sweep)."""
+    import math
+
+    from finetune.config import check_output_file
+
+    for flag, value in (("--batch-size", args.batch_size), ("--block-size", args.block_size),
+                        ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: use 1 or more")
+    if args.timing_prompts < 0:
+        raise ValueError(f"--timing-prompts {args.timing_prompts}: use 0 (skip) or more")
+    for tau in args.taus or []:
+        if not math.isfinite(tau) or tau <= 0:
+            raise ValueError(f"--taus {tau}: use thresholds > 0 such as 0.9 0.95 1 (>= 1 is one-token mode)")
+    if not math.isfinite(args.test_timeout) or args.test_timeout <= 0:
+        raise ValueError(f"--test-timeout {args.test_timeout}: use a positive number of seconds such as 5")
+    if args.json not in (None, "-"):
+        check_output_file("--json", args.json)
+    if args.html is not None:
+        check_output_file("--html", args.html)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
+    check_args(args)
     if args.threads:
         import torch
 
@@ -557,11 +590,12 @@ def _main_tasks(args, log) -> list[dict]:
                   file=log, flush=True)
         for criterion in args.criteria:
             t0 = time.time()
-            rows += sweep(lm, examples, taus, args.block_size, max_new_tokens, batch_size=args.batch_size,
-                          timing_prompts=args.timing_prompts, model_name=name, criterion=criterion,
-                          progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
-            print(f"{curve_label(rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s", file=log,
-                  flush=True)
+            for mode in ("mars", "verify") if args.lossless else ("mars",):
+                rows += sweep(lm, examples, taus, args.block_size, max_new_tokens, batch_size=args.batch_size,
+                              timing_prompts=args.timing_prompts, model_name=name, criterion=criterion, mode=mode,
+                              progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
+                print(f"{curve_label(rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s", file=log,
+                      flush=True)
     return rows
 
 
@@ -627,4 +661,8 @@ def _main_natural(args, log) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # boundary errors: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -8,8 +8,9 @@ data-parallel: each process takes its own slice of every global batch.
 
 Run directory (``--output-dir``; the app reads it while training runs):
 - ``train_config.json``: the resolved TrainConfig
-- ``status.json``: state (running | finished | stopped | failed), step, max_steps, pid,
-  started_at, updated_at, eta_s, last_checkpoint, error
+- ``status.json``: state (running | finished | stopped | failed), step, max_steps, pid, pid_started,
+  started_at, updated_at, eta_s, last_checkpoint, error. "finished" means step == max_steps; read it
+  with ``read_status``, which reports a "running" whose process is gone (SIGKILL) as "interrupted"
 - ``metrics.jsonl``: one line per logged step: step, loss (the optimised total), loss_mask
   (noisy-stream CE; null for AR-SFT), loss_ar (clean-stream CE; reported even when
   ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
@@ -51,6 +52,7 @@ from torch import nn
 from finetune.config import TrainConfig, config_from_args
 from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.losses import ar_loss, mars_loss
+from finetune.status import process_start, read_status
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.pt"
@@ -278,17 +280,24 @@ class Run:
 def check_resumable(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume a run whose model- or objective-defining settings changed.
 
-    --max-steps, --lr and the like may change (to extend a run); the base model, the loss (stage, B,
-    ar_weight, mask_label_smoothing, random_block_offset), the data and its draw (data, builtin_weights, seed)
-    and the batch may not: resuming a run with those changed would silently mix two trainings in one checkpoint.
+    --max-steps, --lr and the like may change (to extend a run); the base model and its adapter (lora, lora_r,
+    lora_alpha, lora_dropout), the loss (stage, B, ar_weight, mask_label_smoothing, random_block_offset), the
+    data and its draw (data, builtin_examples, builtin_weights, seed, max_length, overlong) and the batch may
+    not: resuming a run with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
     if not saved_path.is_file():
         return
-    saved = json.loads(saved_path.read_text())
-    for key in ("base_model", "stage", "lora", "lora_r", "train_mask_row", "block_size", "ar_weight", "mask_label_smoothing",
-                "random_block_offset", "data",
-                "builtin_weights", "seed", "batch_size", "grad_accum"):
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{saved_path} is unreadable ({exc}): restore it, or use a new --output-dir") from None
+    keys = ["base_model", "stage", "lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
+            "ar_weight", "mask_label_smoothing", "random_block_offset", "data", "builtin_weights", "seed", "batch_size",
+            "grad_accum", "max_length", "overlong"]
+    if cfg.data == "builtin":  # the number of generated examples is the data; it means nothing for a file
+        keys.append("builtin_examples")
+    for key in keys:
         if key in saved and saved[key] != getattr(cfg, key):
             raise ValueError(
                 f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "
@@ -296,28 +305,109 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
             )
 
 
+def check_output_dir(output_dir: str) -> Path:
+    """--output-dir is (or can become) a directory this process can write to; checked before any loading."""
+    out = Path(output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {output_dir!r} is a file, not a directory: pass a new or existing directory")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--output-dir {output_dir!r} lies under {str(parent)!r}, which is a file: "
+                                 "pass a directory path")
+            break
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--output-dir {output_dir!r} cannot be written ({exc.strerror or exc}): "
+                         "pass a directory you can write to") from None
+    return out
+
+
+MARS_ONLY_DEFAULTS = {"block_size": 4, "ar_weight": 1.0, "mask_label_smoothing": 0.0, "random_block_offset": False}
+
+
+def ignored_settings(cfg: TrainConfig) -> list[str]:
+    """MARS-only settings changed from their defaults in an AR-SFT run, where they do nothing."""
+    if cfg.stage == "mars":
+        return []
+    return [f"{k}={getattr(cfg, k)!r}" for k, default in MARS_ONLY_DEFAULTS.items() if getattr(cfg, k) != default]
+
+
+def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
+    """Checks that need no model or data: run before anything slow, so a bad flag fails in a second."""
+    if cfg.mixed_precision == "fp16" and use_cpu:
+        raise ValueError("--mixed-precision fp16 needs a CUDA GPU and this run trains on the CPU: "
+                         "use --mixed-precision bf16 or --mixed-precision no")
+    ignored = ignored_settings(cfg)
+    if ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[finetune.train] warning: --stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: "
+              "drop them, or use --stage mars", file=sys.stderr)
+    return check_output_dir(cfg.output_dir)
+
+
+def safetensors_readable(path: Path) -> None:
+    """Raise if a .safetensors file is truncated or its header is damaged (reads every tensor: a cut-off
+    file fails here, not halfway through training)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            f.get_tensor(key)
+
+
+def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig) -> tuple[Path | None, dict | None, nn.Module | None]:
+    """(checkpoint, trainer state, full fine-tuning weights) of the newest intact checkpoint.
+
+    A damaged checkpoint (unreadable trainer_state.pt, truncated model.safetensors) is skipped with a warning
+    and the one before it is used; when every checkpoint is damaged the run refuses to start over silently.
+    """
+    skipped = []
+    for ckpt in reversed(checkpoints):
+        try:
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ValueError(f"{STATE_FILE} holds no step")
+            for weights_file in sorted(ckpt.glob("*.safetensors")):
+                safetensors_readable(weights_file)
+            weights = None if cfg.lora else load_weights(ckpt)  # full fine-tuning: the checkpoint holds them
+        except Exception as exc:  # any damage: this checkpoint cannot be resumed from
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"[finetune.train] warning: {ckpt} is damaged ({reason}); skipping it", file=sys.stderr)
+            skipped.append(ckpt.name)
+            continue
+        if skipped and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[finetune.train] warning: resuming from the older intact {ckpt.name} instead of "
+                  f"{', '.join(skipped)}", file=sys.stderr)
+        return ckpt, state, weights
+    raise ValueError(f"every checkpoint in {out} is damaged ({', '.join(skipped)}): delete them to start over, "
+                     "or use a new --output-dir")
+
+
 def setup(cfg: TrainConfig) -> Run:
+    # cpu=True is what turns a torchrun-style launch without GPUs into gloo data parallelism
+    # (accelerate's MULTI_CPU); `accelerate launch --cpu` alone starts a single process.
+    use_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    out = preflight(cfg, use_cpu)
+    checkpoints = list_checkpoints(out)
+    if checkpoints:
+        check_resumable(out, cfg)
+
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    # cpu=True is what turns a torchrun-style launch without GPUs into gloo data parallelism
-    # (accelerate's MULTI_CPU); `accelerate launch --cpu` alone starts a single process.
-    use_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=use_cpu)
     set_seed(cfg.seed)
-    out = Path(cfg.output_dir).resolve()
-    checkpoints = list_checkpoints(out)
-    if checkpoints:
-        check_resumable(out, cfg)
 
+    resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
     base = load_base(cfg.base_model)
-    model = base.model
-    resume = checkpoints[-1] if checkpoints else None
-    state = torch.load(resume / STATE_FILE, map_location="cpu", weights_only=False) if resume else None
-    if resume and not cfg.lora:
-        model = load_weights(resume)  # full fine-tuning: the checkpoint holds the trained weights
+    model = trained if trained is not None else base.model
     model.float().train()
     model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
     if hasattr(model.config, "use_cache"):
@@ -346,6 +436,9 @@ def setup(cfg: TrainConfig) -> Run:
             f"(--batch-size {cfg.batch_size} x {accelerator.num_processes} processes): lower --batch-size or add data"
         )
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
+    if state is not None and state["step"] > total_steps:
+        raise ValueError(f"{resume} is at step {state['step']}, past this run's {total_steps} steps: raise "
+                         "--max-steps (or --epochs) to continue it, or use a new --output-dir")
     pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
     module = TrainModule(model, cfg, base.mask_id)
@@ -461,6 +554,7 @@ class Status:
         self.path = run.out / "status.json"
         self.data = {
             "state": "running", "step": run.start_step, "max_steps": run.total_steps, "pid": os.getpid(),
+            "pid_started": process_start(os.getpid()),
             "started_at": utc_now(), "updated_at": utc_now(), "eta_s": None,
             "last_checkpoint": run.resumed_from, "error": None,
         }  # fmt: skip
@@ -472,6 +566,31 @@ class Status:
 
 
 # ----------------------------------------------------------------------------- the loop
+
+
+class NonFiniteLoss(ValueError):
+    """The loss or the gradients stopped being finite numbers: the run stops before the update lands."""
+
+
+def check_finite(run: Run, step: int, loss: torch.Tensor, grad_norm) -> None:
+    """Refuse an update from a non-finite loss or gradient norm; nothing of it reaches the weights or a checkpoint.
+
+    Under --mixed-precision fp16 an infinite gradient is the loss scaler's business (it skips that step and
+    lowers the scale), so there only the loss is checked. Every process sees the same all-reduced gradients,
+    so they all stop at the same step."""
+    norm = torch.as_tensor(grad_norm, dtype=torch.float32).reshape(())
+    check_grads = run.cfg.mixed_precision != "fp16"
+    ok = torch.isfinite(loss.float()) & (torch.isfinite(norm.to(loss.device)) if check_grads else True)
+    if bool(ok):
+        return
+    saved = list_checkpoints(run.out)
+    raise NonFiniteLoss(
+        f"step {step}: the loss is {float(loss):g} and the gradient norm {float(norm):g} (not finite): training "
+        f"stopped before this update, so no checkpoint holds it; last good checkpoint: "
+        f"{saved[-1] if saved else 'none yet'}. Lower --lr (now {run.cfg.lr:g})"
+        + (f" or --ar-weight (now {run.cfg.ar_weight:g})" if run.cfg.stage == "mars" else "")
+        + ", or check the data"
+    )
 
 
 def fit(run: Run, status: Status) -> str:
@@ -508,8 +627,9 @@ def fit(run: Run, status: Status) -> str:
                 acc.backward(out.loss / cfg.grad_accum)
             mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
             sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()
-        if cfg.grad_clip > 0:
-            acc.clip_grad_norm_(params, cfg.grad_clip)
+        # With --grad-clip 0 the norm is still measured (a max of inf scales the gradients by exactly 1).
+        grad_norm = acc.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        check_finite(run, step + 1, sums[0] / cfg.grad_accum, grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -552,6 +672,8 @@ def fit(run: Run, status: Status) -> str:
     elapsed = run.elapsed_before + time.perf_counter() - session_start
     if step > run.start_step:
         save_checkpoint(run, step, elapsed)
+    if state == "finished" and step != run.total_steps:  # "finished" means max_steps was reached, nothing else
+        state = "stopped"
     checkpoints = list_checkpoints(run.out)  # none only if stopped before the first step of a fresh run
     status.update(step=step, eta_s=0.0 if state == "finished" else None,
                   last_checkpoint=str(checkpoints[-1]) if checkpoints else None)  # fmt: skip
@@ -563,12 +685,20 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     out = Path(cfg.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     now = utc_now()
-    write_json(out / "status.json", {
-        "state": "failed", "step": 0, "max_steps": cfg.max_steps, "pid": os.getpid(), "started_at": now,
-        "updated_at": now, "eta_s": None, "last_checkpoint": None, "error": f"{type(exc).__name__}: {exc}",
-    })  # fmt: skip
+    try:
+        if not out.is_dir():  # never create a directory for a run that could not start
+            return
+        before = read_status(out) or {}   # a refused resume keeps the run's real step and checkpoint
+        checkpoints = list_checkpoints(out)
+        write_json(out / "status.json", {
+            "state": "failed", "step": before.get("step", 0), "max_steps": before.get("max_steps", cfg.max_steps),
+            "pid": os.getpid(), "pid_started": process_start(os.getpid()), "started_at": now, "updated_at": now,
+            "eta_s": None, "last_checkpoint": str(checkpoints[-1]) if checkpoints else None,
+            "error": f"{type(exc).__name__}: {exc}",
+        })  # fmt: skip
+    except OSError:  # an unwritable --output-dir is what failed: the error message says so
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

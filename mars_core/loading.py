@@ -239,9 +239,19 @@ def end_of_turn_ids(tokenizer, model) -> list[int]:
 def pick_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device torch knows: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but no CUDA GPU is visible: use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible: "
+                         f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    if dev.type not in ("cpu", "cuda"):
+        backend = getattr(torch, dev.type, None)
+        if not (hasattr(backend, "is_available") and backend.is_available()):
+            raise ValueError(f"device={device!r} is not available on this machine: use auto, cpu or cuda")
     return dev
 
 
@@ -354,14 +364,58 @@ def gguf_to_checkpoint(gguf_path: str) -> str:
 
 def _stock_config(path: str):
     """Config for a checkpoint; custom MARS types (a2d-qwen2) map onto the stock class, no remote code."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text (byte offset {e.start}): restore the checkpoint's config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): restore the "
+                         "checkpoint's config.json") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} holds {type(raw).__name__}, not a JSON object: restore the checkpoint's config.json")
     model_type = raw.get("model_type", "")
     if model_type in CUSTOM_TYPE_TO_STOCK:
         stock = CUSTOM_TYPE_TO_STOCK[model_type]
         raw = {k: v for k, v in raw.items() if k not in ("auto_map", "architectures", "model_type")}
         from transformers import CONFIG_MAPPING
         return CONFIG_MAPPING[stock](**raw)
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:   # unknown model_type, wrong field types: say which file
+        raise ValueError(f"{file} is not a usable model config ({_first_line(exc)}): fix or restore it") from None
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model")
+
+
+def _load_tokenizer(where: str):
+    """The checkpoint's tokenizer; a folder without tokenizer files, or damaged ones, is named with the fix."""
+    folder = Path(where)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{where} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the "
+                         "tokenizer next to the weights (tokenizer.save_pretrained(folder)) or copy it from the base model")
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except Exception as exc:
+        raise ValueError(f"{where}: the tokenizer could not be loaded ({_first_line(exc)}): restore its tokenizer "
+                         "files (tokenizer.json, tokenizer_config.json) from the base model") from None
+
+
+def _load_weights(where: str, config, dtype: torch.dtype, **kwargs):
+    """_from_pretrained, with missing or damaged weight files named instead of a loader traceback."""
+    try:
+        return _from_pretrained(where, config, dtype, **kwargs)
+    except ValueError:
+        raise
+    except Exception as exc:   # no weights file, truncated safetensors, wrong shapes
+        raise ValueError(f"{where}: the model weights could not be read ({_first_line(exc)}): the weights file "
+                         "(model.safetensors) is missing or damaged; restore or re-save the checkpoint") from None
 
 
 def _from_pretrained(where: str, config, dtype: torch.dtype, **kwargs):
@@ -524,12 +578,12 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
             raise ValueError(f"mask_token={mask_token!r} but {name_or_path!r} was trained with "
                              f"{adapter_cfg['mask_token']!r}: leave mask_token unset for an adapter")
         mask_token = adapter_cfg["mask_token"]
-    where = _checkpoint_dir(kind, where, name_or_path)
-    dev = pick_device(device)
+    dev = pick_device(device)   # cheap checks before any conversion or loading
     torch_dtype = pick_dtype(dtype, dev)
+    where = _checkpoint_dir(kind, where, name_or_path)
     config = _stock_config(where)
-    tokenizer = AutoTokenizer.from_pretrained(where)
-    model = _from_pretrained(where, config, torch_dtype, attn_implementation="sdpa")
+    tokenizer = _load_tokenizer(where)
+    model = _load_weights(where, config, torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
     if dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
