@@ -16,7 +16,7 @@ from mars_core.bench import (bench, default_prompts, format_row_costs, format_ta
                              rows_as_dicts)
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
-from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model
+from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model, pick_device, pick_dtype
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,11 +68,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _text_arg(flag: str, value: str) -> str:
+    """A command-line string that must be text: bytes that are not UTF-8 arrive as surrogates; name them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(value[e.start]) - 0xDC00 if 0xDC80 <= ord(value[e.start]) <= 0xDCFF else ord(value[e.start])
+        raise ValueError(f"{flag} is not valid UTF-8 text (byte 0x{bad:02x} at character {e.start}): "
+                         "pass UTF-8 text (check the terminal's or the file's encoding)") from None
+    return value
+
+
+def _check_device(args) -> None:
+    """--device and --dtype, before any model is loaded or converted."""
+    dev = pick_device(args.device)
+    pick_dtype(args.dtype, dev)
+
+
+def _check_block_size(lm, block_size: int) -> None:
+    if block_size >= lm.context_length:
+        raise ValueError(f"--block-size {block_size} does not fit {lm.name}'s context of {lm.context_length} tokens: "
+                         "use a small block size such as 4 (the shipped models were trained with 4)")
+
+
 def cmd_generate(args) -> int:
+    _text_arg("--prompt", args.prompt)
+    for flag in args.stop:
+        _text_arg("--stop", flag)
+    _check_device(args)
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
                        max_accept=args.max_accept, stop_strings=tuple(args.stop))
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    _check_block_size(lm, args.block_size)
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
     events = []
     for event in generate_stream(lm, [prompt_ids], cfg):
@@ -91,13 +119,19 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    check_bench_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_device(args)
     prompts = read_prompts(args.prompts) if args.prompts else default_prompts(args.model)
-    if args.n_prompts < 1:
-        raise ValueError(f"--n-prompts {args.n_prompts} must be >= 1")
     prompts = prompts[: args.n_prompts]
+    too_big = [b for b in args.batch_sizes if b > len(prompts)] if not args.row_costs else []
+    if too_big:
+        raise ValueError(f"--batch-sizes {too_big[0]} is larger than the {len(prompts)} prompts benchmarked, so no "
+                         f"batch of {too_big[0]} would run: use batch sizes <= {len(prompts)}, or more prompts "
+                         "(--prompts FILE, --n-prompts N)")
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout)
+    _check_block_size(lm, args.block_size)
     if args.row_costs:
         return _bench_row_costs(lm, prompts[0], args)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -113,6 +147,19 @@ def cmd_bench(args) -> int:
         print(format_table(rows))
     print(json.dumps({**meta, "rows": rows_as_dicts(rows)}))
     return 0
+
+
+def check_bench_args(args) -> None:
+    """bench's counts, before any prompt file or model is read."""
+    for flag, value in (("--n-prompts", args.n_prompts), ("--repeats", args.repeats), ("--rounds", args.rounds),
+                        ("--max-new-tokens", args.max_new_tokens), ("--block-size", args.block_size)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    bad = [b for b in args.batch_sizes if b < 1]
+    if bad:
+        raise ValueError(f"--batch-sizes {bad[0]} must be >= 1: give positive batch sizes such as 1 4")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be >= 1 (or leave it out)")
 
 
 def _bench_row_costs(lm, prompt: str, args) -> int:
