@@ -3,7 +3,8 @@
 What comes out is what `AutoModelForCausalLM.from_pretrained(DIR)` loads without remote code, and what other
 tools that read transformers folders take (vLLM, llama.cpp's convert_hf_to_gguf.py):
 - config.json of the stock architecture (a released `a2d-qwen2` MARS checkpoint becomes `qwen2`; `auto_map`
-  dropped) with `mask_token_id` (the id our decoder uses) and `mars_block_size` when the source records one;
+  dropped) with `mask_token_id` (the id our decoder uses; also as `pard_token`, the name vLLM's parallel
+  drafting reads, docs/serving.md) and `mars_block_size` when the source records one;
 - model.safetensors (an adapter such as smollm2-mars merged into its base, a GGUF dequantised);
 - the tokenizer, its mask token declared (`tokenizer.mask_token`), so `load_model(DIR)` finds the same id;
 - generation_config.json whose eos_token_id lists every end-of-turn id the decoder stops at;
@@ -86,6 +87,7 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
     if hasattr(config, "auto_map"):
         del config.auto_map                              # nothing in the export needs remote code
     config.mask_token_id = lm.mask_id
+    config.pard_token = lm.mask_id     # the key vLLM's parallel drafting reads a draft model's mask id from
     block = _block_size(folder, source)
     if block is not None:
         config.mars_block_size = block
@@ -112,7 +114,7 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(_card(info))
         saved = json.loads((tmp / "config.json").read_text())
-        if saved.get("mask_token_id") != lm.mask_id or "auto_map" in saved:
+        if saved.get("mask_token_id") != lm.mask_id or saved.get("pard_token") != lm.mask_id or "auto_map" in saved:
             raise ValueError(f"the saved config.json of {model!r} lost mask_token_id or kept auto_map: report this")
         _plain_permissions(tmp)
         if out.exists():

@@ -37,6 +37,7 @@ def test_export_tiny_mars_loads_as_stock_llama_and_decodes_the_same(tmp_path, ca
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert config["mask_token_id"] == source.mask_id and config["mars_block_size"] == 4 and "auto_map" not in config
+    assert config["pard_token"] == source.mask_id                     # vLLM's parallel drafting reads this key
     assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] in (source.eos_ids, source.eos_ids[0])
 
