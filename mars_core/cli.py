@@ -1,7 +1,7 @@
 """`python -m mars_core generate|bench|export` — the decoder from the command line.
 
 generate prints the answer as it streams, one `|`-separated chunk per forward pass, then the
-metrics; with --json it prints one JSON object (a stable contract, see the README).
+metrics; with --json it prints one JSON object (a stable contract, see docs/usage.md).
 """
 from __future__ import annotations
 
