@@ -129,3 +129,26 @@ def test_force_replaces_an_earlier_export(tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
     assert not list(tmp_path.glob(".out.export-*"))          # no temporary folder left behind
+
+
+def test_a_finetune_checkpoint_exports_with_its_block_size_and_without_trainer_state(tmp_path):
+    from finetune.train import main as train
+    from tests.tiny_fixtures import make_tiny_model_dir
+    base = make_tiny_model_dir(tmp_path / "base")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + 1?"},
+                                                     {"role": "assistant", "content": f"{a + 1}."}]}) + "\n"
+                            for a in range(16)))
+    run = tmp_path / "run"
+    train(["--base-model", str(base), "--data", str(data), "--output-dir", str(run), "--stage", "mars",
+           "--block-size", "3", "--max-steps", "2", "--batch-size", "4", "--max-length", "64", "--threads", "1"])
+    checkpoint = run / "checkpoint-2"
+    assert (checkpoint / "trainer_state.pt").is_file()
+    out = tmp_path / "export"
+    assert main(["export", "--model", str(checkpoint), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["mars_block_size"] == 3 and config["mask_token_id"] == config["pard_token"]
+    assert not (out / "trainer_state.pt").exists() and not (out / "metrics.jsonl").exists()
+    source = load_model(str(checkpoint), device="cpu", cpu_layout=False)
+    ours, theirs, _ = decode_both(source, out, tau=0.5)
+    assert [r.token_ids for r in theirs] == [r.token_ids for r in ours]
