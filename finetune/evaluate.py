@@ -534,6 +534,10 @@ def check_args(args) -> None:
         check_output_file("--json", args.json)
     if args.html is not None:
         check_output_file("--html", args.html)
+    from mars_core.loading import resolve_source
+
+    for m in args.models or []:   # an unknown second model must not cost the first model's sweep
+        resolve_source(m)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -16,6 +16,7 @@ from mars_core.bench import (bench, default_prompts, format_row_costs, format_ta
                              rows_as_dicts)
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
+from mars_core.threads import parse_threads, set_threads
 from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model, pick_device, pick_dtype
 
 
@@ -31,6 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads: auto (1 on <= 2 cores, else the idle cores) or a number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate one answer and show each forward pass")
     _common(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--mode", choices=("mars", "ar"), default="mars")
+    g.add_argument("--mode", choices=("mars", "verify", "ar"), default="mars",
+                   help="mars: lossy multi-token; verify: lossless (drafts checked by the next forward, exactly "
+                        "greedy AR's answer); ar: one token per forward")
     g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -54,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="alternating AR/MARS runs; the median is reported")
     b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
-    b.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    b.add_argument("--no-transformers", action="store_true", help="skip transformers' own generate as a baseline")
+    b.add_argument("--no-verify", action="store_true", help="skip lossless MARS (mode verify)")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -92,6 +98,7 @@ def _check_block_size(lm, block_size: int) -> None:
 
 
 def cmd_generate(args) -> int:
+    parse_threads(args.threads)
     _text_arg("--prompt", args.prompt)
     for flag in args.stop:
         _text_arg("--stop", flag)
@@ -99,6 +106,7 @@ def cmd_generate(args) -> int:
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
                        max_accept=args.max_accept, stop_strings=tuple(args.stop))
+    set_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     _check_block_size(lm, args.block_size)
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
@@ -120,8 +128,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     check_bench_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     _check_device(args)
     prompts = read_prompts(args.prompts) if args.prompts else default_prompts(args.model)
     prompts = prompts[: args.n_prompts]
@@ -137,7 +144,8 @@ def cmd_bench(args) -> int:
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
-                 progress=say, criterion=args.criterion)
+                 progress=say, criterion=args.criterion, transformers=not args.no_transformers,
+                 verify=not args.no_verify)
     layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "criterion": args.criterion,
@@ -158,8 +166,7 @@ def check_bench_args(args) -> None:
     bad = [b for b in args.batch_sizes if b < 1]
     if bad:
         raise ValueError(f"--batch-sizes {bad[0]} must be >= 1: give positive batch sizes such as 1 4")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads {args.threads} must be >= 1 (or leave it out)")
+    parse_threads(args.threads)
 
 
 def _bench_row_costs(lm, prompt: str, args) -> int:
