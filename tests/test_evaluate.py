@@ -122,3 +122,22 @@ def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
         main(["--models", str(tmp_path / "m"), "--criteria", "nope"])
     with pytest.raises(ValueError, match="--names"):
         main(["--models", str(tmp_path / "m"), "--names", "a", "b", "--n", "1"])
+
+
+def test_lossless_rows_score_exactly_ar_and_report_draft_acceptance():
+    # Verify mode's answers are AR's, so its accuracy equals the τ = 1 row's at every τ, while tiny-mars
+    # still writes several tokens per forward; the rows carry the per-slot draft acceptance.
+    from finetune.evaluate import curve_label, sweep
+    from finetune.tasks import make_examples
+    from mars_core import load_model
+
+    lm = load_model("tiny-mars", device="cpu")
+    examples = make_examples("heldout", 24, seed=11)
+    (ar,) = sweep(lm, examples, taus=[1.0], max_new_tokens=64, timing_prompts=0)
+    rows = sweep(lm, examples, taus=[0.5, 0.9], max_new_tokens=64, timing_prompts=0, mode="verify")
+    for r in rows:
+        assert r["mode"] == "verify" and curve_label(r) == "tiny-mars (lossless)"
+        assert r["accuracy"] == ar["accuracy"] and r["per_family"] == ar["per_family"]
+        assert r["tokens_per_forward"] > 1.5
+        assert len(r["draft_acceptance"]) == 3 and all(a is None or 0 <= a <= 1 for a in r["draft_acceptance"])
+        assert r["draft_acceptance"][0] is not None
