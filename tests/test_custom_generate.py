@@ -153,6 +153,11 @@ def test_without_mars_core_the_import_error_says_how_to_install(tmp_path):
     assert "ImportError" in done.stderr and "pip install mars-playground" in done.stderr
 
 
+def test_the_checkout_is_the_folder_to_pass():
+    from mars_core.hf import custom_generate_path
+    assert custom_generate_path() == str(REPO)
+
+
 def test_our_own_code_never_sets_trust_remote_code():
     files = [REPO / "app.py", *(p for d in ("mars_core", "finetune", "app", "custom_generate")
                                 for p in (REPO / d).rglob("*.py"))]

@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT = ("pyproject.toml", "requirements.txt", "README.md", "mars_core", "finetune", "app", "assets")
+PROJECT = ("pyproject.toml", "requirements.txt", "README.md", "mars_core", "finetune", "app", "assets", "custom_generate")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,7 @@ def test_packages_console_scripts_and_embedded_models_are_installed(installed):
     for name in ("mars_core/decoding.py", "mars_core/export.py", "finetune/train.py", "app/launch.py",
                  "mars_core/assets/tiny-mars/model.safetensors", "mars_core/assets/tiny-ar-sft/config.json",
                  "mars_core/assets/smollm2-mars/adapter.safetensors", "mars_core/assets/prompts/tasks-heldout.txt",
+                 "mars_core/custom_generate/generate.py", "mars_core/custom_generate/requirements.txt",
                  "bin/mars", "bin/mars-playground"):
         assert (target / name).is_file(), name
     where = run([sys.executable, "-c", "import mars_core.loading as l, finetune.train, app.launch; "
@@ -89,3 +90,25 @@ def test_missing_assets_name_mars_assets(installed, tmp_path):
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert str(tmp_path / "nowhere") in line and "MARS_ASSETS" in line
+
+
+CUSTOM_GENERATE = """
+import json, torch
+from mars_core import DecodeConfig, generate, load_model
+from mars_core.hf import custom_generate_path
+lm = load_model("tiny-mars", device="cpu", cpu_layout=False)
+ids = torch.tensor([lm.encode("What is 17 + 25?")])
+out = lm.model.generate(ids, custom_generate=custom_generate_path(), trust_remote_code=True, tau=0.95,
+                        mask_token_id=lm.mask_id, max_new_tokens=12, return_dict_in_generate=True)
+ref = generate(lm, [ids[0].tolist()], DecodeConfig(tau=0.95, max_new_tokens=12))[0]
+print(json.dumps({"path": custom_generate_path(), "same": out.sequences[0, ids.shape[1]:].tolist() == ref.token_ids,
+                  "counts": out.accepted_counts[0]}))
+"""
+
+
+def test_custom_generate_runs_from_the_installed_package(installed, tmp_path):
+    target, env, work = installed
+    done = run([sys.executable, "-c", CUSTOM_GENERATE], {**env, "HF_MODULES_CACHE": str(tmp_path / "modules")}, work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["path"] == str(target / "mars_core") and out["same"] and max(out["counts"]) > 1
