@@ -50,9 +50,25 @@ def parse_prompts(text: str) -> list[str]:
     return prompts
 
 
+def _verify_cfg(tau, block_size, max_new_tokens, criterion):
+    from mars_core import DecodeConfig
+    return DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                        criterion=criterion)
+
+
+def _decode_all(lm, ids, cfg, batch_size: int = 16):
+    from mars_core import generate
+    out = []
+    for i in range(0, len(ids), batch_size):
+        out.extend(generate(lm, ids[i:i + batch_size], cfg))
+    return out
+
+
 def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None,
-                  criterion: str = "prob") -> list[dict]:
-    from finetune.evaluate import sweep
+                  criterion: str = "prob", lossless: bool = False) -> list[dict]:
+    """Lossy MARS per τ through F1's evaluator (`finetune.evaluate.sweep`); with `lossless`, verify mode per
+    τ < 1 too, scored the same way (its accuracy is AR's by construction, and is measured, not assumed)."""
+    from finetune.evaluate import score, sweep, time_against_ar
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
@@ -60,67 +76,155 @@ def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progre
     rows = sweep(lm, examples, taus, block_size=block_size, max_new_tokens=max_new_tokens, progress=progress,
                  timing_prompts=min(int(n), 8), criterion=criterion)
     for r in rows:
-        r["quality"] = r["accuracy"]
-        r["quality_name"] = "accuracy"
+        r.update(quality=r["accuracy"], quality_name="accuracy", mode="mars")
+    if lossless:
+        ids = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
+        for tau in [t for t in taus if t < 1.0]:
+            cfg = _verify_cfg(tau, block_size, max_new_tokens, criterion)
+            out = _decode_all(lm, ids, cfg)
+            accuracy, per_family = score(examples, [r.text for r in out])
+            ar_t, v_t = time_against_ar(lm, ids[:min(int(n), 8)], cfg)
+            rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
+                         "n": len(examples), "mode": "verify", "accuracy": accuracy, "per_family": per_family,
+                         "quality": accuracy, "quality_name": "accuracy",
+                         "tokens_per_forward": sum(r.tokens_per_forward for r in out) / len(out),
+                         "speedup": ar_t / v_t if v_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": v_t,
+                         "timing_prompts": min(int(n), 8)})
+            if progress is not None:
+                progress(1.0, f"lossless τ={tau}: accuracy {accuracy:.1%}")
     return rows
 
 
 def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, progress=None,
-               criterion: str = "prob") -> list[dict]:
-    """Agreement of MARS with the model's own AR output, tokens/forward and speedup, per τ."""
+               criterion: str = "prob", lossless: bool = False) -> list[dict]:
+    """Agreement of MARS with the model's own AR output, tokens/forward and speedup, per τ; with `lossless`,
+    the same for verify mode at each τ < 1 (its agreement is 100% by construction, and is measured)."""
     from mars_core import DecodeConfig, generate
     from finetune.evaluate import time_against_ar
     ids = [lm.encode(p) for p in prompts]
     ar = generate(lm, ids, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
+    runs = [("mars", t) for t in taus] + ([("verify", t) for t in taus if t < 1.0] if lossless else [])
     rows = []
-    for k, tau in enumerate(taus):
-        cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                           criterion=criterion)
+    for k, (mode, tau) in enumerate(runs):
+        cfg = (_verify_cfg(tau, block_size, max_new_tokens, criterion) if mode == "verify" else
+               DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                            criterion=criterion))
         out = generate(lm, ids, cfg)
         exact = sum(a.token_ids == m.token_ids for a, m in zip(ar, out)) / len(out)
         token_agree = sum(difflib.SequenceMatcher(a=a.token_ids, b=m.token_ids, autojunk=False).ratio()
                           for a, m in zip(ar, out)) / len(out)
         ar_t, mars_t = time_against_ar(lm, ids, cfg)
         rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
-                     "n": len(prompts),
+                     "n": len(prompts), "mode": mode,
                      "quality": exact, "quality_name": "agreement with AR", "exact_agreement": exact,
                      "token_agreement": token_agree,
                      "tokens_per_forward": sum(m.tokens_per_forward for m in out) / len(out),
                      "speedup": ar_t / mars_t if mars_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": mars_t,
                      "outputs": [m.text for m in out]})
         if progress is not None:
-            progress((k + 1) / len(taus), f"τ={tau}: agreement {exact:.0%}")
+            progress((k + 1) / len(runs), f"{'lossless ' if mode == 'verify' else ''}τ={tau}: agreement {exact:.0%}")
     return rows
 
 
+# Label placement: plotly does not avoid overlaps, so each τ label gets the first nearby offset whose box
+# (estimated in pixels for the panel size below) meets no label or marker placed before it.
+PANEL_PX = (520, 300)    # plot area of one panel (width, height) at the page's usual width
+LABEL_H_PX, CHAR_PX, MARKER_PX = 14, 7, 12
+_OFFSETS = [(0, 16), (0, -16), (34, 0), (-34, 0), (30, 16), (-30, 16), (30, -16), (-30, -16), (0, 32), (0, -32),
+            (60, 0), (-60, 0), (56, 30), (-56, 30), (56, -30), (-56, -30), (0, 48), (0, -48)]
+
+
+def _range(values: list[float], pad: float = 0.12, floor: float | None = None) -> list[float]:
+    lo, hi = min(values), max(values)
+    span = hi - lo or max(abs(hi), 1.0) * 0.2
+    lo, hi = lo - pad * span, hi + pad * span
+    if floor is not None:
+        lo = max(floor, lo)
+    return [lo, hi]
+
+
+def place_labels(points: list[tuple[float, float, str]], xr: list[float], yr: list[float],
+                 size=PANEL_PX) -> list[tuple[int, int, bool]]:
+    """(x shift, y shift, collided) in pixels for each label, avoiding earlier labels and all markers."""
+    W, H = size
+
+    def px(x, y):
+        return ((x - xr[0]) / (xr[1] - xr[0]) * W, (y - yr[0]) / (yr[1] - yr[0]) * H)
+
+    def overlap(a, b):
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    markers = [px(x, y) for x, y, _ in points]
+    boxes = [(mx - MARKER_PX / 2, my - MARKER_PX / 2, mx + MARKER_PX / 2, my + MARKER_PX / 2) for mx, my in markers]
+    placed = []
+    for (x, y, text), (mx, my) in zip(points, markers):
+        w = CHAR_PX * len(text) + 4
+        choice = None
+        for dx, dy in _OFFSETS:
+            cx, cy = mx + dx, my + dy
+            box = (cx - w / 2, cy - LABEL_H_PX / 2, cx + w / 2, cy + LABEL_H_PX / 2)
+            if not any(overlap(box, b) for b in boxes):
+                choice = (dx, dy, box)
+                break
+        if choice is None:
+            dx, dy = _OFFSETS[0]
+            choice = (dx, dy, (mx + dx - w / 2, my + dy - LABEL_H_PX / 2, mx + dx + w / 2, my + dy + LABEL_H_PX / 2))
+            placed.append((dx, dy, True))
+        else:
+            placed.append((choice[0], choice[1], False))
+        boxes.append(choice[2])
+    return placed
+
+
+def _tau_label(r: dict) -> str:
+    return "τ=off" if r["tau"] >= 1 else f"τ={r['tau']:g}"
+
+
 def pareto_figure(rows: list[dict]) -> go.Figure:
-    """Two panels: tokens/forward vs quality and speedup vs quality, points labelled by τ."""
+    """Two panels: tokens/forward vs quality and speedup vs quality; lossy MARS and (when swept) lossless MARS,
+    whose quality is AR's, each point labelled by τ with labels that do not overlap."""
     qname = rows[0].get("quality_name", "accuracy") if rows else "accuracy"
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/forward vs {qname}", f"speedup vs {qname}"))
-    pts = sorted(rows, key=lambda r: r["tau"])
-    q = [100 * r["quality"] for r in pts]
-    labels = [f"τ={r['tau']:g}" if r["tau"] < 1 else "τ=off" for r in pts]
-    fig.add_trace(go.Scatter(x=q, y=[r["tokens_per_forward"] for r in pts], mode="lines+markers+text", text=labels,
-                             textposition="top center", name="tokens/forward", marker=dict(size=10, color="#2563eb")),
-                  row=1, col=1)
-    fig.add_trace(go.Scatter(x=q, y=[r.get("speedup") for r in pts], mode="lines+markers+text", text=labels,
-                             textposition="top center", name="speedup ×", marker=dict(size=10, color="#16a34a")),
-                  row=1, col=2)
-    for col in (1, 2):
-        fig.update_xaxes(title_text=f"{qname} (%)", row=1, col=col)
-    fig.update_yaxes(title_text="tokens per forward", row=1, col=1)
-    fig.update_yaxes(title_text="wall-clock speedup × (AR time ÷ MARS time)", row=1, col=2)
-    fig.update_layout(template="plotly_white", height=420, showlegend=False,
+    curves = [("mars", "MARS (lossy)", "#2563eb", "solid"), ("verify", "MARS lossless (verify)", "#7c3aed", "dash")]
+    for col, key, ytitle in ((1, "tokens_per_forward", "tokens per forward"),
+                             (2, "speedup", "wall-clock speedup × (AR time ÷ MARS time)")):
+        pts_all = []
+        for mode, name, colour, dash in curves:
+            pts = sorted([r for r in rows if r.get("mode", "mars") == mode and r.get(key) is not None],
+                         key=lambda r: r["tau"])
+            if not pts:
+                continue
+            fig.add_trace(go.Scatter(x=[100 * r["quality"] for r in pts], y=[r[key] for r in pts],
+                                     mode="lines+markers", name=name, legendgroup=mode, showlegend=col == 1,
+                                     line=dict(color=colour, dash=dash),
+                                     marker=dict(size=10, color=colour, symbol="circle" if mode == "mars" else "diamond"),
+                                     hovertext=[f"{name} {_tau_label(r)}: {qname} {100 * r['quality']:.1f}%, "
+                                                f"{r[key]:.2f}" for r in pts], hoverinfo="text"),
+                          row=1, col=col)
+            pts_all += [(100 * r["quality"], r[key], _tau_label(r), colour) for r in pts]
+        if not pts_all:
+            continue
+        xr = _range([p[0] for p in pts_all], floor=None)
+        yr = _range([p[1] for p in pts_all], floor=0.0)
+        shifts = place_labels([(x, y, t) for x, y, t, _ in pts_all], xr, yr)
+        for (x, y, text, colour), (dx, dy, _) in zip(pts_all, shifts):
+            fig.add_annotation(x=x, y=y, text=text, showarrow=False, xshift=dx, yshift=dy,
+                               font=dict(size=11, color=colour), row=1, col=col)
+        fig.update_xaxes(range=xr, title_text=f"{qname} (%)", row=1, col=col)
+        fig.update_yaxes(range=yr, title_text=ytitle, row=1, col=col)
+    fig.update_layout(template="plotly_white", height=460, showlegend=True,
+                      legend=dict(orientation="h", y=-0.18),
                       title=f"τ sweep on {rows[0]['n'] if rows else 0} prompts — up and to the right is better",
-                      margin=dict(l=60, r=20, t=80, b=50))
+                      margin=dict(l=60, r=20, t=80, b=80))
     return fig
 
 
-TABLE_HEADERS = ["τ", "quality", "tokens/forward", "speedup ×", "AR time (s)", "MARS time (s)", "prompts"]
+TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "AR time (s)", "MARS time (s)", "prompts"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
-    return [["off" if r["tau"] >= 1 else r["tau"], f"{100 * r['quality']:.1f}% {r.get('quality_name', '')}",
+    return [["lossless" if r.get("mode") == "verify" else "MARS", "off" if r["tau"] >= 1 else r["tau"],
+             f"{100 * r['quality']:.1f}% {r.get('quality_name', '')}",
              round(r["tokens_per_forward"], 3), None if r.get("speedup") is None else round(r["speedup"], 3),
              None if r.get("ar_time_s") is None else round(r["ar_time_s"], 3),
              None if r.get("mars_time_s") is None else round(r["mars_time_s"], 3), r["n"]] for r in rows]

@@ -70,6 +70,48 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
     return ok, "\n\n".join(parts)
 
 
+def data_source_changed(source, upload):
+    """(upload field, data report, start message): the other dataset's report and start error are replaced."""
+    report = (validate_jsonl(upload)[1] if upload else "Upload a chat JSONL file.") if source == "upload" else ""
+    return gr.update(visible=source == "upload"), report, ""
+
+
+def _number(value, name: str, lo, hi, integer: bool):
+    """A Finetune number field as int/float, or ValueError saying what to type (never Python's None)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{name} is empty: type {'a whole number' if integer else 'a number'} in {lo:g}..{hi:g}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} {value!r} is not a number: type one in {lo:g}..{hi:g}") from None
+    if integer:
+        if v != int(v):
+            raise ValueError(f"{name} {v:g} is not a whole number: type one in {lo:g}..{hi:g}")
+        v = int(v)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} {v:g} is out of range: use {lo:g}..{hi:g}")
+    return v
+
+
+# Seconds per optimizer step measured here (2-core CPU, batch 16, other work alongside; see DEFAULTS and
+# docs/smollm2-mars.md: SmolLM2 + LoRA took 4.4 s/step). Full SmolLM2 training is slower still.
+SECONDS_PER_STEP = {"tiny": 0.35, "smollm2": 4.4}
+ETA_WARN_S = 3600
+
+
+def estimate_seconds(base: str, steps: int) -> float | None:
+    family = "tiny" if "tiny" in str(base) else "smollm2" if "smollm2" in str(base).lower() else None
+    return None if family is None else steps * SECONDS_PER_STEP[family]
+
+
+def eta_warning(seconds) -> str:
+    """A warning (not a refusal) for a run expected to take more than an hour."""
+    if seconds is None or seconds <= ETA_WARN_S:
+        return ""
+    return (f"⚠ this run would take about {_fmt_eta(seconds)} ({seconds / 3600:.1f} h) here — it still starts if you "
+            f"press Start; Stop saves a checkpoint at any time, or lower the steps")
+
+
 def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> FinetuneRequest:
     base_model = jobs.checkpoint_for(base[4:]) if str(base).startswith("run:") else base
     if not str(base).startswith("run:") and base not in [v for _, v in BASE_MODELS]:
@@ -81,10 +123,8 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
         data = "<run dir>/data.jsonl"
     else:
         data = "builtin"
-    try:
-        steps, lr = int(steps), float(lr)
-    except (TypeError, ValueError):
-        raise ValueError(f"steps {steps!r} and learning rate {lr!r} must be numbers") from None
+    steps = _number(steps, "steps", 1, 100000, integer=True)
+    lr = _number(lr, "learning rate", 1e-7, 1.0, integer=False)
     return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=int(block_size),
                            ar_weight=float(ar_weight), max_steps=steps, lr=lr, lora=bool(lora),
                            batch_size=DEFAULTS["batch_size"])
@@ -98,7 +138,9 @@ def command_preview(jobs, base, data_source, upload, stage, block_size, ar_weigh
     run_dir = jobs.runs_dir / "<name>"
     if data_source == "upload":
         req.data = str(run_dir / "data.jsonl")
-    return ("The exact command Start runs (in its own process group):\n```bash\n" +
+    warn = eta_warning(estimate_seconds(base, req.max_steps))
+    return (("" if not warn else warn + "\n\n") +
+            "The exact command Start runs (in its own process group):\n```bash\n" +
             shell_quote(build_command(req, run_dir, jobs.launcher), wrap=True) +
             f" \\\n    > {run_dir / 'log.txt'} 2>&1\n```")
 
@@ -109,7 +151,8 @@ def start(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, 
         name = jobs.start(req, data_file=upload if data_source == "upload" else None)
     except Exception as exc:
         return f"⚠ {models.friendly_error(exc)}"
-    return f"▶ started run **{name}** in `{jobs.run_dir(name)}`"
+    warn = eta_warning(estimate_seconds(base, req.max_steps))
+    return f"▶ started run **{name}** in `{jobs.run_dir(name)}`" + (f"\n\n{warn}" if warn else "")
 
 
 def _control(jobs, verb: str, mark: str) -> str:
@@ -165,6 +208,8 @@ def status_html(st: dict | None) -> str:
     extra = ""
     if state == "running":
         extra = f" · ETA {_fmt_eta(st.get('eta_s'))}"
+        if (st.get("eta_s") or 0) > ETA_WARN_S:
+            extra += " · <span class='eta-warn'>⚠ over an hour: Stop saves a checkpoint</span>"
     elif st.get("exit_code") is not None:
         extra = f" · exit code {st['exit_code']}"
     if st.get("error"):

@@ -10,8 +10,9 @@ import time
 
 import gradio as gr
 
-from app import models, plots
-from app.race import SideRecord, race, render_chunks, render_ledger, render_stats
+from app import models, notices, plots, timing
+from app.race import LANE_LABELS, LANES, SideRecord, race, render_chunks, render_ledger, render_stats, tau_summary
+from app.timing import ReplayTau
 from mars_core.decoding import CRITERIA
 
 TAU_MIN, TAU_MAX = 0.5, 1.0
@@ -28,41 +29,95 @@ CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 # τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
 _tau_controls: dict[str, object] = {}
 _tau_lock = threading.Lock()
+# The last clamp note of the τ field, by session: the page may hand the race the clamped value only, so the
+# race repeats the note when it runs at that value.
+_tau_notes: dict[str, tuple[float, str] | None] = {}
+
+
+def lenient(slider: gr.Slider) -> gr.Slider:
+    """Let a slider's typed value reach the handler even outside the range (the handler clamps it, with a note).
+
+    gr.Slider refuses such a value with an error toast for every event that reads it (τ typed as 1.5 gave two
+    or three stacked toasts). The instance's preprocess is replaced: subclassing a Gradio component would make
+    Gradio write a .pyi stub next to this file at import.
+    """
+    def preprocess(payload):
+        if payload is None:
+            return None
+        try:
+            return float(payload)
+        except (TypeError, ValueError):
+            return payload
+
+    slider.preprocess = preprocess
+    return slider
+
+
+def _clamp(value, lo, hi, name: str, notes: list[str], integer: bool = False, fmt="{:g}"):
+    """value clamped to [lo, hi]; a note says so when it moved. ValueError when it is not a number."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} is {'empty' if value in (None, '') else repr(value)}: "
+                         f"type a number in {fmt.format(lo)}..{fmt.format(hi)}") from None
+    if v != v:
+        raise ValueError(f"{name} is not a number: type a number in {fmt.format(lo)}..{fmt.format(hi)}")
+    c = min(hi, max(lo, v))
+    if integer:
+        c = int(round(c))
+    if c != v:
+        side = "below" if v < lo else "above"
+        notes.append(f"{name} {fmt.format(v)} is {side} the range {fmt.format(lo)}..{fmt.format(hi)}: "
+                     f"ran with {fmt.format(c)}")
+    return c
 
 
 def check_inputs(prompt, tau, tau_off, block_size, max_new_tokens, temperature) -> tuple:
-    """Validate the Generate tab's inputs; ValueError names the value and the allowed range."""
+    """The Generate tab's inputs, made runnable: (prompt, τ, B, max new tokens, temperature, notes).
+
+    Out-of-range numbers are clamped and a too long prompt is cut, each with a note for the page
+    (`notes`); ValueError (naming the value) only for what cannot run: an empty prompt, a non-number.
+    """
+    notes: list[str] = []
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty: type a question or pick an example")
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise ValueError(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-    tau = effective_tau(tau, tau_off)
-    try:
-        block_size = int(block_size)
-        max_new_tokens = int(max_new_tokens)
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError("block size, max new tokens and temperature must be numbers") from None
-    if not 2 <= block_size <= 8:
-        raise ValueError(f"block size {block_size} is out of range; use 2..8 (the embedded model was trained with 4)")
-    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise ValueError(f"max new tokens {max_new_tokens} is out of range; use 1..{MAX_NEW_TOKENS}")
-    if not 0.0 <= temperature <= 2.0:
-        raise ValueError(f"temperature {temperature} is out of range; use 0 (greedy) .. 2")
-    return prompt, tau, block_size, max_new_tokens, temperature
+        notes.append(f"the prompt has {len(prompt):,} characters: cut to the first {MAX_PROMPT_CHARS:,} (the limit)")
+        prompt = prompt[:MAX_PROMPT_CHARS]
+    tau = effective_tau(tau, tau_off, notes)
+    block_size = _clamp(block_size, 2, 8, "block size B", notes, integer=True)
+    max_new_tokens = _clamp(max_new_tokens, 1, MAX_NEW_TOKENS, "max new tokens", notes, integer=True)
+    temperature = _clamp(temperature, 0.0, 2.0, "temperature", notes)
+    return prompt, tau, block_size, max_new_tokens, temperature, notes
 
 
-def effective_tau(tau, tau_off) -> float:
-    """τ from the slider, or 1.0 (one-token mode) when 'off' is ticked."""
+def effective_tau(tau, tau_off, notes: list[str] | None = None) -> float:
+    """τ from the slider, or 1.0 (one-token mode) when 'off' is ticked; clamped into [TAU_MIN, TAU_MAX]
+    with a note (ValueError when `notes` is None and τ is out of range, or when it is not a number)."""
     if tau_off:
         return 1.0
-    try:
-        tau = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"τ {tau!r} is not a number; use {TAU_MIN}..{TAU_MAX}") from None
-    if not TAU_MIN <= tau <= TAU_MAX:
-        raise ValueError(f"τ {tau} is out of range; use {TAU_MIN}..{TAU_MAX} (or tick 'off' for one-token mode)")
-    return tau
+    if notes is None:
+        try:
+            value = float(tau)
+        except (TypeError, ValueError):
+            raise ValueError(f"τ {tau!r} is not a number; use {TAU_MIN}..{TAU_MAX}") from None
+        if not TAU_MIN <= value <= TAU_MAX:
+            raise ValueError(f"τ {value:g} is out of range; use {TAU_MIN}..{TAU_MAX} (or tick 'off' for one-token mode)")
+        return value
+    value = _clamp(tau, TAU_MIN, TAU_MAX, "τ", notes, fmt="{:.2f}")
+    if notes and notes[-1].startswith("τ ") and value >= 1.0:
+        notes[-1] += " (one-token mode)"
+    return value
+
+
+def _seed(seed, temperature, notes) -> int | None:
+    """The sampling seed (None when greedy); an empty field means 0, said in a note."""
+    if temperature <= 0:
+        return None
+    if seed in (None, ""):
+        notes.append("the seed field is empty: sampled with seed 0")
+        return 0
+    return _clamp(seed, 0, 2**31 - 1, "seed", notes, integer=True, fmt="{:.0f}")
 
 
 def token_texts(lm):
@@ -85,7 +140,7 @@ def load_model_ui(choice, free_text, jobs=None):
         yield f"⚠ {models.friendly_error(exc)}"
         return
     if not models.is_loaded(name):
-        note = models.loading_note(name) or " (first load of a model takes a few seconds)"
+        note = models.loading_note(name) or f" {models.load_estimate(name)}".rstrip()
         yield f"Loading **{name}** …{note}"
     try:
         lm, secs = models.load_with_timing(name)
@@ -96,41 +151,60 @@ def load_model_ui(choice, free_text, jobs=None):
 
 
 def set_tau(tau, tau_off, request: gr.Request | None = None):
-    """τ slider / 'off' box moved: the running race (if any) uses the new τ from its next forward pass."""
+    """τ slider / 'off' box moved: the running race (if any) uses the new τ from its next forward pass.
+    An out-of-range τ is clamped, and the line says so."""
+    notes: list[str] = []
     try:
-        value = effective_tau(tau, tau_off)
+        value = effective_tau(tau, tau_off, notes)
     except ValueError as exc:
         return f"⚠ {exc}"
+    note = f" — {notes[0].replace('ran with', 'runs with')}" if notes else ""
     key = _session(request)
+    with _tau_lock:
+        _tau_notes[key] = (value, notes[0]) if notes else None
     with _tau_lock:
         control = _tau_controls.get(key)
     if control is None:
-        return f"τ = {'off' if value >= 1.0 else f'{value:.2f}'} (applies to the next run)"
+        return f"τ = {_tau_text(value)} (applies to the next run){note}"
     control.value = value
-    return f"τ → {'off' if value >= 1.0 else f'{value:.2f}'} from the next forward pass"
+    return f"τ → {_tau_text(value)} from the next forward pass{note}"
+
+
+def _tau_text(tau: float) -> str:
+    return "off" if tau >= 1.0 else f"{tau:.2f}"
 
 
 def _session(request) -> str:
     return getattr(request, "session_hash", None) or "default"
 
 
-def _outputs(status, mars, ar, ar_label, final=False):
-    """The tuple of values the race yields (see OUTPUT ORDER in ui.py)."""
-    vals = [status,
-            render_chunks(mars, "MARS output appears here"),
-            render_chunks(ar, "AR output appears here"),
-            render_stats(mars, ar, ar_label)]
+PLACEHOLDERS = {"ar": "AR output appears here", "verify": "lossless MARS output appears here",
+                "mars": "MARS output appears here"}
+N_OUTPUTS = 12   # see race_outputs in ui.py
+
+
+def _outputs(status, sides, ar_label, final=False, measured=None, measuring="", tau_line=None):
+    """The tuple of values the race yields, in the order of `race_outputs` in ui.py:
+    status, τ line, AR pane, lossless pane, MARS pane, stats, 3 plots, ledger step, ledger, state."""
+    vals = [status, gr.skip() if tau_line is None else tau_line]
+    vals += [render_chunks(sides[n], PLACEHOLDERS[n]) for n in LANES]
+    vals.append(render_stats(sides, measured, ar_label, measuring))
     if final:
-        mars_toks = [t for s in mars.steps for t in s.tokens]
-        ar_toks = [t for s in ar.steps for t in s.tokens]
+        mars, ar = sides["mars"], sides["ar"]
         last = max(0, mars.forwards - 1)
-        vals += [plots.tokens_per_forward_figure(mars), plots.acceptance_figure(mars),
-                 plots.diff_figure(mars_toks, ar_toks),
+        vals += [plots.tokens_per_forward_figure(mars, sides.get("verify")),
+                 plots.acceptance_figure(mars, sides.get("verify")),
+                 plots.diff_figure(mars.token_strings, ar.token_strings),
                  gr.update(minimum=0, maximum=max(1, last), value=0, interactive=mars.forwards > 1),
-                 render_ledger(mars, 0), (mars, ar)]
+                 render_ledger(mars, 0), dict(sides)]
     else:
         vals += [gr.skip()] * 6
     return tuple(vals)
+
+
+def waiting_status():
+    """Shown the moment Race is pressed: replaced by the race's own first message once it starts."""
+    return "⏳ waiting for the machine — another race or sweep is running; this one starts when it ends"
 
 
 def check_criterion(criterion) -> str:
@@ -139,81 +213,174 @@ def check_criterion(criterion) -> str:
     return criterion
 
 
+def _ran_tau_line(sides) -> str:
+    parts = []
+    for n in ("mars", "verify"):
+        s = sides[n]
+        if s.steps:
+            parts.append(f"{s.label} τ = {tau_summary(s.taus)}")
+    return "ran at " + " · ".join(parts) if parts else ""
+
+
 def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-             slow_motion=1, jobs=None, request: gr.Request | None = None, criterion="prob"):
-    """Stream MARS and the AR baseline side by side; least compute so far runs the next forward."""
-    mars, ar = SideRecord("MARS", "mars"), SideRecord("AR", "ar")
+             slow_motion=1, jobs=None, request: gr.Request | None = None, criterion="prob", seed=0,
+             measure_after=True):
+    """Stream AR, lossless MARS and MARS side by side (least compute so far runs the next forward), then time
+    the decoders again for a speedup you can quote (app.timing)."""
+    sides = {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
     try:
-        prompt, tau, block_size, max_new_tokens, temperature = check_inputs(
+        prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
             prompt, tau, tau_off, block_size, max_new_tokens, temperature)
+        seed = _seed(seed, temperature, notes)
+        with _tau_lock:
+            typed = _tau_notes.get(_session(request))
+        if typed and not tau_off and abs(typed[0] - tau) < 1e-9 and not any(n.startswith("τ ") for n in notes):
+            notes.insert(0, typed[1])
         if slow_motion not in [v for _, v in SLOW_MOTION]:
             raise ValueError(f"slow motion {slow_motion!r} is not one of {[v for _, v in SLOW_MOTION]}")
         criterion = check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
         ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
     except Exception as exc:
-        yield _outputs(f"⚠ {models.friendly_error(exc)}", mars, ar, "AR")
+        yield _outputs(f"⚠ {models.friendly_error(exc)}", sides, "AR")
         return
     ar_label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
-    ar.label = ar_label
+    sides["ar"].label = ar_label
+    note_text = "".join(f"\n\n✂ {n}" for n in notes)
+    advice = notices.race_notice(name, prompt, tau, jobs)
+    if advice:
+        note_text += f"\n\nℹ {advice}"
     try:
         for n in dict.fromkeys([name, ar_name]):
             if not models.is_loaded(n):
-                yield _outputs(f"Loading **{n}** …{models.loading_note(n)}", mars, ar, ar_label)
+                yield _outputs(f"Loading **{n}** …{models.loading_note(n) or ' ' + models.load_estimate(n)}{note_text}",
+                               sides, ar_label)
             models.get_model(n)
         lm, ar_lm = models.get_model(name), models.get_model(ar_name)
     except Exception as exc:
-        yield _outputs(f"⚠ Could not load the model: {models.friendly_error(exc)}", mars, ar, ar_label)
+        yield _outputs(f"⚠ Could not load the model: {models.friendly_error(exc)}{note_text}", sides, ar_label)
         return
 
-    from mars_core import DecodeConfig, TauControl, generate_stream
+    from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
     control = TauControl(tau)
+    verify_control = TauControl(tau)
     key = _session(request)
     with _tau_lock:
-        _tau_controls[key] = control
+        _tau_controls[key] = _Both(control, verify_control)
+    lanes_run = ["ar", "verify", "mars"]
+    if temperature > 0:
+        lanes_run.remove("verify")
+        sides["verify"].note = ("lossless MARS reproduces greedy AR, so it runs at temperature 0 only: "
+                                "set temperature to 0 to race it")
     try:
-        seed = 0 if temperature > 0 else None
-        mars_cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed, criterion=criterion)
-        ar_cfg = DecodeConfig(mode="ar", tau=1.0, block_size=block_size, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed)
-        texts = {"mars": token_texts(lm), "ar": token_texts(ar_lm)}
-        sides = {"mars": mars, "ar": ar}
-        streams = race(generate_stream(lm, [prompt], mars_cfg, tau_control=control),
-                       generate_stream(ar_lm, [prompt], ar_cfg))
-        yield _outputs("▶ Racing …", mars, ar, ar_label)
+        common = dict(block_size=block_size, max_new_tokens=max_new_tokens)
+        cfgs = {"mars": DecodeConfig(mode="mars", tau=tau, temperature=temperature, seed=seed, criterion=criterion,
+                                     **common),
+                "verify": DecodeConfig(mode="verify", tau=tau, criterion=criterion, **common),
+                "ar": DecodeConfig(mode="ar", tau=1.0, temperature=temperature, seed=seed, **common)}
+        texts = {"mars": token_texts(lm), "verify": token_texts(lm), "ar": token_texts(ar_lm)}
+        decode = {"mars": _decoder(lm), "verify": _decoder(lm), "ar": _decoder(ar_lm)}
+        models_of = {"mars": lm, "verify": lm, "ar": ar_lm}
+        streams = {"ar": generate_stream(ar_lm, [prompt], cfgs["ar"]),
+                   "verify": generate_stream(lm, [prompt], cfgs["verify"], tau_control=verify_control),
+                   "mars": generate_stream(lm, [prompt], cfgs["mars"], tau_control=control)}
+        racing = race(lanes={n: streams[n] for n in lanes_run})
+        yield _outputs(f"▶ Racing …{note_text}", sides, ar_label)
         last = 0.0
-        for side, event in streams:
-            sides[side].add(event, texts[side])
+        for lane, event in racing:
+            sides[lane].add(event, texts[lane], decode[lane])
             if slow_motion > 1:
                 time.sleep((slow_motion - 1) * event.step_time)
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:
                 last = now
-                yield _outputs("▶ Racing …", mars, ar, ar_label)
-        mars.finished = ar.finished = True
-        yield _outputs(f"✓ Done: MARS {mars.tokens_per_forward:.2f} tokens/forward, "
-                       f"{mars.forwards} forwards vs {ar.forwards} for AR.", mars, ar, ar_label, final=True)
+                yield _outputs(f"▶ Racing …{note_text}", sides, ar_label)
+        for n in lanes_run:
+            sides[n].finished = True
     except Exception as exc:
-        yield _outputs(f"⚠ Generation failed: {models.friendly_error(exc)}", mars, ar, ar_label)
+        yield _outputs(f"⚠ Generation failed: {models.friendly_error(exc)}{note_text}", sides, ar_label)
+        return
     finally:
         with _tau_lock:
-            if _tau_controls.get(key) is control:
+            if isinstance(_tau_controls.get(key), _Both) and _tau_controls[key].mars is control:
                 del _tau_controls[key]
+    tau_line = _ran_tau_line(sides)
+    summary = (f"MARS {sides['mars'].tokens_per_forward:.2f} tokens/forward ({sides['mars'].forwards} forwards)"
+               + (f", MARS lossless {sides['verify'].tokens_per_forward:.2f} ({sides['verify'].forwards})"
+                  if "verify" in lanes_run else "")
+               + f", AR {sides['ar'].forwards} forwards")
+    measured = None
+    if measure_after:
+        prompt_ids = lm.encode(prompt)
+
+        def run_of(n):
+            cfg = cfgs[n]
+            taus = sides[n].taus
+            moved = n != "ar" and len(set(taus)) > 1
+            return lambda: core_generate(models_of[n], [prompt_ids], cfg,
+                                         tau_control=ReplayTau(taus) if moved else None)
+
+        runs = {n: run_of(n) for n in lanes_run}
+        gen = timing.measure_iter(sides, runs, ar_lm, lm, prompt_ids, block_size)
+        first = True   # the plots, the ledger and the state go out once, with the first progress line
+        try:
+            while True:
+                try:
+                    msg = next(gen)
+                except StopIteration as stop:
+                    measured = stop.value
+                    break
+                yield _outputs(f"▶ Race finished: {summary}. {msg}{note_text}", sides, ar_label, final=first,
+                               measuring=msg, tau_line=tau_line)
+                first = False
+        except Exception as exc:
+            yield _outputs(f"✓ Done: {summary}. ⚠ the timing after the race failed: "
+                           f"{models.friendly_error(exc)}{note_text}", sides, ar_label, final=True, tau_line=tau_line)
+            return
+    yield _outputs(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else "") + note_text,
+                   sides, ar_label, final=True, measured=measured, tau_line=tau_line)
+
+
+class _Both:
+    """The τ slider steers both MARS lanes of a race."""
+
+    def __init__(self, mars, verify):
+        self.mars, self.verify = mars, verify
+
+    @property
+    def value(self):
+        return self.mars.value
+
+    @value.setter
+    def value(self, tau):
+        self.mars.value = tau
+        self.verify.value = tau
+
+
+def _decoder(lm):
+    def decode(ids):
+        return lm.tokenizer.decode(ids, skip_special_tokens=True)
+    return decode
+
+
+LEDGER_SIDES = [("MARS", "mars"), ("MARS lossless", "verify"), ("AR", "ar")]
+
+
+def _lane_of(side) -> str:
+    return {"AR": "ar", "MARS lossless": "verify", "MARS": "mars"}.get(side, side if side in LANES else "mars")
 
 
 def show_ledger(race_state, side, step):
     if not race_state:
         return render_ledger(SideRecord("MARS", "mars"), 0)
-    mars, ar = race_state
-    return render_ledger(ar if side == "AR" else mars, int(step or 0))
+    return render_ledger(race_state[_lane_of(side)], int(step or 0))
 
 
 def ledger_side_changed(race_state, side):
-    """Switching MARS/AR resets the step slider to that side's range."""
+    """Switching lanes resets the step slider to that lane's range."""
     if not race_state:
         return gr.update(), show_ledger(race_state, side, 0)
-    rec = race_state[1] if side == "AR" else race_state[0]
+    rec = race_state[_lane_of(side)]
     return (gr.update(minimum=0, maximum=max(1, rec.forwards - 1), value=0, interactive=rec.forwards > 1),
             render_ledger(rec, 0))
 
@@ -222,6 +389,37 @@ def examples_for(choice, free_text="", jobs=None):
     name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
     prompts = models.example_prompts(name, jobs=jobs)
     return gr.update(choices=prompts, value=None)
+
+
+def _all_examples(jobs=None) -> set[str]:
+    out = set(models.GENERAL_PROMPTS)
+    for n in models.builtin_names():
+        out.update(models.example_prompts(n, jobs=jobs))
+    return out
+
+
+def examples_and_prompt(choice, free_text="", prompt="", jobs=None):
+    """Model changed: its example prompts, and the prompt replaced by its first example while the prompt is
+    empty or an example of another model (the user's own text stays)."""
+    name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
+    prompts = models.example_prompts(name, jobs=jobs)
+    cur = (prompt or "").strip()
+    replace = prompts and cur not in prompts and (not cur or cur in _all_examples(jobs))
+    return gr.update(choices=prompts, value=None), (gr.update(value=prompts[0]) if replace else gr.skip())
+
+
+def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, jobs=None):
+    """(notice, 'switch model' button, 'τ off' button, offered model) for the page; hidden when nothing applies."""
+    try:
+        name = models.resolve(choice, free_text, jobs)
+        t = effective_tau(tau, tau_off, [])
+    except Exception:   # a bad model name or τ has its own message elsewhere
+        return gr.update(value="", visible=False), gr.update(visible=False), gr.update(visible=False), None
+    text, offer, off = notices.notice(name, prompt, t, jobs)
+    show_model = bool(text) and offer is not None and offer != name
+    return (gr.update(value=text, visible=bool(text)),
+            gr.update(visible=show_model, value=f"Switch to {offer}" if offer else "Switch model"),
+            gr.update(visible=bool(text) and off), offer if show_model else None)
 
 
 PREPARE_POLL_S = 2.0  # how often the page asks about the background model (gr.Timer in ui.py)

@@ -33,6 +33,18 @@ are then cropped from the cache and the accepted tokens enter at the next step �
 """
 
 
+_SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
+
+
+def _sub(j: int) -> str:
+    return str(j).translate(_SUBSCRIPTS)
+
+
+def tick_step(n: int) -> int:
+    """Label every position up to n = 12, then every 2nd / 4th so that the labels stay readable."""
+    return 1 if n <= 12 else 2 if n <= 20 else 4
+
+
 def mask_figure(n: int, block_size: int) -> go.Figure:
     """Heatmap of mars_attention_mask(n, B) over [noisy | clean] with the four regions named."""
     if not 2 <= int(n) <= 32:
@@ -63,13 +75,16 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
                           line=dict(color="#9ca3af", width=1, dash="dot"))
             fig.add_shape(type="line", y0=off + b - 0.5, y1=off + b - 0.5, x0=-0.5, x1=2 * n - 0.5,
                           line=dict(color="#9ca3af", width=1, dash="dot"))
-    ticks = list(range(2 * n))
-    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)",
-                      template="plotly_white", height=560, margin=dict(l=80, r=20, t=50, b=80),
-                      xaxis=dict(title="key position", tickvals=ticks, ticktext=labels, tickangle=-60,
-                                 tickfont=dict(size=9)),
-                      yaxis=dict(title="query position", tickvals=ticks, ticktext=labels, autorange="reversed",
-                                 tickfont=dict(size=9), scaleanchor="x"))
+    step = tick_step(n)
+    ticks = [i for i in range(2 * n) if (i % n) % step == 0]
+    short = [f"{'noisy' if i < n else 'clean'} {i % n}" for i in ticks]
+    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)"
+                            + (f"; every {step}th position labelled" if step > 1 else ""),
+                      template="plotly_white", height=600, margin=dict(l=90, r=20, t=50, b=90),
+                      xaxis=dict(title="key position", tickvals=ticks, ticktext=short, tickangle=-60,
+                                 tickfont=dict(size=11)),
+                      yaxis=dict(title="query position", tickvals=ticks, ticktext=short, autorange="reversed",
+                                 tickfont=dict(size=11), scaleanchor="x"))
     return fig
 
 
@@ -109,7 +124,8 @@ def step_html(lm, prompt: str, event, show_last: int = 10) -> str:
         if j == 0:
             verdict, cls = "accepted — t₀ is always kept (it is the plain AR token)", "acc"
         elif j < n:
-            verdict, cls = f"accepted — c = {c:.3f} ≥ τ and t₀..t{j - 1} were accepted", "acc"
+            before = "t₀ was accepted" if j == 1 else f"t₀..t{_sub(j - 1)} were accepted"
+            verdict, cls = f"accepted — c = {c:.3f} ≥ τ and {before}", "acc"
         elif j == n and c < tau:
             verdict, cls = f"rejected — c = {c:.3f} < τ = {tau:.2f}; stops the pass", "stop"
         elif j == n:

@@ -306,6 +306,27 @@ def prepare_status() -> dict:
     return PREPARER.status()
 
 
+# Load times measured on this project's 2-core CPU with other work running (load + warm-up, 2026-12-01):
+# tiny-mars ~1-2 s; smollm2-mars 12 s once merged; the one-time GGUF conversion / LoRA merge 30-40 s.
+LOAD_ESTIMATES = {"tiny": "(about 2 s)", "prepared": "(about 10-15 s on a small CPU)",
+                  "build": "(the first load converts or merges the model once: 30-40 s, then about 10-15 s to load)"}
+
+
+def load_estimate(name: str) -> str:
+    """An honest, parenthesised estimate of how long loading `name` takes here ('' when unknown)."""
+    if name in TINY_MODELS:
+        return LOAD_ESTIMATES["tiny"]
+    if name in (SMOLLM2_MARS, "smollm2", "smollm2-135m-instruct"):
+        try:
+            from mars_core import loading
+            return LOAD_ESTIMATES["prepared" if loading.is_prepared(name) else "build"]
+        except Exception:
+            return ""
+    if HUB_ID_RE.match(name) and not Path(name).exists():
+        return "(a hub model: downloaded first unless cached, then loaded; size decides how long)"
+    return "(a local checkpoint: seconds for small models, longer for large ones)"
+
+
 def loading_note(name: str) -> str:
     """' (preparing …)' while the background preparer is still building `name`, else ''."""
     st = PREPARER.status() if name == PREPARER.name else None

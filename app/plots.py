@@ -11,20 +11,28 @@ _LAYOUT = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40), hei
                font=dict(size=12))
 
 
-def tokens_per_forward_figure(mars: SideRecord) -> go.Figure:
-    """Bars: tokens accepted by each MARS forward pass, coloured like the chunks."""
-    steps = [s.step for s in mars.steps]
-    ns = [s.n_accepted for s in mars.steps]
-    fig = go.Figure(go.Bar(x=steps, y=ns, marker_color=[chunk_colour(n) for n in ns],
-                           marker_line=dict(color="#6b7280", width=0.5),
-                           hovertext=[f"step {s.step}: {s.text!r} (τ={s.tau:.2f})" for s in mars.steps],
-                           hoverinfo="text", name="tokens accepted"))
-    if ns:
-        mean = sum(ns) / len(ns)
-        fig.add_hline(y=mean, line_dash="dash", line_color="#2563eb",
-                      annotation_text=f"mean {mean:.2f} tokens/forward", annotation_position="top left")
-    fig.update_layout(title="MARS: tokens accepted per forward pass", xaxis_title="forward pass (step)",
-                      yaxis_title="tokens accepted", yaxis=dict(dtick=1, rangemode="tozero"), **_LAYOUT)
+def tokens_per_forward_figure(mars: SideRecord, verify: SideRecord | None = None) -> go.Figure:
+    """Bars: tokens committed by each MARS forward pass, coloured like the chunks; the lossless lane's beside them."""
+    fig = go.Figure()
+    lanes = [(mars, "MARS", None)]
+    if verify is not None and verify.steps:
+        lanes.append((verify, "MARS lossless", "#7c3aed"))
+    for side, name, line in lanes:
+        ns = [s.n_accepted for s in side.steps]
+        fig.add_trace(go.Bar(x=[s.step for s in side.steps], y=ns, name=name,
+                             marker_color=[chunk_colour(n) for n in ns] if line is None else "#ddd6fe",
+                             marker_line=dict(color=line or "#6b7280", width=0.8 if line else 0.5),
+                             hovertext=[f"{name} step {s.step}: {s.text!r} (τ={s.tau:.2f})" for s in side.steps],
+                             hoverinfo="text"))
+        if ns:
+            mean = sum(ns) / len(ns)
+            fig.add_hline(y=mean, line_dash="dash", line_color=line or "#2563eb",
+                          annotation_text=f"{name}: mean {mean:.2f} tokens/forward",
+                          annotation_position="top left" if line is None else "top right")
+    fig.update_layout(title="Tokens committed per forward pass", xaxis_title="forward pass (step)",
+                      yaxis_title="tokens committed", yaxis=dict(dtick=1, rangemode="tozero"), barmode="group",
+                      showlegend=len(lanes) > 1, legend=dict(orientation="h", y=1.12, x=1, xanchor="right"),
+                      **_LAYOUT)
     return fig
 
 
@@ -37,15 +45,38 @@ def acceptance_by_slot(mars: SideRecord) -> list[tuple[int, float, int]]:
     return [(j, sum(1 for s in mars.steps if s.n_accepted > j) / n, n) for j in range(B)]
 
 
-def acceptance_figure(mars: SideRecord) -> go.Figure:
-    """Acceptance rate per mask slot: t0 (the AR token) is always kept; later slots need conf ≥ τ."""
+def draft_confirmation_by_slot(verify: SideRecord) -> list[tuple[int, float | None, int]]:
+    """Lossless lane: (mask slot j = 1.., share of the drafts in slot j that the next forward confirmed, drafts)."""
+    if not verify or len(verify.steps) < 2:
+        return []
+    width = max(len(s.candidate_ids) for s in verify.steps) or 0
+    out = []
+    for j in range(width):
+        drafted = kept = 0
+        for prev, s in zip(verify.steps, verify.steps[1:]):
+            if len(prev.draft_ids) > j:
+                drafted += 1
+                kept += s.confirmed > j
+        out.append((j + 1, kept / drafted if drafted else None, drafted))
+    return out
+
+
+def acceptance_figure(mars: SideRecord, verify: SideRecord | None = None) -> go.Figure:
+    """Acceptance rate per slot: t0 (the AR token) is always kept; later slots need conf ≥ τ. The lossless
+    lane's bars: the share of its drafts in each mask slot that AR's own token confirmed."""
     rows = acceptance_by_slot(mars)
     labels = [("t0 (AR token)" if j == 0 else f"t{j} (mask {j})") for j, _, _ in rows]
-    fig = go.Figure(go.Bar(x=labels, y=[r for _, r, _ in rows],
-                           text=[f"{r:.0%}" for _, r, _ in rows], textposition="outside",
-                           marker_color="#60a5fa"))
-    fig.update_layout(title="Acceptance rate per slot (share of forward passes)", yaxis_title="accepted",
-                      yaxis=dict(range=[0, 1.15], tickformat=".0%"), **_LAYOUT)
+    fig = go.Figure(go.Bar(x=labels, y=[r for _, r, _ in rows], name="MARS: accepted (share of forwards)",
+                           text=[f"{r:.0%}" for _, r, _ in rows], textposition="outside", marker_color="#60a5fa"))
+    conf = draft_confirmation_by_slot(verify) if verify is not None else []
+    if conf:
+        fig.add_trace(go.Bar(x=[f"t{j} (mask {j})" for j, _, _ in conf], y=[r or 0 for _, r, _ in conf],
+                             name="lossless: drafts confirmed (share of drafts)", marker_color="#a78bfa",
+                             text=[("—" if r is None else f"{r:.0%} of {d}") for _, r, d in conf],
+                             textposition="outside"))
+    fig.update_layout(title="Acceptance per slot", yaxis_title="share",
+                      yaxis=dict(range=[0, 1.2], tickformat=".0%"), barmode="group", showlegend=bool(conf),
+                      legend=dict(orientation="h", y=1.12, x=1, xanchor="right"), **_LAYOUT)
     return fig
 
 

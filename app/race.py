@@ -1,11 +1,14 @@
-"""The race: MARS and the AR baseline share the machine, least compute runs next.
+"""The race: AR, lossless MARS (verify) and lossy MARS share the machine, least compute runs next.
 
-No model logic lives here. `race()` only decides *which* decoder runs its next
-forward pass (the one that has spent less compute so far, measured by the
-decoder's own `step_time`), so each text grows at its measured relative speed.
-`SideRecord` keeps what the page shows about one side, and the `render_*`
-functions turn it into HTML (chunks, ledger, stats). Events come from
+No model logic lives here. `race()` only decides *which* decoder runs its next forward pass (the
+one that has spent less compute so far, measured by the decoder's own `step_time`), so each text
+grows at its measured relative speed. `SideRecord` keeps what the page shows about one lane, and
+the `render_*` functions turn it into HTML (chunks, ledger, stats). Events come from
 `mars_core.generate_stream` (one StepEvent per forward pass, one prompt = row 0).
+
+Lanes: "ar" (one token per forward), "verify" (lossless MARS: the masks draft, the next forward
+checks the drafts against AR's own greedy token, so the text is exactly AR's) and "mars" (lossy
+MARS: candidates with confidence >= τ are kept as they are).
 """
 from __future__ import annotations
 
@@ -13,30 +16,41 @@ import html
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-# Colour of a chunk by how many tokens its forward pass accepted (1 = plain AR step).
-# A ramp: grey (plain AR step) → yellow → green; the greener, the more tokens that pass accepted.
+# Colour of a chunk by how many tokens its forward pass committed (1 = plain AR step).
+# A ramp: grey (plain AR step) → yellow → green; the greener, the more tokens that pass committed.
 CHUNK_COLOURS = {1: "#e5e7eb", 2: "#fef08a", 3: "#bef264", 4: "#4ade80", 5: "#34d399"}
 CHUNK_COLOUR_MORE = "#2dd4bf"  # 6 or more tokens in one forward
+
+LANES = ("ar", "verify", "mars")   # the page's order, left to right
+LANE_LABELS = {"ar": "AR", "verify": "MARS lossless", "mars": "MARS"}
 
 
 def chunk_colour(n: int) -> str:
     return CHUNK_COLOURS.get(n, CHUNK_COLOUR_MORE)
 
 
-def race(mars_events: Iterator, ar_events: Iterator) -> Iterator[tuple[str, object]]:
-    """Yield ("mars" | "ar", event), running next the side with less compute so far.
+def race(*streams, **named) -> Iterator[tuple[str, object]]:
+    """Yield (lane, event), running next the lane with less compute so far.
 
-    Pulling from a generator is what runs its forward pass, so this scheduler is
-    the whole fairness argument: compute spent is the sum of each side's
-    `step_time`; ties go to MARS. When one side ends the other runs alone.
+    `race(mars_events, ar_events)` races two lanes named "mars" and "ar"; `race(lanes={name: events})`
+    races any number, ties going to the earlier name. Pulling from a generator is what runs its forward
+    pass, so this scheduler is the whole fairness argument: compute spent is the sum of each lane's
+    `step_time`. When a lane ends the others run on.
     """
-    sides = {"mars": mars_events, "ar": ar_events}
-    spent = {"mars": 0.0, "ar": 0.0}
-    live = ["mars", "ar"]
+    lanes = named.pop("lanes", None)
+    if named:
+        raise TypeError(f"race() got unexpected arguments {sorted(named)}")
+    if lanes is None:
+        if len(streams) != 2:
+            raise TypeError("race(mars_events, ar_events) or race(lanes={name: events})")
+        lanes = {"mars": streams[0], "ar": streams[1]}
+    order = list(lanes)
+    spent = {name: 0.0 for name in order}
+    live = list(order)
     while live:
-        name = min(live, key=lambda s: (spent[s], s != "mars"))
+        name = min(live, key=lambda s: (spent[s], order.index(s)))
         try:
-            event = next(sides[name])
+            event = next(lanes[name])
         except StopIteration:
             live.remove(name)
             continue
@@ -48,40 +62,58 @@ def race(mars_events: Iterator, ar_events: Iterator) -> Iterator[tuple[str, obje
 
 @dataclass
 class StepRecord:
-    """One forward pass of one side, as the page shows it."""
+    """One forward pass of one lane, as the page shows it."""
     step: int
     tau: float
     step_time: float
-    tokens: list[str]          # accepted tokens, one display string each
+    tokens: list[str]          # committed tokens, one display string each
     token_ids: list[int]
-    candidates: list[str]      # all candidates of this pass (B in mars mode, 1 in ar mode)
+    candidates: list[str]      # mars: the B candidates (1 in ar mode); verify: the mask proposals
     candidate_ids: list[int]
     confidences: list[float]
     n_accepted: int
-    text: str                  # decoded accepted ids (what is appended to the output)
+    text: str                  # decoded committed ids (what is appended to the output)
     done: bool
     finish_reason: str | None = None   # eos | length | stop on the pass that ended the run
+    # verify mode: drafts proposed now (checked at the next pass), previous drafts confirmed, the first rejected
+    drafts: list[str] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+    confirmed: int = 0
+    rejected: str | None = None
+    rejected_id: int | None = None
+    confirmed_text: str = ""   # decoded confirmed drafts (the start of `text`)
 
 
 @dataclass
 class SideRecord:
-    """Everything one side of the race has produced so far."""
+    """Everything one lane of the race has produced so far."""
     label: str
-    mode: str                  # "mars" | "ar"
+    mode: str                  # "mars" | "verify" | "ar"
     steps: list[StepRecord] = field(default_factory=list)
     finished: bool = False
+    note: str = ""             # why the lane did not run (e.g. verify mode is greedy only)
 
-    def add(self, event, token_text: Callable[[int], str]) -> None:
+    def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]
         if not row.active:
             self.finished = True
             return
+        accepted = list(row.accepted_ids)
+        confirmed = int(getattr(row, "confirmed", 0) or 0)
+        rejected = getattr(row, "rejected", None)
+        drafts = list(getattr(row, "drafts", []) or [])
+        confirmed_text = ""
+        if self.mode == "verify" and confirmed:
+            confirmed_text = decode(accepted[:confirmed]) if decode else "".join(token_text(t) for t in accepted[:confirmed])
         self.steps.append(StepRecord(
             step=int(event.step), tau=float(event.tau), step_time=float(event.step_time),
-            tokens=[token_text(t) for t in row.accepted_ids], token_ids=list(row.accepted_ids),
+            tokens=[token_text(t) for t in accepted], token_ids=accepted,
             candidates=[token_text(t) for t in row.candidates], candidate_ids=list(row.candidates),
             confidences=[float(c) for c in row.confidences], n_accepted=int(row.n_accepted),
-            text=row.text, done=bool(row.done), finish_reason=getattr(row, "finish_reason", None)))
+            text=row.text, done=bool(row.done), finish_reason=getattr(row, "finish_reason", None),
+            drafts=[token_text(t) for t in drafts], draft_ids=drafts, confirmed=confirmed,
+            rejected=None if rejected is None else token_text(rejected), rejected_id=rejected,
+            confirmed_text=confirmed_text))
         self.finished = self.finished or bool(row.done)
 
     # Measurements (definitions in STAT_DEFINITIONS, from docs/algorithm.md, "Metrics").
@@ -114,25 +146,95 @@ class SideRecord:
     def token_ids(self) -> list[int]:
         return [t for s in self.steps for t in s.token_ids]
 
+    @property
+    def token_strings(self) -> list[str]:
+        return [t for s in self.steps for t in s.tokens]
+
+    @property
+    def taus(self) -> list[float]:
+        return [s.tau for s in self.steps]
+
+    def drafts_checked(self) -> tuple[int, int]:
+        """Verify mode: (drafts confirmed, drafts checked). A pass checks the drafts of the pass before it."""
+        checked = sum(len(prev.draft_ids) for prev in self.steps[:-1])
+        return sum(s.confirmed for s in self.steps[1:]), checked
+
+    def positions_fed(self) -> list[int]:
+        """New positions each pass after the first fed to its forward (what its cost depends on).
+
+        mars: the tokens the previous pass accepted + the masks (candidates - 1); verify: AR's last token +
+        the previous drafts + the masks (= the proposals); ar: 1. The first pass feeds the prompt.
+        """
+        fed = []
+        for prev, s in zip(self.steps, self.steps[1:]):
+            if self.mode == "verify":
+                fed.append(1 + len(prev.draft_ids) + len(s.candidate_ids))
+            elif self.mode == "mars":
+                fed.append(len(prev.token_ids) + max(0, len(s.candidate_ids) - 1))
+            else:
+                fed.append(1)
+        return fed
+
 
 STAT_DEFINITIONS = (
     "**forwards** — forward passes of the model, the first (prompt) pass included. "
     "**tokens** — new tokens, end-of-turn counted once. "
     "**tokens/forward** — tokens ÷ forwards (the ceiling of any speedup). "
-    "**time** — this side's own compute: the sum of its measured forward-pass times (the two sides take turns on the CPU). "
-    "**tokens/s** — tokens ÷ time. "
-    "**speedup ×** — MARS tokens/s ÷ AR tokens/s (= AR time ÷ MARS time when both answers have the same length). "
-    "tokens/forward is its ceiling; the cost of one MARS forward relative to one AR forward decides how close it gets."
+    "**time** — this lane's own compute in the race: the sum of its measured forward-pass times (the lanes take "
+    "turns on the machine). "
+    "**drafts confirmed** — lossless MARS: the mask proposals kept as drafts that the next forward found equal to "
+    "AR's own token. "
+    "**speedup ×** — AR time ÷ this lane's time for its whole answer, *measured* after the race by timing the "
+    "decoders again on the same prompt (alternating, warmed up; median and min–max). Called a speedup only when the "
+    "answer is the same as AR's. The **bound** is what the model's forward costs allow: tokens/forward × cost(1 "
+    "position) ÷ cost(positions a step feeds), from forward costs measured right after (`mars_core.bench.row_costs`)."
 )
 
 
-def speedup(mars: SideRecord, ar: SideRecord) -> tuple[float | None, str]:
-    """(MARS tokens/s ÷ AR tokens/s, how). Equal to AR time ÷ MARS time when both wrote the same
-    number of tokens; unlike the time ratio it stays honest when the two answers differ in length."""
-    if mars.tokens_per_s > 0 and ar.tokens_per_s > 0:
-        how = "MARS tokens/s ÷ AR tokens/s" + ("" if mars.finished and ar.finished else " (so far)")
-        return mars.tokens_per_s / ar.tokens_per_s, how
-    return None, ""
+# ----------------------------------------------------------------------------- equal work
+@dataclass
+class Comparison:
+    """How a lane's answer compares with AR's, token by token."""
+    identical: bool
+    first_diff: int | None = None      # index of the first differing token
+    lane_token: str | None = None      # the lane's token there ("" = its answer ended)
+    ar_token: str | None = None
+    agree: int = 0                     # aligned tokens equal
+    aligned: int = 0                   # aligned positions (difflib)
+
+    @property
+    def share(self) -> float:
+        return self.agree / self.aligned if self.aligned else 1.0
+
+
+def compare(lane_tokens: list[str], ar_tokens: list[str]) -> Comparison:
+    """Identical or not; if not, the first differing token and the share of aligned tokens that agree."""
+    if lane_tokens == ar_tokens:
+        return Comparison(True, agree=len(ar_tokens), aligned=len(ar_tokens))
+    import difflib
+    i = 0
+    while i < min(len(lane_tokens), len(ar_tokens)) and lane_tokens[i] == ar_tokens[i]:
+        i += 1
+    sm = difflib.SequenceMatcher(a=lane_tokens, b=ar_tokens, autojunk=False)
+    agree = aligned = 0
+    for op, i1, i2, j1, j2 in sm.get_opcodes():
+        aligned += max(i2 - i1, j2 - j1)
+        agree += (i2 - i1) if op == "equal" else 0
+    return Comparison(False, i, lane_tokens[i] if i < len(lane_tokens) else "",
+                      ar_tokens[i] if i < len(ar_tokens) else "", agree, aligned)
+
+
+def comparison_html(c: Comparison | None, lane_label: str) -> str:
+    if c is None:
+        return ""
+    if c.identical:
+        return f"<span class='same' data-identical='1'>✓ same answer as AR ({c.aligned} tokens)</span>"
+    lt = "its answer ends" if c.lane_token == "" else f"{lane_label} {_esc(repr(c.lane_token))}"
+    at = "AR's answer ends" if c.ar_token == "" else f"AR {_esc(repr(c.ar_token))}"
+    return (f"<span class='differs' data-identical='0' data-first-diff='{c.first_diff}' "
+            f"data-agree='{c.share:.4f}'>⚠ different answer: first difference at token {c.first_diff} "
+            f"({lt} · {at}); {c.share:.0%} of tokens agree ({c.agree} of {c.aligned} aligned) — "
+            f"a time ratio of different work, not a speedup</span>")
 
 
 def _esc(s: str) -> str:
@@ -144,54 +246,183 @@ def _visible(tok: str) -> str:
     return tok.replace("\n", "⏎").replace(" ", "␣") or "∅"
 
 
-def render_chunks(side: SideRecord, placeholder: str = "") -> str:
-    """The output text, one highlighted span per forward pass; hover = step + per-token confidence.
-
-    A marker is inserted wherever τ differs from the previous pass (τ moved mid-generation).
-    """
-    parts = []
-    prev_tau = None
-    for s in side.steps:
-        if side.mode == "mars" and prev_tau is not None and abs(s.tau - prev_tau) > 1e-9:
-            parts.append(f'<span class="tau-mark" title="τ changed before step {s.step}">'
-                         f'τ→{_tau_text(s.tau)}</span>')
-        prev_tau = s.tau
-        tips = [f"step {s.step} · {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} · τ={_tau_text(s.tau)}"]
-        for k, tok in enumerate(s.tokens):
-            conf = s.confidences[k] if k < len(s.confidences) else float("nan")
-            tips.append(f"  {_visible(tok)}  conf {conf:.3f}")
-        parts.append(f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" '
-                     f'data-n="{s.n_accepted}" style="background:{chunk_colour(s.n_accepted)}" '
-                     f'title="{_esc(chr(10).join(tips))}">{_esc(s.text)}</span>')
-    body = "".join(parts) or f'<span class="placeholder">{_esc(placeholder)}</span>'
-    cursor = "" if side.finished or not side.steps else '<span class="cursor">▍</span>'
-    return f'<div class="race-text" data-side="{side.mode}">{body}{cursor}</div>'
-
-
 def _tau_text(tau: float) -> str:
     return "off" if tau >= 1.0 else f"{tau:.2f}"
 
 
-def render_stats(mars: SideRecord, ar: SideRecord, ar_label: str = "AR") -> str:
-    sp, how = speedup(mars, ar)
-    rows = [
-        ("forwards", "forwards", f"{mars.forwards}", f"{ar.forwards}"),
-        ("tokens", "tokens", f"{mars.n_tokens}", f"{ar.n_tokens}"),
-        ("tpf", "tokens/forward", f"{mars.tokens_per_forward:.2f}", f"{ar.tokens_per_forward:.2f}"),
-        ("tps", "tokens/s", f"{mars.tokens_per_s:.1f}", f"{ar.tokens_per_s:.1f}"),
-        ("time", "time (s)", f"{mars.compute_time:.2f}", f"{ar.compute_time:.2f}"),
-        ("status", "status", "done" if mars.finished else ("running" if mars.steps else "waiting"),
-         "done" if ar.finished else ("running" if ar.steps else "waiting")),
-    ]
-    body = "".join(f"<tr><th>{label}</th><td class='stat-{key}-mars'>{m}</td><td class='stat-{key}-ar'>{a}</td></tr>"
-                   for key, label, m, a in rows)
-    sp_text = f"{sp:.2f}×" if sp is not None else "—"
-    return (f'<table class="stats"><thead><tr><th></th><th>MARS</th><th>{_esc(ar_label)}</th></tr></thead>'
-            f'<tbody>{body}</tbody></table>'
-            f'<div class="speedup">speedup <b id="speedup-value">{sp_text}</b>'
-            f'<span class="how">{_esc(how)}</span></div>')
+def tau_summary(taus: list[float]) -> str:
+    """'0.90', 'off', or '0.90 → 0.60' when τ moved mid-run (every distinct value in order)."""
+    seen = []
+    for t in taus:
+        if not seen or abs(seen[-1] - t) > 1e-9:
+            seen.append(t)
+    return " → ".join(_tau_text(t) for t in seen) if seen else ""
 
 
+# ----------------------------------------------------------------------------- chunks
+def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
+    """One verify pass: the confirmed drafts (verified), the rejected drafts struck through, AR's token."""
+    prev = side.steps[k - 1] if k > 0 else None
+    c = s.confirmed
+    tips = [f"step {s.step} · τ={_tau_text(s.tau)} · {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} committed"]
+    parts = []
+    if c:
+        tips.append(f"  {c} draft{'s' if c != 1 else ''} of step {s.step - 1} confirmed = AR's own tokens: "
+                    + " ".join(_visible(t) for t in s.tokens[:c]))
+        parts.append(f'<span class="verified">{_esc(s.confirmed_text)}</span>')
+    rest_text = s.text[len(s.confirmed_text):] if s.text.startswith(s.confirmed_text) else s.text
+    if prev is not None and s.rejected is not None:
+        dropped = prev.drafts[c:]
+        tips.append(f"  draft {_visible(s.rejected)} rejected: AR's token there is "
+                    f"{_visible(s.tokens[c]) if c < len(s.tokens) else '∅'}"
+                    + (f"; {len(dropped) - 1} later draft(s) dropped with it" if len(dropped) > 1 else ""))
+        parts.append(f'<del class="rejected" title="rejected drafts">{_esc("".join(dropped))}</del>')
+        if rest_text:
+            parts.append(f'<span class="replacement">{_esc(rest_text)}</span>')
+    elif rest_text:
+        tips.append(f"  AR's token: {_visible(s.tokens[-1]) if s.tokens else '∅'}")
+        parts.append(f'<span class="ar-tok">{_esc(rest_text)}</span>')
+    if s.drafts:
+        tips.append(f"  new drafts (checked next step): " + " ".join(_visible(t) for t in s.drafts))
+    return (f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" data-n="{s.n_accepted}" '
+            f'data-confirmed="{c}" data-rejected="{0 if s.rejected is None else 1}" '
+            f'style="background:{chunk_colour(max(1, s.n_accepted))}" '
+            f'title="{_esc(chr(10).join(tips))}">{"".join(parts)}</span>')
+
+
+def render_chunks(side: SideRecord, placeholder: str = "") -> str:
+    """The output text, one highlighted span per forward pass; hover = step + per-token confidence.
+
+    A marker is inserted wherever τ differs from the previous pass (τ moved mid-generation). In the
+    lossless lane the confirmed drafts are marked as verified, a rejected draft is struck through before
+    AR's replacement, and while the run goes on the drafts awaiting their check trail the cursor.
+    """
+    parts = []
+    prev_tau = None
+    for k, s in enumerate(side.steps):
+        if side.mode != "ar" and prev_tau is not None and abs(s.tau - prev_tau) > 1e-9:
+            parts.append(f'<span class="tau-mark" title="τ changed before step {s.step}">'
+                         f'τ→{_tau_text(s.tau)}</span>')
+        prev_tau = s.tau
+        if side.mode == "verify":
+            parts.append(_verify_chunk(side, k, s))
+            continue
+        tips = [f"step {s.step} · {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} · τ={_tau_text(s.tau)}"]
+        for j, tok in enumerate(s.tokens):
+            conf = s.confidences[j] if j < len(s.confidences) else float("nan")
+            tips.append(f"  {_visible(tok)}  conf {conf:.3f}")
+        parts.append(f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" '
+                     f'data-n="{s.n_accepted}" style="background:{chunk_colour(s.n_accepted)}" '
+                     f'title="{_esc(chr(10).join(tips))}">{_esc(s.text)}</span>')
+    if side.note and not side.steps:
+        body = f'<span class="placeholder lane-note">{_esc(side.note)}</span>'
+    else:
+        body = "".join(parts) or f'<span class="placeholder">{_esc(placeholder)}</span>'
+    running = not side.finished and side.steps
+    cursor = '<span class="cursor">▍</span>' if running else ""
+    if running and side.mode == "verify" and side.steps[-1].drafts:
+        cursor += (f'<span class="pending-drafts" title="drafts awaiting the next forward\'s check">'
+                   f'{_esc("".join(side.steps[-1].drafts))}</span>')
+    return f'<div class="race-text" data-side="{side.mode}">{body}{cursor}</div>'
+
+
+# ----------------------------------------------------------------------------- stats
+def _status(side: SideRecord) -> str:
+    if side.note and not side.steps:
+        return "not run"
+    return "done" if side.finished else ("running" if side.steps else "waiting")
+
+
+def render_stats(sides: dict, measured: dict | None = None, ar_label: str = "AR", measuring: str = "") -> str:
+    """The lanes' numbers side by side, then one speedup line per MARS lane.
+
+    `sides` maps lane -> SideRecord (any of LANES); `measured` maps lane -> the measurement after the race
+    (app.timing.Measurement) once it exists; `measuring` is shown while it runs.
+    """
+    if not isinstance(sides, dict):   # render_stats(mars, ar[, label]) of the two-lane page
+        raise TypeError("render_stats takes {lane: SideRecord}")
+    lanes = [n for n in LANES if n in sides]
+    ar = sides.get("ar")
+
+    def cell(side: SideRecord, key: str) -> str:
+        if side.note and not side.steps and key != "status":
+            return "—"
+        if key == "forwards":
+            return f"{side.forwards}"
+        if key == "tokens":
+            return f"{side.n_tokens}"
+        if key == "tpf":
+            return f"{side.tokens_per_forward:.2f}"
+        if key == "tps":
+            return f"{side.tokens_per_s:.1f}"
+        if key == "time":
+            return f"{side.compute_time:.2f}"
+        if key == "drafts":
+            if side.mode != "verify":
+                return "—"
+            ok, checked = side.drafts_checked()
+            return f"{ok} of {checked}" + (f" ({ok / checked:.0%})" if checked else "")
+        if key == "same":
+            if side.mode == "ar" or ar is None or not side.finished or not ar.finished:
+                return "—"
+            return "yes" if compare(side.token_strings, ar.token_strings).identical else "no"
+        return _status(side)
+
+    rows = [("forwards", "forwards"), ("tokens", "tokens"), ("tpf", "tokens/forward"), ("tps", "tokens/s"),
+            ("time", "time (s)"), ("drafts", "drafts confirmed"), ("same", "same answer as AR"),
+            ("status", "status")]
+    head = "".join(f"<th>{_esc(ar_label if n == 'ar' else sides[n].label)}</th>" for n in lanes)
+    body = "".join(f"<tr><th>{label}</th>" + "".join(f"<td class='stat-{key}-{n}'>{cell(sides[n], key)}</td>"
+                                                      for n in lanes) + "</tr>" for key, label in rows)
+    lines = "".join(speedup_html(n, sides[n], ar, (measured or {}).get(n), measuring)
+                    for n in ("mars", "verify") if n in sides and ar is not None)
+    return (f'<table class="stats"><thead><tr><th></th>{head}</tr></thead><tbody>{body}</tbody></table>'
+            f'<div class="speedups">{lines}</div>')
+
+
+def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring: str = "") -> str:
+    """One lane's line: the measured median with min–max, the bound, and whether the answers are the same."""
+    vid = "speedup-value" if lane == "mars" else f"speedup-{lane}"
+    label = side.label
+    if side.note and not side.steps:
+        return (f'<div class="speedup" data-lane="{lane}">{_esc(label)}: <b id="{vid}">—</b>'
+                f'<span class="how">{_esc(side.note)}</span></div>')
+    done = side.finished and ar.finished and side.steps and ar.steps
+    cmp = compare(side.token_strings, ar.token_strings) if done else None
+    word = "speedup" if cmp is None or cmp.identical else "time ratio"
+    if m is not None:
+        value = (f'<b id="{vid}" data-median="{m.median:.4f}" data-min="{m.low:.4f}" data-max="{m.high:.4f}" '
+                 f'data-bound="{m.bound:.4f}" data-repeats="{m.repeats}">{m.median:.2f}×</b>')
+        how = (f"measured: median of {m.repeats} alternating runs after the race, "
+               f"min {m.low:.2f}× – max {m.high:.2f}×")
+        bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "
+                 f"(after the prompt pass) × cost(1) ÷ cost({m.mean_fed:.1f} positions fed) = "
+                 f"{m.forward_ratio:.2f} ÷ {m.mean_cost:.2f}; cost = the forward (measured after the race: "
+                 f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it")
+        if m.forward_ratio_label:
+            bound += f" ({_esc(m.forward_ratio_label)})"
+        note = ""
+        if m.median > m.bound * 1.0005:
+            note = (f"<div class='exceeds'>The measurement exceeds the bound by {m.median / m.bound - 1:.0%}: the "
+                    f"bound and the timing were measured at different moments on a machine shared with other work, "
+                    f"and the spread (min–max) shows how much that moves a run; a MARS step cannot really cost less "
+                    f"than its forward.</div>")
+        if m.note:
+            note += f"<div class='exceeds'>{_esc(m.note)}</div>"
+        return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: {value}'
+                f'<span class="how">{how}</span><div class="bound-line">{bound}</div>'
+                f'<div class="equal-work">{comparison_html(cmp, label)}</div>{note}</div>')
+    race_ratio = ""
+    if done and side.compute_time > 0:
+        race_ratio = (f"this race, one run: {ar.compute_time / side.compute_time:.2f}× "
+                      f"(AR time ÷ {label} time; noisy)")
+    wait = measuring or ("the measured speedup follows the race" if not done else "")
+    return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: <b id="{vid}">—</b>'
+            f'<span class="how">{_esc(" · ".join(x for x in (race_ratio, wait) if x))}</span>'
+            f'<div class="equal-work">{comparison_html(cmp, label)}</div></div>')
+
+
+# ----------------------------------------------------------------------------- ledger
 _FINISH = {"eos": "the model ended its turn (end-of-turn token accepted)",
            "length": "max new tokens reached", "stop": "a stop string appeared"}
 
@@ -213,11 +444,72 @@ def stop_reason(s: StepRecord) -> str:
     return why
 
 
+def _confbar(conf: float, tau: float) -> str:
+    bar = max(0.0, min(1.0, conf))
+    return (f"<div class='confbar'><div style='width:{bar*100:.1f}%'></div>"
+            f"<span class='tauline' style='left:{min(tau,1.0)*100:.1f}%'></span></div>{conf:.3f}")
+
+
+def _verify_ledger(side: SideRecord, k: int) -> str:
+    s = side.steps[k]
+    prev = side.steps[k - 1] if k > 0 else None
+    checked = prev.drafts if prev is not None else []
+    rows = []
+    for j, d in enumerate(checked):
+        if j < s.confirmed:
+            verdict, cls, ar_tok = "confirmed: equal to AR's token — committed", "acc", d
+        elif j == s.confirmed and s.rejected is not None:
+            ar_tok = s.tokens[j] if j < len(s.tokens) else ""
+            verdict, cls = f"rejected: AR's token is {_visible(ar_tok)} — it replaces the draft", "stop"
+        else:
+            verdict, cls, ar_tok = "dropped: an earlier draft was rejected (its position moved)", "skip", ""
+        rows.append(f"<tr class='{cls}'><td>draft {j + 1}</td><td class='tok'>{_esc(_visible(d))}</td>"
+                    f"<td class='tok'>{_esc(_visible(ar_tok)) if ar_tok else '—'}</td><td>{_esc(verdict)}</td></tr>")
+    bonus = ""
+    if s.rejected is None and len(s.tokens) > s.confirmed:
+        bonus = (f"<div class='why'>Then AR's own next token <b class='tok'>{_esc(_visible(s.tokens[s.confirmed]))}</b> "
+                 f"(from the output at the last {'draft' if checked else 'committed token'}) is committed too.</div>")
+    checked_html = (f"<table class='checked'><thead><tr><th>checked</th><th>draft (step {s.step - 1})</th>"
+                    f"<th>AR's token</th><th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+                    if rows else "<div class='why'>No drafts to check at this step.</div>")
+    props = []
+    stopped = False
+    for j, (tok, conf) in enumerate(zip(s.candidates, s.confidences)):
+        if s.rejected is not None:
+            verdict, cls = "not drafted: a draft was rejected, so the masks saw a wrong token", "skip"
+        elif j < len(s.draft_ids):
+            verdict, cls = "kept as a draft: conf ≥ τ — checked by the next forward", "acc"
+        elif not stopped and conf < s.tau:
+            verdict, cls, stopped = "not drafted: conf < τ — stops drafting", "stop", True
+        elif stopped:
+            verdict, cls = "not drafted (an earlier proposal stopped drafting)", "skip"
+        else:
+            verdict, cls, stopped = "not drafted: no room left or the run ended", "skip", True
+        props.append(f"<tr class='{cls}'><td>mask {j + 1}</td><td class='tok'>{_esc(_visible(tok))}</td>"
+                     f"<td>{_confbar(conf, s.tau)}</td><td>{_esc(verdict)}</td></tr>")
+    props_html = (f"<table class='proposals'><thead><tr><th>slot</th><th>proposal</th><th>confidence (| = τ)</th>"
+                  f"<th>verdict</th></tr></thead><tbody>{''.join(props)}</tbody></table>" if props
+                  else "<div class='why'>No masks at this step (τ off, or no room left).</div>")
+    why = (f"Lossless: a token is committed only when it equals AR's greedy token at its position, so the text is "
+           f"exactly AR's; this pass committed {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} "
+           f"({s.confirmed} confirmed draft{'s' if s.confirmed != 1 else ''} + AR's token).")
+    if s.done and s.finish_reason:
+        why += f" The run ends here: {_FINISH.get(s.finish_reason, s.finish_reason)}."
+    return (f"<div class='ledger'><div class='ledger-head'>{_esc(side.label)} · step {s.step} of "
+            f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · confirmed {s.confirmed} of {len(checked)} drafts · "
+            f"committed {s.n_accepted} · {s.step_time * 1000:.1f} ms</div>{checked_html}{bonus}"
+            f"<div class='ledger-sub'>New mask proposals → drafts for step {s.step + 1}</div>{props_html}"
+            f"<div class='why'>Why: {_esc(why)}</div></div>")
+
+
 def render_ledger(side: SideRecord, step: int) -> str:
-    """The B candidates of one forward pass: confidence, τ, accepted or not, and which one stopped it."""
+    """The candidates of one forward pass: confidence, τ, accepted or not, and which one stopped it.
+    Lossless lane: the drafts this pass checked (confirmed / rejected, AR's token) and its new proposals."""
     if not side.steps:
         return '<div class="ledger placeholder">Generate first — then pick a step to see its candidates.</div>'
     step = max(0, min(int(step), len(side.steps) - 1))
+    if side.mode == "verify":
+        return _verify_ledger(side, step)
     s = side.steps[step]
     rows = []
     for j, (tok, conf) in enumerate(zip(s.candidates, s.confidences)):
@@ -229,12 +521,9 @@ def render_ledger(side: SideRecord, step: int) -> str:
                              else "not used: the run ended first"), "stop")
         else:
             verdict, cls = "not considered (an earlier candidate stopped the pass)", "skip"
-        bar = max(0.0, min(1.0, conf))
         rows.append(
             f"<tr class='{cls}'><td>t{j}</td><td>{_esc(src)}</td><td class='tok'>{_esc(_visible(tok))}</td>"
-            f"<td><div class='confbar'><div style='width:{bar*100:.1f}%'></div>"
-            f"<span class='tauline' style='left:{min(s.tau,1.0)*100:.1f}%'></span></div>{conf:.3f}</td>"
-            f"<td>{verdict}</td></tr>")
+            f"<td>{_confbar(conf, s.tau)}</td><td>{verdict}</td></tr>")
     return (f"<div class='ledger'><div class='ledger-head'>{_esc(side.label)} · step {s.step} of "
             f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · accepted {s.n_accepted} of {len(s.candidates)} · "
             f"{s.step_time * 1000:.1f} ms</div>"
@@ -247,5 +536,8 @@ def legend_html(block_size: int = 4) -> str:
     items = "".join(f'<span class="chunk" style="background:{chunk_colour(n)}">{n} token{"s" if n > 1 else ""}</span> '
                     for n in range(1, max(2, block_size) + 1))
     return (f'<div class="legend">One highlighted chunk = one forward pass, coloured by how many tokens it '
-            f'accepted: {items} <span class="tau-mark">τ→x</span> = τ moved here. Hover a chunk for its step '
-            f'and each token\'s confidence.</div>')
+            f'committed: {items} <span class="tau-mark">τ→x</span> = τ moved here. Lossless lane: '
+            f'<span class="verified">verified draft</span> = a mask guess the next forward confirmed, '
+            f'<del class="rejected">draft</del><span class="replacement">AR</span> = a rejected draft and AR\'s '
+            f'replacement, <span class="pending-drafts">grey</span> = drafts awaiting their check. Hover a chunk for '
+            f'its step and each token\'s confidence.</div>')

@@ -1,14 +1,16 @@
 """The MARS Playground page: components and event wiring only (handlers live in sibling modules)."""
 from __future__ import annotations
 
+import html
 from functools import partial
 from pathlib import Path
 
 import gradio as gr
 
-from app import explorer, finetune_ui, generate, learn, models
+from app import explorer, finetune_ui, generate, learn, models, notices
 from app.plots import empty_figure
-from app.race import STAT_DEFINITIONS, SideRecord, legend_html, render_chunks, render_ledger, render_stats
+from app.race import (LANE_LABELS, LANES, STAT_DEFINITIONS, SideRecord, legend_html, render_chunks,
+                      render_ledger, render_stats)
 from app.runs import JobManager
 
 CSS = """
@@ -54,11 +56,35 @@ table.stats thead th {background: #f9fafb;}
 .learn-step .committed {background: #f3f4f6;}
 .learn-step .maskcell {background: #fef3c7; border-color: #f59e0b;}
 .learn-step .accepted {background: #dcfce7; border-color: #22c55e;}
+.race-text .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
+.verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
+del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; background: #fee2e2; border-radius: 3px;}
+.replacement {color: #1d4ed8; font-weight: 600;}
+.pending-drafts {color: #9ca3af; font-style: italic;}
+.lane-note {font-style: italic;}
+.speedups .speedup {margin-top: 8px; font-size: 17px;}
+.speedup .bound-line, .speedup .equal-work, .speedup .exceeds {font-size: 12.5px; color: #374151; margin-left: 4px;}
+.speedup .differs {color: #b45309; font-weight: 600;}
+.speedup .same {color: #15803d;}
+.speedup .exceeds {color: #92400e;}
+.ledger-sub {font-weight: 600; margin: 8px 0 4px 0;}
+#notice {background: #eff6ff; border-radius: 8px; padding: 0 10px;}
 .job {font-size: 14px;}
 .job .progress {height: 12px; background: #e5e7eb; border-radius: 6px; margin-top: 6px; overflow: hidden;}
 .job .progress div {height: 100%;}
 .job .ckpt {font-size: 12px; color: #4b5563; margin-top: 4px;}
 """
+
+def _empty_sides():
+    return {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
+
+
+def _positive(value) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
 
@@ -81,6 +107,7 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
     picker_value = start_model if start_model in builtin else models.DEFAULT_MODEL
     free_value = "" if start_model in builtin else start_model
     first_examples = models.example_prompts(start_model)
+    first_notice = notices.notice(start_model, first_examples[0] if first_examples else "", 0.9)[0]
 
     with gr.Blocks(title="MARS Playground", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
@@ -102,48 +129,63 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
             # ---------------------------------------------------------------- Generate
             with gr.Tab("Generate", id="generate"):
                 with gr.Row():
+                    # no max_length: the browser would cut a long prompt silently; the handler cuts it with a note
                     prompt = gr.Textbox(value=first_examples[0] if first_examples else "", label="Prompt", lines=2,
-                                        max_length=generate.MAX_PROMPT_CHARS, scale=4, elem_id="prompt")
+                                        scale=4, elem_id="prompt",
+                                        info=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
                     examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model",
                                            scale=2, elem_id="examples")
                 with gr.Row(equal_height=True):
-                    tau = gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01, label="τ (confidence threshold)",
-                                    info="lower = more tokens per forward, less fidelity", scale=3, elem_id="tau")
+                    tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01,
+                                                     label="τ (confidence threshold)", scale=3, elem_id="tau",
+                                                     info="lower = more tokens per forward, less fidelity (lossy MARS)"))
                     tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
                     block_size = gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2)
                     max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8, label="max new tokens", scale=2)
-                    temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)", scale=2)
+                    temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                                             scale=2, elem_id="temperature"))
+                    seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False, elem_id="seed",
+                                     info="same seed, same sample")
                     criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
                                             elem_id="criterion", info="what must reach τ (the paper: probability)")
                 with gr.Row():
-                    go_btn = gr.Button("▶ Race MARS vs AR", variant="primary", scale=3, elem_id="generate-btn")
+                    go_btn = gr.Button("▶ Race AR vs lossless MARS vs MARS", variant="primary", scale=3,
+                                       elem_id="generate-btn")
                     slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
                                               elem_id="slow-motion", container=False)
                     tau_status = gr.Markdown("", elem_id="tau-status")
+                notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
+                with gr.Row():
+                    notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
+                    notice_off_btn = gr.Button("Use one-token mode (τ off)", size="sm", visible=False,
+                                               elem_id="notice-off")
                 race_status = gr.Markdown("", elem_id="race-status")
                 gr.HTML(legend_html(8))
                 with gr.Row(equal_height=True):
                     with gr.Column(elem_classes="race-pane"):
-                        gr.Markdown("### MARS (multi-token)")
-                        mars_html = gr.HTML(render_chunks(SideRecord("MARS", "mars"), "MARS output appears here"),
-                                            elem_id="mars-pane")
-                    with gr.Column(elem_classes="race-pane"):
                         gr.Markdown("### AR baseline (one token per forward)")
-                        ar_html = gr.HTML(render_chunks(SideRecord("AR", "ar"), "AR output appears here"),
+                        ar_html = gr.HTML(render_chunks(SideRecord("AR", "ar"), generate.PLACEHOLDERS["ar"]),
                                           elem_id="ar-pane")
+                    with gr.Column(elem_classes="race-pane"):
+                        gr.Markdown("### MARS lossless (drafts checked: exactly AR's answer)")
+                        verify_html = gr.HTML(render_chunks(SideRecord("MARS lossless", "verify"),
+                                                            generate.PLACEHOLDERS["verify"]), elem_id="verify-pane")
+                    with gr.Column(elem_classes="race-pane"):
+                        gr.Markdown("### MARS (multi-token, lossy below τ = 1)")
+                        mars_html = gr.HTML(render_chunks(SideRecord("MARS", "mars"), generate.PLACEHOLDERS["mars"]),
+                                            elem_id="mars-pane")
                 with gr.Row():
-                    with gr.Column(scale=2):
-                        stats = gr.HTML(render_stats(SideRecord("MARS", "mars"), SideRecord("AR", "ar")),
-                                        elem_id="stats")
                     with gr.Column(scale=3):
+                        stats = gr.HTML(render_stats(_empty_sides()), elem_id="stats")
+                    with gr.Column(scale=2):
                         gr.Markdown(STAT_DEFINITIONS, elem_classes="defs")
                 with gr.Row():
                     tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
                     acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
                 diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
-                with gr.Accordion("Step ledger: the B candidates of any forward pass", open=True):
+                with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
                     with gr.Row():
-                        ledger_side = gr.Radio(["MARS", "AR"], value="MARS", label="side", scale=1)
+                        ledger_side = gr.Radio(["MARS", "MARS lossless", "AR"], value="MARS", label="lane", scale=1)
                         ledger_step = gr.Slider(0, 1, value=0, step=1, label="forward pass (step)", scale=4,
                                                 interactive=False)
                     ledger = gr.HTML(render_ledger(SideRecord("MARS", "mars"), 0), elem_id="ledger")
@@ -169,6 +211,7 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                     ex_max_new = gr.Slider(8, 256, value=64, step=8, label="max new tokens")
                     ex_criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence",
                                                elem_id="ex-criterion")
+                    lossless = gr.Checkbox(True, label="add the lossless curve (verify mode)", elem_id="ex-lossless")
                     sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-btn")
                 sweep_status = gr.Markdown("", elem_id="sweep-status")
                 pareto = gr.Plot(empty_figure("the Pareto plot appears after a sweep"), label="Pareto",
@@ -192,7 +235,8 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                         gr.Markdown(learn.STEP_TEXT)
                         gr.Markdown(f"Runs on **{models.TASK_MODEL}** until you pick a model above.",
                                     elem_classes="defs")
-                        step_btn = gr.Button("Lay out the first step of the Generate tab's prompt", variant="primary",
+                        step_btn = gr.Button("Lay out the first step of the Generate tab's prompt with this B",
+                                             variant="primary",
                                              elem_id="learn-step-btn")
                     with gr.Column(scale=3):
                         step_view = gr.HTML("", elem_id="learn-step")
@@ -237,8 +281,10 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         # ---------------------------------------------------------------- wiring
         model_inputs = [model, free]
         load_btn.click(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
+        # the examples (and the prompt, while it is an example of another model) follow the model
         for comp, ev in ((model, "change"), (free, "submit")):
-            getattr(comp, ev)(partial(generate.examples_for, jobs=jobs), model_inputs, examples).then(
+            getattr(comp, ev)(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [prompt],
+                              [examples, prompt], show_progress="hidden").then(
                 partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
         examples.change(lambda p, cur: p or cur, [examples, prompt], prompt)
         demo.load(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
@@ -250,17 +296,37 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         demo.load(partial(generate.poll_default_model, jobs=jobs), prep_inputs, prep_outputs,
                   show_progress="hidden")
 
-        race_outputs = [race_status, mars_html, ar_html, stats, tpf_plot, acc_plot, diff_plot, ledger_step, ledger,
-                        race_state]
-        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, request: gr.Request):
+        # notices: a model meeting prompts it was not trained for; replaced whenever model, prompt or τ change
+        offer = gr.State(None)
+        notice_inputs = [model, free, prompt, tau, tau_off]
+        notice_outputs = [notice, notice_model_btn, notice_off_btn, offer]
+        for comp, ev in ((model, "change"), (free, "submit"), (prompt, "change"), (tau, "change"),
+                         (tau_off, "change")):
+            getattr(comp, ev)(partial(generate.notice_update, jobs=jobs), notice_inputs, notice_outputs,
+                              show_progress="hidden", concurrency_limit=None, trigger_mode="always_last")
+        notice_model_btn.click(lambda name: (gr.update(value=name), True), offer, [model, picked],
+                               show_progress="hidden", concurrency_limit=None)
+        notice_off_btn.click(lambda: True, None, tau_off, show_progress="hidden", concurrency_limit=None)
+        temperature.change(lambda t: gr.update(visible=_positive(t)), temperature, seed, show_progress="hidden",
+                           concurrency_limit=None)
+
+        race_outputs = [race_status, tau_status, ar_html, verify_html, mars_html, stats, tpf_plot, acc_plot,
+                        diff_plot, ledger_step, ledger, race_state]
+        assert len(race_outputs) == generate.N_OUTPUTS
+
+        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, sd, request: gr.Request):
             # a plain function (not functools.partial) so that Gradio injects the request (τ is per session)
             yield from generate.run_race(choice, free_text, ar, p, t, off, b, mx, temp, slow, jobs=jobs,
-                                         request=request, criterion=crit)
+                                         request=request, criterion=crit, seed=sd)
 
         race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion,
-                       criterion]
-        go_btn.click(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
-        prompt.submit(race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="hidden")
+                       criterion, seed]
+        for trigger in (go_btn.click, prompt.submit):
+            # at once: the waiting line (replaced by the race's first message when the machine is free), then
+            # the race in the shared queue, its queue position shown on the status line
+            trigger(generate.waiting_status, None, race_status, show_progress="hidden", concurrency_limit=None).then(
+                race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="minimal",
+                show_progress_on=[race_status])
         for comp in (tau, tau_off):
             comp.change(generate.set_tau, [tau, tau_off], tau_status, trigger_mode="always_last",
                         show_progress="hidden", concurrency_limit=None)
@@ -268,7 +334,7 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         ledger_side.change(generate.ledger_side_changed, [race_state, ledger_side], [ledger_step, ledger],
                            show_progress="hidden")
 
-        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, user_picked,
+        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, with_lossless, user_picked,
                       progress=gr.Progress()):
             try:
                 taus = explorer.parse_taus(taus_s)
@@ -278,19 +344,24 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                 lm = models.get_model(name)
                 if src == "free":
                     rows = explorer.sweep_free(lm, explorer.parse_prompts(prompts_s), taus, int(b), int(mx), progress,
-                                               criterion=crit)
+                                               criterion=crit, lossless=bool(with_lossless))
                 else:
-                    rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress, criterion=crit)
+                    rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress, criterion=crit,
+                                                  lossless=bool(with_lossless))
             except Exception as exc:
                 return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
             path = explorer.export_json(rows, {"model": name, "source": src, "block_size": int(b),
                                                "max_new_tokens": int(mx), "criterion": crit})
-            return (f"✓ {len(rows)} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {crit}).",
+            n_tau = len({r["tau"] for r in rows})
+            return (f"✓ {n_tau} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {crit})"
+                    + (", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else "") + ".",
                     explorer.pareto_figure(rows), explorer.table_rows(rows), path)
 
-        sweep_btn.click(run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new,
-                                    ex_criterion, picked],
-                        [sweep_status, pareto, table, export], concurrency_id="model")
+        sweep_btn.click(generate.waiting_status, None, sweep_status, show_progress="hidden",
+                        concurrency_limit=None).then(
+            run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new, ex_criterion,
+                        lossless, picked],
+            [sweep_status, pareto, table, export], concurrency_id="model")
 
         def show_mask(n, b):
             try:
@@ -303,16 +374,19 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         demo.load(show_mask, [mask_n, mask_b], mask_plot)
 
         def one_step(choice, free_text, p, t, off, b, crit, user_picked):
+            # B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's
             try:
-                p, t, b, _, _ = generate.check_inputs(p, t, off, b, 8, 0.0)
+                p, t, _, _, _, notes = generate.check_inputs(p, t, off, 4, 8, 0.0)
+                b = int(b)
                 crit = generate.check_criterion(crit)
                 lm = models.get_model(models.task_model(choice, free_text, user_picked, jobs))
                 event = learn.first_step(lm, p, t, b, crit)
-                return learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
+                note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
+                return note + learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
             except Exception as exc:
-                return f"<p>⚠ {models.friendly_error(exc)}</p>", gr.skip()
+                return f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
 
-        step_btn.click(one_step, [model, free, prompt, tau, tau_off, block_size, criterion, picked],
+        step_btn.click(one_step, [model, free, prompt, tau, tau_off, mask_b, criterion, picked],
                        [step_view, conf_plot],
                        concurrency_id="model")
 
@@ -320,7 +394,9 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         for comp in ft_inputs:
             comp.change(partial(finetune_ui.command_preview, jobs), ft_inputs, command, show_progress="hidden")
         upload.change(lambda f: finetune_ui.validate_jsonl(f)[1] if f else "", upload, data_report)
-        data_source.change(lambda src: gr.update(visible=src == "upload"), data_source, upload)
+        # switching the dataset replaces what was said about the other one (report, start error)
+        data_source.change(finetune_ui.data_source_changed, [data_source, upload], [upload, data_report, ft_msg],
+                           show_progress="hidden")
         demo.load(partial(finetune_ui.command_preview, jobs), ft_inputs, command)
         start_btn.click(partial(finetune_ui.start, jobs), ft_inputs, ft_msg)
         stop_btn.click(partial(finetune_ui.stop, jobs), None, ft_msg)

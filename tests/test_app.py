@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from app import explorer, finetune_ui, generate, learn, models, plots  # noqa: E402
-from app.race import SideRecord, race, render_chunks, render_ledger, render_stats, speedup, stop_reason  # noqa: E402
+from app.race import SideRecord, compare, race, render_chunks, render_ledger, render_stats, stop_reason  # noqa: E402
 from app.runs import FinetuneRequest, JobManager, build_command  # noqa: E402
 
 
@@ -80,8 +80,8 @@ def test_side_record_measures_follow_the_spec_definitions():
     assert rec.tokens_per_s == pytest.approx(4.5)
     assert rec.finished
     ar = _record(fake_stream([0.25] * 9, [], "ar"), "ar")
-    value, how = speedup(rec, ar)   # 4.5 tok/s vs 9 tokens in 2.25 s = 4 tok/s
-    assert value == pytest.approx(4.5 / 4.0) and how == "MARS tokens/s ÷ AR tokens/s"
+    cmp = compare(rec.token_strings, ar.token_strings)   # MARS wrote 3 tokens a pass, AR 1: different answers
+    assert not cmp.identical and cmp.first_diff == 1 and cmp.lane_token == "tok1" and cmp.ar_token == "tok10"
 
 
 def test_chunks_one_span_per_forward_with_confidence_tooltips_and_tau_marks():
@@ -105,11 +105,13 @@ def test_ledger_names_the_candidate_that_stopped_the_pass():
     assert "block is full" in stop_reason(full)
 
 
-def test_stats_show_both_sides():
+def test_stats_show_every_lane():
     m, a = _record(fake_stream([1], [], "mars", 2)), _record(fake_stream([1, 1], [], "ar"), "ar")
-    html = render_stats(m, a, "AR (same model)")
+    html = render_stats({"ar": a, "mars": m}, ar_label="AR (same model)")
     assert "tokens/forward" in html and "<td class='stat-tokens-mars'>2</td>" in html
-    assert "2.00×" in html  # MARS 2 tokens in 1 s, AR 2 tokens in 2 s
+    assert "AR (same model)" in html
+    # one race is only noise: without a measurement there is no headline number, only the race's own ratio
+    assert '<b id="speedup-value">—</b>' in html and "this race, one run: 2.00×" in html
 
 
 
@@ -128,23 +130,26 @@ def test_acceptance_rate_per_slot():
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("args, word", [
-    (("", 0.9, False, 4, 32, 0.0), "empty"),
-    (("hi", 0.3, False, 4, 32, 0.0), "τ 0.3 is out of range"),
-    (("hi", 1.2, False, 4, 32, 0.0), "τ 1.2 is out of range"),
-    (("hi", 0.9, False, 1, 32, 0.0), "block size 1"),
-    (("hi", 0.9, False, 4, 100000, 0.0), "max new tokens 100000"),
-    (("hi", 0.9, False, 4, 32, -1.0), "temperature -1.0"),
-    (("x" * 5000, 0.9, False, 4, 32, 0.0), "5000 characters"),
+def test_generate_inputs_refuse_only_what_cannot_run():
+    for args, word in ((("", 0.9, False, 4, 32, 0.0), "empty"), (("hi", "abc", False, 4, 32, 0.0), "τ is 'abc'"),
+                       (("hi", 0.9, False, None, 32, 0.0), "block size B is empty")):
+        with pytest.raises(ValueError, match=word):
+            generate.check_inputs(*args)
+
+
+@pytest.mark.parametrize("args, index, value, note", [
+    (("hi", 0.0, False, 4, 32, 0.0), 1, 0.5, "τ 0.00 is below the range 0.50..1.00: ran with 0.50"),
+    (("hi", 1.5, False, 4, 32, 0.0), 1, 1.0, "τ 1.50 is above the range 0.50..1.00: ran with 1.00 (one-token mode)"),
+    (("hi", 0.9, False, 1, 32, 0.0), 2, 2, "block size B 1 is below the range 2..8: ran with 2"),
+    (("hi", 0.9, False, 4, 100000, 0.0), 3, 512, "max new tokens 100000 is above the range 1..512: ran with 512"),
+    (("hi", 0.9, False, 4, 32, -1.0), 4, 0.0, "temperature -1 is below the range 0..2: ran with 0"),
+    (("x" * 20000, 0.9, False, 4, 32, 0.0), 0, "x" * 4000,
+     "the prompt has 20,000 characters: cut to the first 4,000 (the limit)"),
 ])
-def test_generate_inputs_are_validated(args, word):
-    with pytest.raises(ValueError, match=word):
-        generate.check_inputs(*args)
-
-
-def test_tau_off_means_one_token_mode():
-    assert generate.effective_tau(0.7, True) == 1.0
-    assert generate.effective_tau(0.7, False) == 0.7
+def test_out_of_range_inputs_are_clamped_or_cut_with_a_note(args, index, value, note):
+    out = generate.check_inputs(*args)
+    assert out[index] == value and out[-1] == [note]
+    assert generate.check_inputs("hi", 0.9, False, 4, 32, 0.0)[-1] == []   # in range: no note
 
 
 @pytest.mark.parametrize("choice, free, word", [
@@ -254,10 +259,11 @@ def _final(outputs):
 
 def test_race_outputs_equal_mars_core_generate(tiny_dir):
     from mars_core import DecodeConfig, generate as core_generate
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "What is 12 + 30?", 0.6, False, 4, 20, 0.0))
-    status, mars_html, ar_html, stats, *_rest, state = _final(outs)
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "What is 12 + 30?", 0.6, False, 4, 20, 0.0,
+                                  measure_after=False))
+    status, tau_line, ar_html, verify_html, mars_html, stats, *_rest, state = _final(outs)
     assert status.startswith("✓"), status
-    mars, ar = state
+    mars, ar = state["mars"], state["ar"]
     lm = models.get_model(tiny_dir)
     want_mars = core_generate(lm, ["What is 12 + 30?"], DecodeConfig(mode="mars", tau=0.6, block_size=4,
                                                                      max_new_tokens=20))[0]
@@ -276,8 +282,9 @@ def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     prompt = "What is 12 + 30?"
     first = {}
     for crit in ("prob", "entropy"):
-        outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion=crit))
-        mars, _ = _final(outs)[-1]
+        outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion=crit,
+                                      measure_after=False))
+        mars = _final(outs)[-1]["mars"]
         want = next(generate_stream(lm, [prompt], DecodeConfig(tau=0.6, max_new_tokens=8, criterion=crit)))
         assert mars.steps[0].confidences == pytest.approx(want.rows[0].confidences)
         assert learn.first_step(lm, prompt, 0.6, 4, crit).rows[0].confidences == pytest.approx(
@@ -286,7 +293,8 @@ def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     assert first["prob"] != pytest.approx(first["entropy"])
     rows = explorer.sweep_free(lm, [prompt], [0.6], 4, 8, criterion="margin")
     assert rows[0]["criterion"] == "margin"
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion="nope"))
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion="nope",
+                                  measure_after=False))
     assert outs[-1][0].startswith("⚠") and "'nope'" in outs[-1][0] and "entropy" in outs[-1][0]
 
 
@@ -296,21 +304,23 @@ def test_moving_tau_mid_race_changes_the_next_forward(tiny_dir, monkeypatch):
     class Req:
         session_hash = "test-session"
     gen = generate.run_race("tiny-mars", tiny_dir, "same", "Sort the list: 3, 1, 2.", 0.9, False, 4, 24, 0.0,
-                            request=Req())
+                            request=Req(), measure_after=False)
     outs = [next(gen) for _ in range(4)]
     msg = generate.set_tau(0.55, False, Req())
     assert "next forward pass" in msg
     outs += list(gen)
-    mars, _ = _final(outs)[-1]
-    taus = [s.tau for s in mars.steps]
-    assert taus[0] == pytest.approx(0.9) and taus[-1] == pytest.approx(0.55)
-    assert "τ→0.55" in _final(outs)[1]
+    state = _final(outs)[-1]
+    for lane in ("mars", "verify"):   # the slider steers both MARS lanes
+        taus = [s.tau for s in state[lane].steps]
+        assert taus[0] == pytest.approx(0.9) and taus[-1] == pytest.approx(0.55)
+    assert "τ→0.55" in _final(outs)[4]
+    assert _final(outs)[1] == "ran at MARS τ = 0.90 → 0.55 · MARS lossless τ = 0.90 → 0.55"   # the τ that ran
     assert "next run" in generate.set_tau(0.7, False, Req())   # the race ended: nothing to steer
 
 
 def test_bad_inputs_give_a_message_not_an_exception(tiny_dir):
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "hi", 7.0, False, 4, 20, 0.0))
-    assert outs[-1][0].startswith("⚠") and "τ 7.0" in outs[-1][0]
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "", 0.9, False, 4, 20, 0.0))
+    assert outs[-1][0].startswith("⚠") and "the prompt is empty" in outs[-1][0]
     outs = list(generate.load_model_ui("tiny-mars", "/definitely/not/here"))
     assert outs[-1].startswith("⚠") and "does not exist" in outs[-1]
 
@@ -397,7 +407,7 @@ def test_builtin_sweep_uses_the_task_evaluator(tiny_dir):
     rows = explorer.sweep_builtin(lm, 2, [1.0], 4, 8)
     assert len(rows) == 1 and rows[0]["n"] == 2 and rows[0]["quality_name"] == "accuracy"
     assert rows[0]["quality"] == rows[0]["accuracy"] and rows[0]["tokens_per_forward"] == 1.0
-    assert explorer.table_rows(rows)[0][0] == "off"
+    assert explorer.table_rows(rows)[0][:2] == ["MARS", "off"]
 
 
 # ----------------------------------------------------------------------------- smollm2-mars as the free-text default

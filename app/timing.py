@@ -1,0 +1,178 @@
+"""The speedup you can quote: the race's decoders timed again after the race, and what the hardware allows.
+
+The streaming race runs each decoder once, interleaved with the others and with page updates, so a few
+milliseconds of noise decide a short race. `measure()` therefore times the same decoders again on the
+same prompt (the race was their warm-up): alternating (the order rotates every repeat, so drift on a
+shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
+whichever is more. Each repeat gives AR time ÷ lane time; the page shows the median with its min–max.
+
+The bound is what the model's forward costs allow (mars_core.bench.row_costs: the decoder's cached forward
+alone, for 1, 2, ... new positions): AR feeds 1 position per step, a MARS step feeds the tokens it accepted
+last time plus the masks, a lossless step AR's last token plus the drafts plus the masks. Over the lane's
+steps after the prompt pass,
+
+    bound = (AR forwards − 1) × cost(1) ÷ Σ cost(positions fed)
+          = tokens/forward × cost(1) ÷ cost(positions fed, mean over the steps),
+
+tokens/forward here being AR's forwards per lane forward after the prompt pass (the lane's tokens/forward
+when the answers are the same), and cost(r) = forward(r) + o: the forward alone from row_costs plus o, the
+work a decoding step does outside the forward (cache bookkeeping, the acceptance test, the host sync),
+measured as an AR step's own step_time minus its forward and taken to be the same for every lane. On a tiny
+model o is a large share of a step, which is why a step feeding 7 positions costs far less than 7 AR steps.
+The prompt pass, the same for every lane, is left out, which pulls a real speedup below the bound; a MARS
+step's extra bookkeeping (B candidates to test) pulls it down too. Above the bound means noise.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+TARGET_S = 1.0       # about a second of compute ...
+MIN_REPEATS = 5      # ... or five repeats, whichever is more
+MAX_REPEATS = 40
+ROW_COST_TARGET_S = 1.0   # time for the row-cost measurement (rounds adapt to the forward's cost)
+
+
+@dataclass
+class Measurement:
+    lane: str
+    repeats: int
+    ratios: list[float]          # AR time ÷ lane time, one per repeat
+    ar_times: list[float]
+    lane_times: list[float]
+    bound: float
+    forward_ratio: float         # AR forwards after the prompt ÷ lane forwards after the prompt
+    mean_fed: float              # positions a lane step feeds, mean over its steps after the prompt
+    mean_cost: float             # cost(positions fed) ÷ cost(1), mean over those steps
+    forward_ratio_label: str = ""
+    note: str = ""
+    forward_ms: float = 0.0      # AR's forward alone (row_costs, 1 position)
+    overhead_ms: float = 0.0     # an AR step's measured time minus that forward: per-step work outside it
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+
+class ReplayTau:
+    """A TauControl stand-in that replays the τ of each step of a race (the decoder reads it once a step)."""
+
+    def __init__(self, taus: list[float]):
+        self.taus, self.i = list(taus) or [1.0], 0
+
+    @property
+    def value(self) -> float:
+        v = self.taus[min(self.i, len(self.taus) - 1)]
+        self.i += 1
+        return v
+
+
+def repeats_for(round_s: float, target_s: float = TARGET_S, min_repeats: int = MIN_REPEATS,
+                max_repeats: int = MAX_REPEATS) -> int:
+    """Enough repeats for about `target_s` of compute, at least `min_repeats` (each repeat runs every lane once)."""
+    if not round_s > 0 or not math.isfinite(round_s):
+        return min_repeats
+    return max(min_repeats, min(max_repeats, math.ceil(target_s / round_s)))
+
+
+def time_lanes(runs: dict[str, Callable[[], object]], repeats: int) -> Iterator[tuple[int, dict, dict]]:
+    """Wall-clock seconds of each run, `repeats` times, the order rotating every repeat; yields
+    (repeats done, {lane: seconds so far}, {lane: what each run returned}) after each repeat, so a caller can report progress between repeats
+    (nothing else runs while a repeat is timed)."""
+    names = list(runs)
+    times = {n: [] for n in names}
+    results = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            out = runs[n]()
+            times[n].append(time.perf_counter() - t0)
+            results[n].append(out)
+        yield r + 1, times, results
+
+
+def row_cost_table(lm, prompt_ids: list[int], max_rows: int, block_size: int, est_forward_s: float) -> dict[int, float]:
+    """{positions: seconds} of one cached forward (median), from mars_core.bench.row_costs."""
+    from mars_core.bench import row_costs
+    per_round = max(1e-4, est_forward_s) * max_rows
+    rounds = max(10, min(40, int(ROW_COST_TARGET_S / per_round)))
+    max_rows = max(1, min(max_rows, lm.context_length - len(prompt_ids)))
+    return {r.rows: r.forward_ms / 1000 for r in row_costs(lm, prompt_ids, max_rows=max_rows,
+                                                         block_size=block_size, rounds=rounds)}
+
+
+def bound(ar_forwards: int, fed: list[int], cost_ar1: float, costs: dict[int, float],
+          overhead: float = 0.0) -> tuple[float, float, float, float]:
+    """(bound, forward ratio, mean positions fed, mean relative cost) of a lane; see the module docstring.
+    A step costs its forward (`costs`, `cost_ar1` for AR's) plus `overhead` seconds of work outside it."""
+    if not fed or ar_forwards < 2:
+        return 1.0, 1.0, 1.0, 1.0
+    top = max(costs)
+    ar1 = cost_ar1 + overhead
+    total = sum(costs[min(max(1, f), top)] + overhead for f in fed)
+    forward_ratio = (ar_forwards - 1) / len(fed)
+    mean_cost = total / len(fed) / ar1
+    return (ar_forwards - 1) * ar1 / total, forward_ratio, sum(fed) / len(fed), mean_cost
+
+
+def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane_lm, prompt_ids: list[int],
+                 block_size: int, target_s: float = TARGET_S, min_repeats: int = MIN_REPEATS):
+    """Time the lanes again and bound each MARS lane: a generator of progress lines whose return value is
+    {lane: Measurement}. `lanes` maps lane -> its SideRecord from the race (its steps, and the time of one
+    round); `runs` maps lane -> a function decoding the prompt once ("ar" among them)."""
+    round_s = sum(lanes[n].compute_time for n in runs)
+    repeats = repeats_for(round_s, target_s, min_repeats)
+    times, results = {}, {}
+    for done, times, results in time_lanes(runs, repeats):
+        yield (f"⏱ measuring the speedup: repeat {done} of {repeats} (the decoders again, alternating; "
+               f"about {round_s * repeats:.0f} s in all)")
+    yield "⏱ measuring the forward costs for the bound …"
+    ar = lanes["ar"]
+    ar_steps = [s.step_time for s in ar.steps[1:]] or [s.step_time for s in ar.steps]
+    est = statistics.median(ar_steps) if ar_steps else 0.01
+    max_fed = max([f for n in runs if n != "ar" for f in lanes[n].positions_fed()] or [1])
+    costs = row_cost_table(lane_lm, prompt_ids, max(max_fed, 2 * block_size - 1), block_size, est)
+    cost_ar1 = costs[1] if ar_lm is lane_lm else row_cost_table(ar_lm, prompt_ids, 1, 1, est)[1]
+    # the part of a decoding step outside the model forward (cache bookkeeping, the acceptance test, the host
+    # sync): an AR step's own measured time (the decoder's step_time) minus its forward; the same for every lane
+    ar_step_times = [t for res in results.get("ar", []) for r in res for t in r.step_times[1:]]
+    overhead = max(0.0, statistics.median(ar_step_times) - cost_ar1) if ar_step_times else 0.0
+    out = {}
+    for n in runs:
+        if n == "ar":
+            continue
+        side = lanes[n]
+        b, fr, fed, mc = bound(ar.forwards, side.positions_fed(), cost_ar1, costs, overhead)
+        label = ("" if side.token_strings == ar.token_strings
+                 else "AR forwards per lane forward: the answers differ, so this is not the lane's tokens/forward")
+        if ar_lm is not lane_lm:
+            label = (label + "; " if label else "") + "AR is another model: cost(1) is its own forward"
+        ratios = [a / t for a, t in zip(times["ar"], times[n]) if t > 0]
+        again = [list(res[0].token_ids) for res in results.get(n, []) if res and hasattr(res[0], "token_ids")]
+        note = ("" if all(ids == side.token_ids for ids in again) else
+                "the timed runs wrote another answer than the race's (the race moved τ or sampled differently)")
+        out[n] = Measurement(n, repeats, ratios, times["ar"], times[n], b, fr, fed, mc, label, note,
+                             forward_ms=1000 * cost_ar1, overhead_ms=1000 * overhead)
+    return out
+
+
+def measure(*args, **kwargs) -> dict[str, Measurement]:
+    """measure_iter without the progress lines."""
+    gen = measure_iter(*args, **kwargs)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
