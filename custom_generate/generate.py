@@ -126,11 +126,13 @@ def _mask_id(model, tokenizer, explicit, tau: float) -> int:
 
 
 def generate(model, inputs=None, generation_config: GenerationConfig | None = None, streamer=None, *,
-             tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None, criterion: str = "prob",
+             mode: str = "mars", tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None, criterion: str = "prob",
              max_accept: int | None = None, tokenizer=None, **kwargs):
     """Run MARS decoding (mars_core) on `model`; arguments as `model.generate`, plus:
 
-    tau: acceptance threshold; >= 1 is one-token mode, token for token plain greedy decoding.
+    mode: "mars" (keep confident predictions as they come: fastest, can differ from greedy at tau < 1) or
+          "verify" (lossless: confident predictions are drafts that the next forward checks; greedy only).
+    tau: acceptance (verify: drafting) threshold; >= 1 is one-token mode, token for token plain greedy decoding.
     block_size: B, the candidates of one forward pass; default: model.config.mars_block_size (an export's), else 4.
     mask_token_id: the mask token's id; default: model.config.mask_token_id, else tokenizer.mask_token_id.
     criterion: prob | entropy | margin (what must reach tau). max_accept: cap on tokens kept per forward.
@@ -178,7 +180,9 @@ def generate(model, inputs=None, generation_config: GenerationConfig | None = No
                          "pass top_k=0")
     if block_size is None:
         block_size = getattr(model.config, "mars_block_size", None) or 4
-    cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new,
+    if mode not in ("mars", "verify"):
+        raise ValueError(f"mode={mode!r} is unknown: use 'mars' or 'verify' (lossless); for AR use plain generate")
+    cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new,
                        temperature=(gen.temperature if gen.temperature is not None else 1.0) if sampling else 0.0,
                        top_p=gen.top_p if sampling and gen.top_p is not None else 1.0, criterion=criterion,
                        max_accept=max_accept, stop_strings=tuple(_stop_strings(gen.stop_strings, tokenizer)))

@@ -49,6 +49,18 @@ def test_tau_one_equals_plain_greedy_generate(tiny_lm):
     assert torch.equal(plain, ours)
 
 
+def test_verify_mode_is_lossless_and_still_drafts(tiny_lm):
+    ids = ids_of(tiny_lm, PROMPTS[0])
+    plain = tiny_lm.model.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=tiny_lm.eos_ids)
+    out = mars_generate(tiny_lm.model, ids, mode="verify", tau=0.5, mask_token_id=tiny_lm.mask_id, max_new_tokens=30,
+                        eos_token_id=tiny_lm.eos_ids, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    ref = generate(tiny_lm, [ids[0].tolist()], DecodeConfig(mode="verify", tau=0.5, max_new_tokens=30))[0]
+    assert out.step_tokens[0] == ref.steps
+    with pytest.raises(ValueError, match="mode='fast' is unknown"):
+        mars_generate(tiny_lm.model, ids, mode="fast", mask_token_id=tiny_lm.mask_id)
+
+
 def test_embedded_tiny_mars_accepts_several_tokens_and_matches_our_generate_and_plain_generate():
     lm = load_model("tiny-mars", device="cpu", cpu_layout=False)
     ids = ids_of(lm, "What is 17 + 25?")
@@ -59,6 +71,9 @@ def test_embedded_tiny_mars_accepts_several_tokens_and_matches_our_generate_and_
     assert max(out.accepted_counts[0]) > 1 and len(out.accepted_counts[0]) < len(ref.token_ids)
     plain = lm.model.generate(ids, do_sample=False, max_new_tokens=48)
     assert torch.equal(mars_generate(lm.model, ids, tau=1.0, max_new_tokens=48), plain)
+    lossless = mars_generate(lm.model, ids, mode="verify", tau=0.95, mask_token_id=lm.mask_id, max_new_tokens=48,
+                             return_dict_in_generate=True)
+    assert torch.equal(lossless.sequences, plain) and max(lossless.accepted_counts[0]) > 1
 
 
 def left_padded(lm, prompts, pad_id):
