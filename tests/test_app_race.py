@@ -1,0 +1,343 @@
+"""Handler tests for the honest race (issue 18) and its lossless lane (issue 22), without a browser.
+
+The lanes are held against mars_core.generate (which no one in app/ wrote); the stale-state cases call
+the handlers the page calls and read what the page would show.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from app import explorer, finetune_ui, generate, learn, models, notices, timing  # noqa: E402
+from app.race import SideRecord, compare, render_chunks, render_ledger, render_stats  # noqa: E402
+from app.runs import JobManager  # noqa: E402
+
+SORT_PROMPT = "Sort in descending order: 91, 57, 59, 87"   # tiny-mars at τ 0.5: a rejected draft, MARS ≠ AR
+
+
+def _race(*args, **kw):
+    outs = list(generate.run_race(*args, **kw))
+    return outs, outs[-1]
+
+
+# ----------------------------------------------------------------------------- the lossless lane, hand-made
+@dataclass
+class Row:
+    accepted_ids: list
+    candidates: list
+    confidences: list
+    n_accepted: int
+    done: bool = False
+    active: bool = True
+    text: str = ""
+    finish_reason: str | None = None
+    drafts: list = field(default_factory=list)
+    confirmed: int = 0
+    rejected: int | None = None
+
+
+@dataclass
+class Event:
+    step: int
+    tau: float
+    step_time: float
+    rows: list
+
+
+def _verify_record():
+    """step 0: AR's token 1, drafts 2 3 4; step 1: 2 confirmed, 3 rejected (AR says 9), 4 dropped; step 2: end."""
+    events = [Event(0, 0.9, 0.01, [Row([1], [2, 3, 4], [0.99, 0.95, 0.91], 1, text="a", drafts=[2, 3, 4])]),
+              Event(1, 0.9, 0.01, [Row([2, 9], [5, 6, 7], [0.5, 0.4, 0.3], 2, text="bz", confirmed=1, rejected=3)]),
+              Event(2, 0.9, 0.01, [Row([5], [], [], 1, done=True, text="e", finish_reason="eos")])]
+    rec = SideRecord("MARS lossless", "verify")
+    names = {1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 6: "f", 7: "g", 9: "z"}
+    for ev in events:
+        rec.add(ev, names.get, lambda ids: "".join(names[i] for i in ids))
+    return rec
+
+
+def test_verify_chunks_mark_confirmed_drafts_and_strike_the_rejected_one():
+    rec = _verify_record()
+    html = render_chunks(rec)
+    assert html.count('class="chunk') == 3
+    assert '<span class="verified">b</span>' in html                    # the confirmed draft
+    assert '<del class="rejected" title="rejected drafts">cd</del>' in html   # the rejected draft and the one after it
+    assert '<span class="replacement">z</span>' in html                 # AR's replacement
+    assert 'data-confirmed="1" data-rejected="1"' in html
+    assert "draft c rejected: AR&#x27;s token there is z" in html
+    ok, checked = rec.drafts_checked()
+    assert (ok, checked) == (1, 3)
+    assert rec.positions_fed() == [1 + 3 + 3, 1 + 0 + 0]   # AR's token + the drafts + the masks
+
+
+def test_verify_ledger_lists_the_checked_drafts_and_the_new_proposals():
+    rec = _verify_record()
+    first = render_ledger(rec, 0)
+    assert "No drafts to check" in first and first.count("kept as a draft") == 3
+    second = render_ledger(rec, 1)
+    assert "confirmed: equal to AR&#x27;s token" in second
+    assert "rejected: AR&#x27;s token is z — it replaces the draft" in second
+    assert "dropped: an earlier draft was rejected" in second
+    assert second.count("not drafted: a draft was rejected") == 3   # the masks saw the wrong token
+
+
+def test_running_verify_lane_shows_the_drafts_awaiting_their_check():
+    rec = _verify_record()
+    rec.steps, rec.finished = rec.steps[:1], False
+    assert '<span class="pending-drafts"' in render_chunks(rec) and ">bcd</span>" in render_chunks(rec)
+
+
+# ----------------------------------------------------------------------------- equal work
+def test_compare_names_the_first_difference_and_the_share_that_agrees():
+    same = compare(list("abcd"), list("abcd"))
+    assert same.identical and same.share == 1.0
+    diff = compare(list("abxd"), list("abcd"))
+    assert not diff.identical and diff.first_diff == 2 and (diff.lane_token, diff.ar_token) == ("x", "c")
+    assert diff.agree == 3 and diff.aligned == 4
+    short = compare(list("ab"), list("abcd"))
+    assert short.first_diff == 2 and short.lane_token == "" and short.ar_token == "c"
+
+
+@pytest.fixture(scope="module")
+def tiny_mars():
+    return models.get_model("tiny-mars")
+
+
+def test_verify_lane_writes_exactly_the_ar_lanes_tokens(tiny_mars):
+    from mars_core import DecodeConfig, generate as core_generate
+    for prompt, tau in ((SORT_PROMPT, 0.5), (models.example_prompts("tiny-mars")[0], 0.9)):
+        outs, last = _race("tiny-mars", "", "same", prompt, tau, False, 4, 64, 0.0, measure_after=False)
+        state = last[-1]
+        assert state["verify"].token_ids == state["ar"].token_ids
+        want = core_generate(tiny_mars, [prompt], DecodeConfig(mode="verify", tau=tau, max_new_tokens=64))[0]
+        assert state["verify"].token_ids == want.token_ids and state["verify"].forwards == want.forwards
+        assert state["verify"].forwards < state["ar"].forwards
+        assert last[3].count('class="chunk') == state["verify"].forwards
+    # the sort prompt at τ 0.5: a draft is rejected, struck through in the lane, and still the answer is AR's
+    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.5, False, 4, 64, 0.0, measure_after=False)
+    assert any(s.rejected is not None for s in last[-1]["verify"].steps)
+    assert '<del class="rejected"' in last[3] and 'data-rejected="1"' in last[3]
+
+
+def test_different_answers_are_never_called_a_speedup(tiny_mars):
+    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.5, False, 4, 64, 0.0, measure_after=False)
+    state, stats = last[-1], last[5]
+    assert state["mars"].token_ids != state["ar"].token_ids
+    mars_line = re.search(r'data-lane="mars">(.*?)</div></div>', stats, re.S).group(0)
+    assert "time ratio" in mars_line and "speedup" not in mars_line.split("<b")[0]
+    assert "⚠ different answer: first difference at token" in mars_line and "of tokens agree" in mars_line
+    verify_line = re.search(r'data-lane="verify">(.*?)</div></div>', stats, re.S).group(0)
+    assert "speedup" in verify_line and "✓ same answer as AR" in verify_line
+    assert "<td class='stat-same-mars'>no</td>" in stats and "<td class='stat-same-verify'>yes</td>" in stats
+
+
+def test_temperature_runs_without_the_lossless_lane_and_says_why(tiny_mars):
+    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 16, 1.0, measure_after=False, seed=3)
+    assert last[0].startswith("✓") and not last[-1]["verify"].steps
+    assert "temperature 0 only" in last[3] and "temperature 0 only" in last[5]
+    again = _race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 16, 1.0, measure_after=False, seed=3)[1]
+    assert again[-1]["mars"].token_ids == last[-1]["mars"].token_ids      # the seed decides the sample
+    free = "Tell me a story about a cat."   # not a suite task: flat enough for samples to differ
+    runs = {s: _race("tiny-mars", "", "same", free, 0.9, False, 4, 16, 2.0, measure_after=False, seed=s)[1][-1]
+            for s in (1, 1, 2, 3)}
+    first = _race("tiny-mars", "", "same", free, 0.9, False, 4, 16, 2.0, measure_after=False, seed=1)[1][-1]
+    assert first["ar"].token_ids == runs[1]["ar"].token_ids
+    assert any(runs[s]["ar"].token_ids != first["ar"].token_ids for s in (2, 3))
+
+
+# ----------------------------------------------------------------------------- the measured speedup
+def test_repeats_cover_about_a_second_or_five():
+    assert timing.repeats_for(0.05) == 20 and timing.repeats_for(0.5) == 5 and timing.repeats_for(3.0) == 5
+    assert timing.repeats_for(0.0001) == timing.MAX_REPEATS
+
+
+def test_bound_is_tokens_per_forward_times_the_forward_cost_ratio():
+    costs = {1: 1.0, 2: 1.0, 7: 1.5}
+    # AR 13 forwards (12 after the prompt); the lane 3 more forwards, each feeding 7 positions at cost 1.5
+    b, ratio, fed, mean_cost = timing.bound(13, [7, 7, 7], 1.0, costs)
+    assert ratio == 4.0 and fed == 7 and mean_cost == 1.5 and b == pytest.approx(4.0 / 1.5)
+    # per-step work outside the forward makes a wider step relatively cheaper
+    b2, *_ = timing.bound(13, [7, 7, 7], 1.0, costs, overhead=1.0)
+    assert b2 == pytest.approx(12 * 2.0 / (3 * 2.5))
+
+
+def test_the_race_ends_with_a_measured_median_and_spread_next_to_its_bound(tiny_mars):
+    outs, last = _race("tiny-mars", "", "same", models.example_prompts("tiny-mars")[0], 0.9, False, 4, 64, 0.0)
+    assert any("measuring the speedup: repeat 1 of" in o[0] for o in outs)
+    assert last[0].startswith("✓ Done") and "Measured speedups below the table" in last[0]
+    stats = last[5]
+    for vid in ("speedup-value", "speedup-verify"):
+        tag = re.search(rf'<b id="{vid}"([^>]*)>([\d.]+)×</b>', stats)
+        assert tag, stats
+        d = dict(re.findall(r'data-([\w-]+)="([\d.]+)"', tag.group(1)))
+        assert float(d["min"]) <= float(d["median"]) <= float(d["max"]) and int(d["repeats"]) >= 5
+        assert float(d["bound"]) > 1.0
+    assert "measured: median of" in stats and "expected bound" in stats and "min " in stats
+
+
+# ----------------------------------------------------------------------------- notices and examples
+def test_tiny_models_on_free_text_get_a_notice_and_suite_tasks_do_not():
+    task = models.example_prompts("tiny-mars")[0]
+    assert notices.is_suite_task(task) and not notices.is_suite_task("What is the capital of France?")
+    text, offer, off = notices.notice("tiny-mars", "Tell me a story about a cat.", 0.9)
+    assert "trained only on the built-in task suite" in text and not off
+    assert offer == ("smollm2-mars" if models.smollm2_mars_available() else None)
+    assert notices.notice("tiny-mars", task, 0.9)[0] == ""
+    md, model_btn, off_btn, offered = generate.notice_update("tiny-mars", "", "Tell me a story.", 0.9, False)
+    assert md["visible"] and "task suite" in md["value"] and off_btn["visible"] is False
+    md, *_ = generate.notice_update("tiny-mars", "", task, 0.9, False)   # the cause went away: so does the notice
+    assert md["visible"] is False and md["value"] == ""
+
+
+def test_a_never_mars_trained_model_in_mars_mode_is_offered_one_token_mode():
+    text, offer, off = notices.notice("smollm2", "What is the capital of France?", 0.9)
+    assert "never MARS-trained" in text and off
+    assert notices.notice("smollm2", "What is the capital of France?", 1.0)[0] == ""   # τ off: nothing to say
+    text, offer, off = notices.notice("tiny-ar-sft", models.example_prompts("tiny-mars")[0], 0.9)
+    assert "never MARS-trained" in text and offer == "tiny-mars" and off
+    assert notices.notice("smollm2-mars", "What is the capital of France?", 0.9)[0] == ""
+    outs, last = _race("tiny-mars", "", "same", "Tell me a story about a cat.", 0.9, False, 4, 8, 0.0,
+                       measure_after=False)
+    assert "ℹ" in last[0] and "task suite" in last[0]
+
+
+def test_examples_and_the_example_prompt_follow_the_model():
+    tiny = models.example_prompts("tiny-mars")
+    natural = models.example_prompts("smollm2")
+    ex, prompt = generate.examples_and_prompt("smollm2", "", tiny[0])
+    assert ex["choices"] == natural and prompt["value"] == natural[0]
+    ex, prompt = generate.examples_and_prompt("smollm2", "", "my own question")   # the user's text stays
+    assert prompt == {"__type__": "update"}
+
+
+# ----------------------------------------------------------------------------- state that is always current
+def test_tau_typed_out_of_range_is_clamped_with_a_note_and_the_race_repeats_it(tiny_mars):
+    class Req:
+        session_hash = "clamp-session"
+    line = generate.set_tau(1.5, False, Req())
+    assert line.startswith("τ = off (applies to the next run)") and "τ 1.50 is above the range" in line
+    assert "None" not in line
+    # the page may hand the race the clamped value: the race still says what happened, and what ran
+    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 1.0, False, 4, 8, 0.0, request=Req(),
+                       measure_after=False)
+    assert "✂ τ 1.50 is above the range" in last[0] and last[1] == "ran at MARS τ = off · MARS lossless τ = off"
+    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.0, False, 4, 8, 0.0, measure_after=False)
+    assert "✂ τ 0.00 is below the range 0.50..1.00: ran with 0.50" in last[0]
+    assert last[1] == "ran at MARS τ = 0.50 · MARS lossless τ = 0.50"
+
+
+def test_a_long_prompt_is_cut_with_a_note(tiny_mars):
+    outs, last = _race("tiny-mars", "", "same", "Sort in descending order: 1, 2" + " " * 19970, 0.9, False, 4, 8,
+                       0.0, measure_after=False)
+    assert "✂ the prompt has 20,000 characters: cut to the first 4,000 (the limit)" in last[0]
+
+
+def test_a_slider_value_out_of_range_raises_no_toast():
+    import gradio as gr
+    slider = generate.lenient(gr.Slider(0.5, 1.0, value=0.9))
+    assert slider.preprocess(1.5) == 1.5 and slider.preprocess(0) == 0.0   # the handler clamps, with a note
+    with pytest.raises(gr.Error):
+        gr.Slider(0.5, 1.0, value=0.9).preprocess(1.5)   # what a plain slider does: a toast per event
+
+
+def test_the_page_shows_a_waiting_state_before_a_queued_race(tmp_path):
+    from app.ui import build_ui
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    fns = list(demo.fns.values())
+    race = [f for f in fns if getattr(f.fn, "__name__", "") == "race_fn"]
+    waits = [f for f in fns if f.fn is generate.waiting_status]
+    assert len(race) == 2 and len(waits) >= 2   # the button and Enter in the prompt
+    status = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "race-status")
+    for f in race:
+        assert f.show_progress_on == [status] and f.show_progress == "minimal"
+        assert f.outputs[0] is status and f.outputs[1].elem_id == "tau-status"
+    assert all(w.outputs == [status] or w.outputs[0].elem_id == "sweep-status" for w in waits)
+    assert "waiting for the machine" in generate.waiting_status()
+    seed = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "seed")
+    assert seed.visible is False   # shown only when temperature > 0
+    temp = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "temperature")
+    show = next(f for f in fns if (temp._id, "change") in f.targets and f.outputs == [seed])
+    assert show.fn(0.7)["visible"] is True and show.fn(0)["visible"] is False
+
+
+def test_switching_the_dataset_replaces_the_upload_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n")
+    upload, report, msg = finetune_ui.data_source_changed("builtin", str(bad))
+    assert report == "" and msg == "" and upload["visible"] is False
+    upload, report, msg = finetune_ui.data_source_changed("upload", str(bad))
+    assert "bad line" in report and upload["visible"] is True
+
+
+def test_finetune_messages_never_show_none_and_long_runs_are_warned_not_refused(tmp_path):
+    jobs = JobManager(tmp_path / "runs")
+    args = ["tiny-ar-sft", "builtin", None, "mars", 4, 1.0]
+    msg = finetune_ui.command_preview(jobs, *args, None, 1e-3, False)
+    assert "None" not in msg and "steps is empty: type a whole number in 1..100000" in msg
+    msg = finetune_ui.command_preview(jobs, *args, 600, None, False)
+    assert "None" not in msg and "learning rate is empty" in msg
+    preview = finetune_ui.command_preview(jobs, *args, 100000, 1e-3, False)
+    assert "⚠ this run would take about" in preview and "--max-steps 100000" in preview   # warned, still runnable
+    assert "⚠" not in finetune_ui.command_preview(jobs, *args, 600, 1e-3, False)
+    html = finetune_ui.status_html({"name": "x", "state": "running", "step": 5, "max_steps": 100000,
+                                    "eta_s": 63780})
+    assert "over an hour" in html and "1063 min" in html
+
+
+def test_load_estimates_are_honest(monkeypatch):
+    from mars_core import loading
+    assert models.load_estimate("tiny-mars") == "(about 2 s)"
+    monkeypatch.setattr(loading, "is_prepared", lambda name: False)
+    assert "30-40 s" in models.load_estimate("smollm2")
+    monkeypatch.setattr(loading, "is_prepared", lambda name: True)
+    assert "10-15 s" in models.load_estimate("smollm2-mars")
+    monkeypatch.setattr(models, "is_loaded", lambda name: False)
+    monkeypatch.setattr(models, "load_with_timing", lambda name: (_ for _ in ()).throw(ValueError("stop")))
+    first = next(iter(generate.load_model_ui("smollm2", "")))
+    assert "10-15 s" in first and "a few seconds" not in first
+
+
+# ----------------------------------------------------------------------------- Learn and the explorer
+def test_learn_step_text_and_readable_mask_labels(tiny_mars):
+    event = learn.first_step(tiny_mars, models.example_prompts("tiny-mars")[0], 0.5, 8)
+    html = learn.step_html(tiny_mars, "x", event)
+    assert len(event.rows[0].candidates) == 8          # the Learn tab's own B reaches the decoder
+    assert "t₀..t0" not in html and "t₀ was accepted" in html
+    fig = learn.mask_figure(32, 4)
+    assert len(fig.layout.xaxis.tickvals) <= 16 and fig.layout.xaxis.tickfont.size >= 11
+    assert len(learn.mask_figure(8, 4).layout.xaxis.tickvals) == 16   # small n: every position
+
+
+def test_explorer_labels_do_not_overlap():
+    pts = [(90.0, 3.0 + 0.01 * k, f"τ={0.9 - 0.05 * k:g}") for k in range(6)] + [(95.0, 1.0, "τ=off")]
+    xr, yr = explorer._range([p[0] for p in pts]), explorer._range([p[1] for p in pts], floor=0.0)
+    shifts = explorer.place_labels(pts, xr, yr)
+    W, H = explorer.PANEL_PX
+    boxes = []
+    for (x, y, t), (dx, dy, collided) in zip(pts, shifts):
+        cx = (x - xr[0]) / (xr[1] - xr[0]) * W + dx
+        cy = (y - yr[0]) / (yr[1] - yr[0]) * H + dy
+        w = explorer.CHAR_PX * len(t) + 4
+        boxes.append((cx - w / 2, cy - 7, cx + w / 2, cy + 7))
+        assert not collided
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
+
+
+def test_explorer_lossless_curve_keeps_ars_answers(tiny_mars):
+    prompts = models.example_prompts("tiny-mars")[:2]
+    rows = explorer.sweep_free(tiny_mars, prompts, [1.0, 0.6], 4, 32, lossless=True)
+    lossless = [r for r in rows if r["mode"] == "verify"]
+    assert [r["tau"] for r in lossless] == [0.6]
+    assert lossless[0]["quality"] == 1.0 and lossless[0]["tokens_per_forward"] > 1.0   # AR's answers, faster
+    fig = explorer.pareto_figure(rows)
+    assert {t.name for t in fig.data} == {"MARS (lossy)", "MARS lossless (verify)"} and len(fig.data) == 4
+    assert sorted(a.text for a in fig.layout.annotations if a.text.startswith("τ")) == sorted(
+        ["τ=off", "τ=0.6", "τ=0.6"] * 2)
+    assert explorer.table_rows(rows)[-1][:2] == ["lossless", 0.6]
