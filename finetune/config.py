@@ -292,6 +292,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
             raise ValueError(f"--config {str(path)!r} does not exist; pass a JSON file")
         try:
             values = json.loads(path.read_bytes().decode("utf-8"))
+        except OSError as e:
+            raise ValueError(f"--config {str(path)!r} cannot be read ({e.strerror or e}): check its permissions") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"--config {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                              f"{e.start}); save it as UTF-8 JSON") from None

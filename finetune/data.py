@@ -83,7 +83,11 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
     if path.is_dir():
         raise ValueError(f"data file {str(path)!r} is a directory; pass a .jsonl file or 'builtin'")
     conversations = []
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise ValueError(f"data file {str(path)!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
+    with f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:

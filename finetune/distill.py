@@ -40,7 +40,11 @@ def read_prompts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise ValueError(f"prompts file {str(path)!r} does not exist: pass a text file with one prompt per line")
     prompts = []
-    with path.open("rb") as fh:
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise ValueError(f"prompts file {str(path)!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
+    with fh:
         for lineno, raw in enumerate(fh, 1):
             try:
                 line = raw.decode("utf-8").rstrip("\n")

@@ -286,8 +286,11 @@ def check_resumable(out: Path, cfg: TrainConfig) -> None:
     not: resuming a run with those changed would silently mix two trainings in one checkpoint.
     """
     saved_path = out / "train_config.json"
-    if not saved_path.is_file():
-        return
+    if not saved_path.is_file():   # removed by hand: every checkpoint carries its own copy
+        copies = [c / "train_config.json" for c in list_checkpoints(out) if (c / "train_config.json").is_file()]
+        if not copies:
+            return
+        saved_path = copies[-1]
     try:
         saved = json.loads(saved_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -346,7 +349,13 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
     if ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"[finetune.train] warning: --stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: "
               "drop them, or use --stage mars", file=sys.stderr)
-    return check_output_dir(cfg.output_dir)
+    out = check_output_dir(cfg.output_dir)
+    st = read_status(out)
+    if st and st.get("state") == "running" and st.get("pid") != os.getpid():
+        raise ValueError(f"--output-dir {cfg.output_dir!r} is in use by a training process that is still running "
+                         f"(pid {st.get('pid')}, step {st.get('step')}): stop it first (SIGTERM saves a checkpoint), "
+                         "or use another --output-dir")
+    return out
 
 
 def safetensors_readable(path: Path) -> None:
@@ -405,6 +414,8 @@ def setup(cfg: TrainConfig) -> Run:
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=use_cpu)
     set_seed(cfg.seed)
 
+    # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
+    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
     resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
     base = load_base(cfg.base_model)
     model = trained if trained is not None else base.model
@@ -419,7 +430,6 @@ def setup(cfg: TrainConfig) -> Run:
 
             set_peft_model_state_dict(model, state["lora"])
 
-    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
     examples = build_examples(
         conversations,
         base.tokenizer,
@@ -690,6 +700,8 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
         if not out.is_dir():  # never create a directory for a run that could not start
             return
         before = read_status(out) or {}   # a refused resume keeps the run's real step and checkpoint
+        if before.get("state") == "running" and before.get("pid") != os.getpid():
+            return   # another live trainer owns this status.json: refusing to join it must not overwrite it
         checkpoints = list_checkpoints(out)
         write_json(out / "status.json", {
             "state": "failed", "step": before.get("step", 0), "max_steps": before.get("max_steps", cfg.max_steps),

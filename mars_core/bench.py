@@ -55,7 +55,10 @@ def read_prompts(path: str) -> list[str]:
         raise ValueError(f"prompts file {path!r} is a directory: give a text file with one prompt per line")
     if not p.is_file():
         raise ValueError(f"prompts file {path!r} does not exist: give a text file with one prompt per line")
-    raw = p.read_bytes()
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"prompts file {path!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

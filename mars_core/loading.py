@@ -87,6 +87,11 @@ class LoadedModel:
         """Token ids for one user prompt, through the chat template unless `chat=False`."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt={prompt!r} is empty: type a question or instruction for the model")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:   # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+            raise ValueError(f"the prompt is not valid UTF-8 text (character {e.start} is {prompt[e.start]!r}): "
+                             "pass UTF-8 text") from None
         tok = self.tokenizer
         if chat and getattr(tok, "chat_template", None):
             ids = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)

@@ -275,6 +275,31 @@ def test_resume_refuses_settings_that_change_the_data_or_model(tmp_path, change)
     assert json.loads((out / "train_config.json").read_text()) == saved   # not overwritten
 
 
+def test_resume_checks_the_checkpoints_own_config_when_the_run_config_is_gone(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "trainer_state.pt").write_bytes(b"")
+    saved = TrainConfig(base_model=NO_MODEL, output_dir=str(out), max_length=64).to_dict()
+    (out / "checkpoint-5" / "train_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="max_length=64 but this run has max_length=128"):
+        train_mod.main(["--base-model", NO_MODEL, "--output-dir", str(out), "--max-length", "128"])
+
+
+def test_a_second_trainer_on_a_running_output_dir_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / "status.json").write_text(json.dumps({"state": "running", "step": 3, "pid": other.pid,
+                                                     "pid_started": process_start(other.pid)}))
+        with pytest.raises(ValueError, match=f"in use by a training process .*pid {other.pid}.*stop it first"):
+            train_mod.main(["--base-model", NO_MODEL, "--output-dir", str(out)])
+    finally:
+        other.kill()
+        other.wait()
+    assert read_status(out)["state"] == "interrupted"   # its writer is gone now
+
+
 def test_builtin_examples_may_change_when_the_data_is_a_file(tmp_path, tiny):
     out = tmp_path / "run"
     out.mkdir()
@@ -401,6 +426,13 @@ def test_evaluate_checks_output_paths_before_the_sweep(tmp_path, flag):
         evaluate_main(["--models", NO_MODEL, "--n", "1", flag, bad])
 
 
+def test_evaluate_checks_every_model_name_before_the_first_sweep(tmp_path):
+    from finetune.evaluate import main as evaluate_main
+
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        evaluate_main(["--models", "tiny-mars", "no-such-model", "--n", "1"])
+
+
 def test_evaluate_and_distill_exit_2_without_traceback(tmp_path):
     bad = str(out_is_file(tmp_path) / "x")
     prompts = prompts_file(tmp_path, b"What is 1 + 1?\n")
@@ -469,6 +501,12 @@ def test_loaded_model_encode_keeps_user_text_as_text(tiny):
     for chat in (True, False):
         ids = lm.encode("a <|mask|> b <|im_end|>", chat=chat)
         assert lm.mask_id not in ids and ids.count(lm.tokenizer.eos_token_id) == (1 if chat else 0)
+
+
+def test_api_encode_refuses_text_that_is_not_utf8(tiny):
+    lm = load_model(str(tiny[0]), device="cpu")
+    with pytest.raises(ValueError, match="not valid UTF-8 text"):
+        lm.encode("caf\udce9")
 
 
 def test_typed_control_tokens_in_training_data_are_text(tok):
