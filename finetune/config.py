@@ -298,7 +298,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
             raise ValueError(f"--config {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                              f"{e.start}); save it as UTF-8 JSON") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column "
+            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column "
                              f"{e.colno}); fix the file") from None
         if not isinstance(values, dict):
             raise ValueError(f"--config {str(path)!r} must hold a JSON object of TrainConfig keys")

@@ -102,7 +102,7 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at line {lineno}, column {e.colno}); "
+                raise ValueError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at line {lineno}, column {e.colno}); "
                                  "write one JSON object per line") from None
             conversations.append(validate_conversation(row, where))
     if not conversations:

@@ -59,7 +59,7 @@ def read_prompts(path: str | Path) -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at line {lineno}, column {e.colno}); "
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at line {lineno}, column {e.colno}); "
                                  "write one JSON object per line") from None
             try:
                 if "prompt" in row:

@@ -345,8 +345,12 @@ def gguf_to_checkpoint(gguf_path: str) -> str:
     target = _gguf_target(src)
     if (target / "config.json").exists():
         return str(target)
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    except Exception as exc:   # not a GGUF, truncated, an architecture transformers cannot read
+        raise ValueError(f"{src} could not be read as a GGUF model ({_first_line(exc)}): check the file (a "
+                         "complete .gguf of an architecture transformers supports), or pass a checkpoint folder") from None
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -375,7 +379,7 @@ def _stock_config(path: str):
     except UnicodeDecodeError as e:
         raise ValueError(f"{file} is not UTF-8 text (byte offset {e.start}): restore the checkpoint's config.json") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): restore the "
+        raise ValueError(f"{file} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}): restore the "
                          "checkpoint's config.json") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{file} holds {type(raw).__name__}, not a JSON object: restore the checkpoint's config.json")

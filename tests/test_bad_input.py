@@ -116,6 +116,15 @@ def test_generate_names_the_damaged_model_file(capsys, model_copy, damage, words
     assert str(model_copy) in err and "sentencepiece" not in err.lower()
 
 
+@pytest.mark.parametrize("content", [b"not a gguf at all" * 100, b"GGUF\x03\x00\x00\x00" + b"\xa1\xff" * 500])
+def test_generate_names_a_damaged_gguf(capsys, tmp_path, monkeypatch, content):
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    code, err = generate_error(capsys, "generate", "--model", str(path), "--prompt", "hi")
+    assert code == 2 and str(path) in err and "could not be read as a GGUF model" in err, err
+
+
 def test_generate_exit_code_2_without_traceback_from_the_shell(tiny):
     out = subprocess.run([sys.executable, "-m", "mars_core", "generate", "--model", str(tiny[0]), "--prompt", "hi",
                           "--device", "tpu"], capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -327,6 +336,13 @@ def test_training_data_errors_name_file_and_line(tmp_path, second_line, words):
     assert str(path) in str(err.value)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_training_data_is_checked_before_the_model_loads(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\\t"}]}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the last assistant message is empty or only whitespace"):
+        train_mod.main(["--base-model", NO_MODEL, "--data", str(data), "--output-dir", str(tmp_path / "run")])
 
 
 # ----------------------------------------------------------------------------- train: runs
