@@ -158,10 +158,16 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
         value = effective_tau(tau, tau_off, notes)
     except ValueError as exc:
         return f"⚠ {exc}"
-    note = f" — {notes[0].replace('ran with', 'runs with')}" if notes else ""
     key = _session(request)
     with _tau_lock:
-        _tau_notes[key] = (value, notes[0]) if notes else None
+        kept = _tau_notes.get(key)
+        if notes:
+            _tau_notes[key] = (value, notes[0])
+        elif kept and abs(kept[0] - value) < 1e-9:   # the page clamping the field to that value: same cause
+            notes = [kept[1]]
+        else:
+            _tau_notes[key] = None
+    note = f" — {notes[0].replace('ran with', 'runs with')}" if notes else ""
     with _tau_lock:
         control = _tau_controls.get(key)
     if control is None:

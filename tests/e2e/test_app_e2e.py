@@ -26,6 +26,8 @@ def prompt_for_model() -> str:
 def race(page, prompt: str) -> None:
     page.fill("#prompt textarea", prompt)
     page.click("#generate-btn")
+    # the previous race's "✓ Done" is replaced at once (waiting / racing), then this race's own "Done"
+    page.wait_for_function("!document.querySelector('#race-status')?.innerText.includes('Done')", timeout=10_000)
     page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')",
                            timeout=RACE_TIMEOUT_MS)
 
@@ -160,3 +162,112 @@ def test_uploaded_dataset_is_previewed_with_per_line_errors(page, tmp_path):
     assert "line 2: not valid JSON" in report, report
     page.click("#ft-start")
     page.wait_for_function("document.querySelector('#ft-msg')?.innerText.includes('not valid')")
+
+
+# ----------------------------------------------------------------------------- the honest race (issues 18, 22)
+SORT_PROMPT = "Sort in descending order: 91, 57, 59, 87"   # tiny-mars at τ 0.5: a rejected draft, MARS ≠ AR
+
+
+def set_tau(page, value: str) -> None:
+    page.fill("#tau input[type=number]", value)
+    page.press("#tau input[type=number]", "Enter")
+
+
+def lane_text(page, pane: str) -> str:
+    """The committed text of a lane: struck-through rejected drafts and drafts awaiting their check left out."""
+    return page.evaluate(f"""() => {{
+        const n = document.querySelector('#{pane} .race-text').cloneNode(true);
+        n.querySelectorAll('del, .pending-drafts, .cursor').forEach(e => e.remove());
+        return n.textContent; }}""")
+
+
+def measured(page, vid: str = "speedup-value") -> dict:
+    el = page.query_selector(f"#{vid}")
+    return {k: float(el.get_attribute(f"data-{k}")) for k in ("median", "min", "max", "bound", "repeats")}
+
+
+def test_measured_speedup_with_its_spread_stays_near_the_stated_bound(page):
+    race(page, prompt_for_model())
+    stats = page.inner_text("#stats")
+    assert "measured: median of" in stats and "expected bound" in stats, stats
+    for vid in ("speedup-value", "speedup-verify"):
+        m = measured(page, vid)
+        assert m["repeats"] >= 5 and m["min"] <= m["median"] <= m["max"]
+        assert re.fullmatch(r"\d+\.\d\d×", page.inner_text(f"#{vid}"))
+        shown = page.inner_text(f"#stats .speedup[data-lane={'mars' if vid == 'speedup-value' else 'verify'}]")
+        assert f"min {m['min']:.2f}× – max {m['max']:.2f}×" in shown and f"{m['bound']:.2f}×" in shown
+        ratio = m["median"] / m["bound"]
+        (ARTIFACTS / f"bound-{vid}.txt").write_text(f"{m}\nmedian / bound = {ratio:.3f}\n")
+        assert 0.5 <= ratio <= 1.2, f"{vid}: measured {m['median']:.2f}× against a bound of {m['bound']:.2f}×"
+    assert "same answer as AR" in page.inner_text("#stats .speedup[data-lane=verify]")
+    page.screenshot(path=str(ARTIFACTS / "measured.png"), full_page=True)
+
+
+def test_different_answers_are_shown_next_to_the_number(page):
+    set_tau(page, "0.5")
+    race(page, SORT_PROMPT)
+    line = page.inner_text("#stats .speedup[data-lane=mars]")
+    assert "time ratio" in line and "speedup" not in line.split("×")[0], line
+    assert "different answer: first difference at token" in line and "of tokens agree" in line
+    assert page.query_selector("#stats .speedup[data-lane=mars] .differs")
+    # the lossless lane: a rejected draft struck through with AR's replacement, and still AR's exact answer
+    assert page.query_selector_all("#verify-pane del.rejected") and page.query_selector_all("#verify-pane .replacement")
+    assert lane_text(page, "verify-pane") == lane_text(page, "ar-pane") != lane_text(page, "mars-pane")
+    assert "same answer as AR" in page.inner_text("#stats .speedup[data-lane=verify]")
+    page.screenshot(path=str(ARTIFACTS / "different-answers.png"), full_page=True)
+
+
+def test_the_verify_lane_races_beside_ar_and_mars(page):
+    race(page, prompt_for_model())
+    chunks = page.query_selector_all("#verify-pane .chunk")
+    assert chunks and max(int(c.get_attribute("data-n")) for c in chunks) >= 2
+    assert page.query_selector_all("#verify-pane .verified")
+    assert lane_text(page, "verify-pane") == lane_text(page, "ar-pane")
+    assert int(stat(page, "forwards", "verify")) < int(stat(page, "forwards", "ar"))
+    assert "%" in stat(page, "drafts", "verify")
+    page.get_by_label("MARS lossless").check()
+    page.wait_for_function("document.querySelector('#ledger')?.innerText.includes('MARS lossless · step 0')")
+    assert "kept as a draft" in page.inner_text("#ledger")
+
+
+def test_tiny_model_on_free_text_gets_a_notice(page):
+    page.fill("#prompt textarea", "Tell me a story about a cat.")
+    page.wait_for_function("document.querySelector('#notice')?.innerText.includes('task suite')")
+    from app import models
+    if models.smollm2_mars_available():
+        assert page.is_visible("#notice-model") and "smollm2-mars" in page.inner_text("#notice-model")
+    page.fill("#prompt textarea", prompt_for_model())   # a suite task: the notice goes
+    page.wait_for_function("!document.querySelector('#notice')?.innerText.includes('task suite')")
+
+
+def test_the_tau_line_shows_the_tau_that_ran(page):
+    set_tau(page, "1.5")
+    page.wait_for_function("document.querySelector('#tau-status')?.innerText.includes('1.50 is above')")
+    race(page, prompt_for_model())
+    assert "ran at MARS τ = off · MARS lossless τ = off" in page.inner_text("#tau-status")
+    assert "τ 1.50 is above the range" in page.inner_text("#race-status")
+    set_tau(page, "0.9")
+    race(page, prompt_for_model())
+    assert "ran at MARS τ = 0.90 · MARS lossless τ = 0.90" in page.inner_text("#tau-status")
+
+
+def test_a_queued_race_shows_its_waiting_state(browser, app_server, page):
+    url, _, _ = app_server
+    other = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+    other.set_default_timeout(60_000)
+    other.goto(url)
+    other.wait_for_selector("#generate-btn")
+    page.click("#slow-motion input")
+    page.get_by_role("option", name="slow motion ×50").click()
+    page.fill("#prompt textarea", prompt_for_model())
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelectorAll('#mars-pane .chunk').length >= 1", timeout=RACE_TIMEOUT_MS)
+    other.click("#generate-btn")
+    other.wait_for_function("document.querySelector('#race-status')?.innerText.match(/waiting for the machine|queue/)",
+                            timeout=10_000)
+    text = other.inner_text("#race-status")
+    other.screenshot(path=str(ARTIFACTS / "queued.png"), full_page=True)
+    assert "Done" not in text
+    other.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')",
+                            timeout=4 * RACE_TIMEOUT_MS)
+    other.context.close()
