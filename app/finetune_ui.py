@@ -44,11 +44,19 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
         return False, f"⚠ the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
     from finetune.data import validate_conversation
     errors, good = [], []
-    with open(p, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(p, "rb") as f:   # bytes, so a non-UTF-8 line is reported as the trainer would refuse it
+        for lineno, raw in enumerate(f, start=1):
+            where = f"line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                              "save the file as UTF-8")
+                continue
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
-            where = f"line {lineno}"
             try:
                 good.append(validate_conversation(json.loads(line), where))
             except json.JSONDecodeError as e:

@@ -345,6 +345,17 @@ def test_training_data_is_checked_before_the_model_loads(tmp_path):
         train_mod.main(["--base-model", NO_MODEL, "--data", str(data), "--output-dir", str(tmp_path / "run")])
 
 
+def test_the_apps_upload_check_refuses_what_the_trainer_refuses(tmp_path):
+    from app.finetune_ui import validate_jsonl
+
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    blank = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]})
+    path = tmp_path / "up.jsonl"
+    path.write_bytes(good.encode() + b"\n" + b'{"messages": "caf\xe9"}\n' + blank.encode() + b"\n")
+    ok, report = validate_jsonl(str(path))
+    assert not ok and "line 2: not UTF-8 (byte 0xe9" in report and "line 3: the last assistant message is empty" in report
+
+
 # ----------------------------------------------------------------------------- train: runs
 
 
