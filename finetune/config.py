@@ -134,6 +134,9 @@ class TrainConfig:
         need(self.batch_size >= 1, f"batch_size={self.batch_size}; use 1 or more")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}; use 1 or more")
         need(self.max_length >= 2, f"max_length={self.max_length}; use at least 2 tokens")
+        need(self.stage != "mars" or self.block_size <= self.max_length,
+             f"block_size={self.block_size} is larger than max_length={self.max_length}: MARS pads every example to a "
+             "multiple of the block size, so none would fit; use a block size such as 4 or raise --max-length")
         need(self.builtin_examples >= 1, f"builtin_examples={self.builtin_examples}; use 1 or more")
         need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}; use 0 or more")
         need(0 <= self.adam_beta2 < 1, f"adam_beta2={self.adam_beta2}; use a value in [0, 1)")

@@ -211,6 +211,12 @@ def test_train_refuses_non_finite_numbers(flag, value):
     assert f"{flag.lstrip('-').replace('-', '_')}=" in str(err.value) and flag in str(err.value)
 
 
+def test_train_refuses_a_block_larger_than_the_longest_example():
+    with pytest.raises(ValueError, match="block_size=100000 is larger than max_length=64.*such as 4"):
+        config_from_args(["--block-size", "100000", "--max-length", "64"])
+    config_from_args(["--block-size", "100000", "--max-length", "64", "--stage", "ar-sft"])   # ignored there (warned)
+
+
 def test_train_config_bools_still_parse_and_json_booleans_work(tmp_path):
     assert config_from_args(["--lora", "false"]).lora is False
     assert config_from_args(["--config", write_config(tmp_path, {"lora": False, "lr": 1})]).lora is False
