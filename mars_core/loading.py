@@ -85,7 +85,9 @@ class LoadedModel:
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for one user prompt, through the chat template unless `chat=False`."""
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt={prompt!r} has type {type(prompt).__name__}, not str: pass the prompt as text")
+        if not prompt.strip():
             raise ValueError(f"prompt={prompt!r} is empty: type a question or instruction for the model")
         try:
             prompt.encode("utf-8")
@@ -264,6 +266,8 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype} is not a floating-point type: use torch.float32, bfloat16 or float16")
         return dtype
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -276,7 +280,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 def resolve_source(name_or_path: str | None) -> tuple[str, str]:
     """(kind, location) for a model name: kind is dir | gguf | hub | adapter."""
-    name = name_or_path or DEFAULT_MODEL
+    name = _model_name(name_or_path)
     spec = KNOWN_MODELS.get(name.lower())
     if spec is not None:
         kind, _, where = spec.partition(":")
@@ -315,6 +319,18 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
         f"unknown model {name!r}: use one of {', '.join(sorted(KNOWN_MODELS))}, "
         "a local checkpoint or adapter folder, a .gguf file, or a hub id like org/name"
     )
+
+
+def _model_name(name_or_path) -> str:
+    """A model argument as a string: None is the default model, a Path its text; anything else is refused."""
+    if name_or_path is None:
+        return DEFAULT_MODEL
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise ValueError(f"model={name_or_path!r} has type {type(name_or_path).__name__}: pass a model name, a folder "
+                         "or a .gguf path as a string")
+    return name_or_path or DEFAULT_MODEL
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -580,6 +596,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
     `cpu_layout=False` keeps the stock modules.
     """
+    name_or_path = _model_name(name_or_path)   # a Path works as its text
     kind, where = resolve_source(name_or_path)
     adapter_cfg = read_adapter_config(where) if kind == "adapter" else None
     if adapter_cfg is not None:

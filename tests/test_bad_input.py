@@ -536,10 +536,22 @@ def test_loaded_model_encode_keeps_user_text_as_text(tiny):
         assert lm.mask_id not in ids and ids.count(lm.tokenizer.eos_token_id) == (1 if chat else 0)
 
 
-def test_api_encode_refuses_text_that_is_not_utf8(tiny):
-    lm = load_model(str(tiny[0]), device="cpu")
+def test_api_encode_refuses_text_that_is_not_utf8_or_not_a_string(tiny):
+    lm = load_model(tiny[0], device="cpu")   # a Path is a model path
     with pytest.raises(ValueError, match="not valid UTF-8 text"):
         lm.encode("caf\udce9")
+    with pytest.raises(ValueError, match="prompt=123 has type int, not str"):
+        lm.encode(123)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"name_or_path": 123}, "model=123 has type int"),
+    ({"name_or_path": "tiny-mars", "dtype": torch.int8}, "dtype=torch.int8 is not a floating-point type"),
+    ({"name_or_path": "tiny-mars", "device": "tpu"}, "device='tpu'"),
+])
+def test_api_load_model_refuses_bad_arguments(kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_model(**kwargs)
 
 
 def test_typed_control_tokens_in_training_data_are_text(tok):
