@@ -394,11 +394,12 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
         value = (f'<b id="{vid}" data-median="{m.median:.4f}" data-min="{m.low:.4f}" data-max="{m.high:.4f}" '
                  f'data-bound="{m.bound:.4f}" data-repeats="{m.repeats}">{m.median:.2f}×</b>')
         how = (f"measured: median of {m.repeats} alternating runs after the race, "
-               f"min {m.low:.2f}× – max {m.high:.2f}×")
+               f"min {m.low:.2f}× – max {m.high:.2f}× ({_esc(m.clock)})")
         bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "
                  f"(after the prompt pass) × cost(1) ÷ cost({m.mean_fed:.1f} positions fed) = "
                  f"{m.forward_ratio:.2f} ÷ {m.mean_cost:.2f}; cost = the forward (measured after the race: "
-                 f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it")
+                 f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it (AR's "
+                 f"timed run per forward − its forward)")
         if m.forward_ratio_label:
             bound += f" ({_esc(m.forward_ratio_label)})"
         note = ""

@@ -2,7 +2,8 @@
 
 The streaming race runs each decoder once, interleaved with the others and with page updates, so a few
 milliseconds of noise decide a short race. `measure()` therefore times the same decoders again on the
-same prompt (the race was their warm-up): alternating (the order rotates every repeat, so drift on a
+same prompt (the race was their warm-up), by the CPU time of the decoding thread where that is the decoder's
+own compute (one torch thread on a CPU; see clock_for), else by the wall clock: alternating (the order rotates every repeat, so drift on a
 shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
 whichever is more. Each repeat gives AR time ÷ lane time; the page shows the median with its min–max.
 
@@ -17,7 +18,7 @@ steps after the prompt pass,
 tokens/forward here being AR's forwards per lane forward after the prompt pass (the lane's tokens/forward
 when the answers are the same), and cost(r) = forward(r) + o: the forward alone from row_costs plus o, the
 work a decoding step does outside the forward (cache bookkeeping, the acceptance test, the host sync),
-measured as an AR step's own step_time minus its forward and taken to be the same for every lane. On a tiny
+measured as AR's timed run per forward minus its forward and taken to be the same for every lane. On a tiny
 model o is a large share of a step, which is why a step feeding 7 positions costs far less than 7 AR steps.
 The prompt pass, the same for every lane, is left out, which pulls a real speedup below the bound; a MARS
 step's extra bookkeeping (B candidates to test) pulls it down too. Above the bound means noise.
@@ -51,6 +52,7 @@ class Measurement:
     note: str = ""
     forward_ms: float = 0.0      # AR's forward alone (row_costs, 1 position)
     overhead_ms: float = 0.0     # an AR step's measured time minus that forward: per-step work outside it
+    clock: str = "wall clock"    # what the repeats were timed with (clock_for)
 
     @property
     def median(self) -> float:
@@ -86,7 +88,18 @@ def repeats_for(round_s: float, target_s: float = TARGET_S, min_repeats: int = M
     return max(min_repeats, min(max_repeats, math.ceil(target_s / round_s)))
 
 
-def time_lanes(runs: dict[str, Callable[[], object]], repeats: int) -> Iterator[tuple[int, dict, dict]]:
+def clock_for(lm) -> tuple[Callable[[], float], str]:
+    """(clock, what it measures). On a CPU with one torch thread the decoder runs in the calling thread, so its
+    CPU time is the decoder's own compute: unlike the wall clock it does not count the turns other processes get
+    on a shared machine (which made one race's ratio swing from 1.2x to 7x). Otherwise the wall clock."""
+    import torch
+    if getattr(lm, "device", None) is not None and lm.device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time, "CPU time of the decoding thread"
+    return time.perf_counter, "wall clock"
+
+
+def time_lanes(runs: dict[str, Callable[[], object]], repeats: int,
+               clock: Callable[[], float] = time.perf_counter) -> Iterator[tuple[int, dict, dict]]:
     """Wall-clock seconds of each run, `repeats` times, the order rotating every repeat; yields
     (repeats done, {lane: seconds so far}, {lane: what each run returned}) after each repeat, so a caller can report progress between repeats
     (nothing else runs while a repeat is timed)."""
@@ -96,9 +109,9 @@ def time_lanes(runs: dict[str, Callable[[], object]], repeats: int) -> Iterator[
     for r in range(repeats):
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             out = runs[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
             results[n].append(out)
         yield r + 1, times, results
 
@@ -135,7 +148,10 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
     round_s = sum(lanes[n].compute_time for n in runs)
     repeats = repeats_for(round_s, target_s, min_repeats)
     times, results = {}, {}
-    for done, times, results in time_lanes(runs, repeats):
+    clock, clock_name = clock_for(lane_lm)
+    if ar_lm is not lane_lm and clock_for(ar_lm)[1] != clock_name:
+        clock, clock_name = time.perf_counter, "wall clock"
+    for done, times, results in time_lanes(runs, repeats, clock):
         yield (f"⏱ measuring the speedup: repeat {done} of {repeats} (the decoders again, alternating; "
                f"about {round_s * repeats:.0f} s in all)")
     yield "⏱ measuring the forward costs for the bound …"
@@ -146,9 +162,9 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
     costs = row_cost_table(lane_lm, prompt_ids, max(max_fed, 2 * block_size - 1), block_size, est)
     cost_ar1 = costs[1] if ar_lm is lane_lm else row_cost_table(ar_lm, prompt_ids, 1, 1, est)[1]
     # the part of a decoding step outside the model forward (cache bookkeeping, the acceptance test, the host
-    # sync): an AR step's own measured time (the decoder's step_time) minus its forward; the same for every lane
-    ar_step_times = [t for res in results.get("ar", []) for r in res for t in r.step_times[1:]]
-    overhead = max(0.0, statistics.median(ar_step_times) - cost_ar1) if ar_step_times else 0.0
+    # sync, the decoding loop): AR's timed run per forward, on the same clock, minus its forward alone; taken
+    # to be the same for every lane (the lanes' own times are not used: the bound stays a prediction)
+    overhead = max(0.0, statistics.median(times["ar"]) / max(1, ar.forwards) - cost_ar1) if times.get("ar") else 0.0
     out = {}
     for n in runs:
         if n == "ar":
@@ -164,7 +180,7 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
         note = ("" if all(ids == side.token_ids for ids in again) else
                 "the timed runs wrote another answer than the race's (the race moved τ or sampled differently)")
         out[n] = Measurement(n, repeats, ratios, times["ar"], times[n], b, fr, fed, mc, label, note,
-                             forward_ms=1000 * cost_ar1, overhead_ms=1000 * overhead)
+                             forward_ms=1000 * cost_ar1, overhead_ms=1000 * overhead, clock=clock_name)
     return out
 
 
