@@ -5,6 +5,7 @@ Handlers are plain functions / generators of values (Gradio calls them); decodin
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -206,6 +207,13 @@ def _outputs(status, sides, ar_label, final=False, measured=None, measuring="", 
     else:
         vals += [gr.skip()] * 6
     return tuple(vals)
+
+
+def clear_warning(message):
+    """An input changed: a warning (⚠ …) about the old inputs goes; any other message stays."""
+    text = message if isinstance(message, str) else ""
+    stripped = re.sub(r"<[^>]+>", "", text).strip()
+    return "" if stripped.startswith("⚠") else gr.skip()
 
 
 def waiting_status():

@@ -140,8 +140,9 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                                                      label="τ (confidence threshold)", scale=3, elem_id="tau",
                                                      info="lower = more tokens per forward, less fidelity (lossy MARS)"))
                     tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
-                    block_size = gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2)
-                    max_new = gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8, label="max new tokens", scale=2)
+                    block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
+                    max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
+                                                         label="max new tokens", scale=2))
                     temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
                                                              scale=2, elem_id="temperature"))
                     seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False, elem_id="seed",
@@ -389,6 +390,16 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         step_btn.click(one_step, [model, free, prompt, tau, tau_off, mask_b, criterion, picked],
                        [step_view, conf_plot],
                        concurrency_id="model")
+
+        # a warning is replaced as soon as its cause may have gone: any of the inputs it was about changes
+        for target, causes in ((race_status, [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new,
+                                              temperature, criterion, seed]),
+                               (sweep_status, [model, free, source, n_tasks, taus_text, free_prompts, ex_block,
+                                               ex_max_new, ex_criterion]),
+                               (step_view, [model, free, prompt, tau, tau_off, mask_b, criterion]),
+                               (ft_msg, [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora])):
+            for comp in causes:
+                comp.change(generate.clear_warning, target, target, show_progress="hidden", concurrency_limit=None)
 
         ft_inputs = [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora]
         for comp in ft_inputs:

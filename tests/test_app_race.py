@@ -341,3 +341,17 @@ def test_explorer_lossless_curve_keeps_ars_answers(tiny_mars):
     assert sorted(a.text for a in fig.layout.annotations if a.text.startswith("τ")) == sorted(
         ["τ=off", "τ=0.6", "τ=0.6"] * 2)
     assert explorer.table_rows(rows)[-1][:2] == ["lossless", 0.6]
+
+
+def test_a_warning_goes_when_an_input_it_was_about_changes(tmp_path):
+    assert generate.clear_warning("⚠ the prompt is empty: type a question") == ""
+    assert generate.clear_warning("<p>⚠ n = 40 is out of range</p>") == ""
+    assert generate.clear_warning("✓ Done: MARS 3.81 tokens/forward") == {"__type__": "update"}   # stays
+    from app.ui import build_ui
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    by_id = {getattr(b, "elem_id", None): b for b in demo.blocks.values()}
+    clears = [f for f in demo.fns.values() if f.fn is generate.clear_warning]
+    cleared = {f.outputs[0].elem_id for f in clears}
+    assert cleared == {"race-status", "sweep-status", "learn-step", "ft-msg"}
+    prompt_events = {f.outputs[0].elem_id for f in clears if (by_id["prompt"]._id, "change") in f.targets}
+    assert prompt_events == {"race-status", "learn-step"}
