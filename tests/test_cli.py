@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import make_model, make_tokenizer
+from tests.tiny_fixtures import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,22 +7,14 @@ import torch
 
 
 def _tiny_model_dir(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_fixtures import make_task_tokenizer, save_model_dir, tiny_causal_lm
 
-    from finetune.tokenizer import build_tokenizer
-
-    tok = build_tokenizer(vocab_size=300, n_examples=200)
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    tok = make_task_tokenizer()
+    model = tiny_causal_lm(len(tok), kv_heads=4, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     with torch.no_grad():   # special tokens get logit 0 and lose to the best random one: answers are real text
         for tid in tok.added_tokens_decoder:
             model.lm_head.weight[tid] = 0.0
-    model.save_pretrained(path)
-    return path
+    return save_model_dir(path, tok, model)
 
 
 def test_distill_writes_the_models_greedy_answers(tmp_path):

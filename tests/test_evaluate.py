@@ -3,22 +3,17 @@
 import json
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.tokenizer import build_tokenizer
     from mars_core import wrap_model
+    from tests.tiny_fixtures import make_task_tokenizer, tiny_causal_lm
 
-    tok = build_tokenizer(vocab_size=300, n_examples=200)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    return wrap_model(LlamaForCausalLM(cfg), tok, name="tiny-random")
+    tok = make_task_tokenizer()
+    model = tiny_causal_lm(len(tok), kv_heads=4, tie=True, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+    return wrap_model(model, tok, name="tiny-random")
 
 
 def test_sweep_rows_are_well_formed(tiny_lm):

@@ -15,24 +15,14 @@ import torch
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A random 2-layer Llama with the suite's tokenizer; a long context so HumanEval prompts fit."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_fixtures import make_task_tokenizer, save_model_dir, tiny_causal_lm
 
-    from finetune.tokenizer import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-natural")
-    tok = build_tokenizer(vocab_size=300, n_examples=200)
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    tok = make_task_tokenizer()
     # A sharper head than the init's: the tied default only ever says "\n"; this one says varied words, and
     # its confidences spread so that τ = 0.005 accepts most masks.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    model.save_pretrained(path)
-    return path
+    model = tiny_causal_lm(len(tok), kv_heads=4, context=2048, head_scale=30.0, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+    return save_model_dir(tmp_path_factory.mktemp("tiny-natural"), tok, model)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mars_core import DecodeConfig, generate, load_model, loading, wrap_model
 from mars_core.cli import main
-from tests.conftest import make_model, make_tokenizer
+from tests.tiny_fixtures import make_model, make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is 17 + 25?", "Sort: 5 2 9 1"]

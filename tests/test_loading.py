@@ -6,7 +6,7 @@ import torch
 
 from mars_core import DecodeConfig, generate, load_model, resolve_mask_id
 from mars_core.loading import KNOWN_MODELS, resolve_source
-from tests.conftest import make_model, make_tokenizer
+from tests.tiny_fixtures import make_model, make_tokenizer
 
 
 def test_mask_token_from_tokenizer():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from tests.tiny_fixtures import tiny_causal_lm
 
 from finetune.losses import (
     IGNORE_INDEX,
@@ -39,12 +39,7 @@ EXPECTED_N8_B4 = """
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_causal_lm(VOCAB, context=128)
 
 
 def make_batch(lengths, prompt_lengths, seed=0):
