@@ -496,10 +496,15 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
 def read_metrics(path: Path, up_to_step: int | None = None) -> list[str]:
     if not path.is_file():
         return []
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if up_to_step is None:
-        return lines
-    return [ln for ln in lines if json.loads(ln)["step"] <= up_to_step]
+    lines = []
+    for ln in path.read_text(errors="replace").splitlines():
+        try:   # a line cut off by a SIGKILL mid-append is dropped (its step is redone after the resume)
+            row = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            lines.append((row["step"], ln))
+    return [ln for step, ln in lines if up_to_step is None or step <= up_to_step]
 
 
 def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:

@@ -419,6 +419,13 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tiny, tmp_path, c
     assert st["state"] == "failed" and st["step"] == 4 and st["last_checkpoint"].endswith("checkpoint-4")
 
 
+def test_a_metrics_line_cut_off_by_a_kill_does_not_stop_the_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert train_mod.read_metrics(path, 2) == ['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": 1.5}']
+    assert len(train_mod.read_metrics(path)) == 2
+
+
 def test_every_checkpoint_damaged_is_refused(tmp_path):
     out = tmp_path / "run"
     for step in (1, 2):
