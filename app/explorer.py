@@ -208,8 +208,11 @@ def pareto_figure(rows: list[dict]) -> go.Figure:
         yr = _range([p[1] for p in pts_all], floor=0.0)
         shifts = place_labels([(x, y, t) for x, y, t, _ in pts_all], xr, yr)
         for (x, y, text, colour), (dx, dy, _) in zip(pts_all, shifts):
-            fig.add_annotation(x=x, y=y, text=text, showarrow=False, xshift=dx, yshift=dy,
-                               font=dict(size=11, color=colour), row=1, col=col)
+            far = abs(dx) > 34 or abs(dy) > 16   # a label moved away from its point gets a thin leader line
+            fig.add_annotation(x=x, y=y, text=text, font=dict(size=11, color=colour), row=1, col=col,
+                               **(dict(showarrow=True, ax=dx, ay=-dy, arrowhead=0, arrowwidth=0.7,
+                                       arrowcolor=colour, standoff=5) if far
+                                  else dict(showarrow=False, xshift=dx, yshift=dy)))
         fig.update_xaxes(range=xr, title_text=f"{qname} (%)", row=1, col=col)
         fig.update_yaxes(range=yr, title_text=ytitle, row=1, col=col)
     fig.update_layout(template="plotly_white", height=460, showlegend=True,

@@ -78,12 +78,12 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
     step = tick_step(n)
     ticks = [i for i in range(2 * n) if (i % n) % step == 0]
     short = [f"{'noisy' if i < n else 'clean'} {i % n}" for i in ticks]
-    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)"
-                            + (f"; every {step}th position labelled" if step > 1 else ""),
+    every = f" (every {step}{'nd' if step == 2 else 'th'} labelled)" if step > 1 else ""
+    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)",
                       template="plotly_white", height=600, margin=dict(l=90, r=20, t=50, b=90),
-                      xaxis=dict(title="key position", tickvals=ticks, ticktext=short, tickangle=-60,
+                      xaxis=dict(title="key position" + every, tickvals=ticks, ticktext=short, tickangle=-60,
                                  tickfont=dict(size=11)),
-                      yaxis=dict(title="query position", tickvals=ticks, ticktext=short, autorange="reversed",
+                      yaxis=dict(title="query position" + every, tickvals=ticks, ticktext=short, autorange="reversed",
                                  tickfont=dict(size=11), scaleanchor="x"))
     return fig
 
