@@ -439,9 +439,10 @@ def test_a_stale_running_status_reads_as_interrupted(tmp_path):
     from app.runs import JobManager
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_started = process_start(gone.pid)   # readable until wait() reaps it (a zombie keeps its /proc entry)
     gone.wait()
     runs = tmp_path / "runs"
-    for name, pid, started in (("dead", gone.pid, None), ("alive", os.getpid(), process_start(os.getpid())),
+    for name, pid, started in (("dead", gone.pid, gone_started), ("alive", os.getpid(), process_start(os.getpid())),
                                ("reused", os.getpid(), -1)):
         (runs / name).mkdir(parents=True)
         (runs / name / "status.json").write_text(json.dumps(
