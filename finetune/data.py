@@ -130,7 +130,7 @@ def builtin_family_cycle(weights: str) -> list[str] | None:
 def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights: str = "") -> list[list[dict]]:
     """``data`` is ``"builtin"`` (finetune.tasks' train split) or a chat JSONL path."""
     if data == "builtin":
-        from finetune import tasks  # written by another helper; imported only when asked for
+        from finetune import tasks  # imported only when asked for: a JSONL run does not need the suite
 
         rows = tasks.make_examples("train", n_builtin, seed, families=builtin_family_cycle(weights))
         return [validate_conversation(r, f"builtin example {i}") for i, r in enumerate(rows)]
@@ -154,6 +154,10 @@ def end_of_turn_ids(tokenizer, eos_ids=None) -> list[int]:
 
 def tokenize_conversation(tokenizer, messages: list[dict], eos_ids: list[int]) -> Example:
     """Prompt (template + generation prompt) and supervised last assistant turn, up to its end-of-turn token."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has no "
+                         "chat template, so conversations cannot be rendered: start from a chat model, or set "
+                         "tokenizer.chat_template and save it with the base model")
     prompt_text, prompt_spans = chat_spans(tokenizer, messages[:-1], add_generation_prompt=True)
     full_text, spans = chat_spans(tokenizer, messages)
     if not full_text.startswith(prompt_text):

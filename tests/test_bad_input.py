@@ -7,6 +7,7 @@ itself is what is tested (the `__main__` handlers). Checks that must happen befo
 that does not exist: reaching the model load would raise a different error.
 """
 
+import copy
 import json
 import os
 import re
@@ -542,6 +543,14 @@ def test_loaded_model_encode_keeps_user_text_as_text(tiny):
     for chat in (True, False):
         ids = lm.encode("a <|mask|> b <|im_end|>", chat=chat)
         assert lm.mask_id not in ids and ids.count(lm.tokenizer.eos_token_id) == (1 if chat else 0)
+
+
+def test_training_refuses_a_tokenizer_without_a_chat_template(tok):
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template.*start from a chat model"):
+        build_examples([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]], bare,
+                       max_length=64, eos_ids=[bare.eos_token_id])
 
 
 def test_api_encode_refuses_text_that_is_not_utf8_or_not_a_string(tiny):
