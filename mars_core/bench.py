@@ -90,6 +90,7 @@ class BenchRow:
     reference_time: float | None   # uncached reference, one row at a time (the same run for every batch size)
     reference_speedup: float | None  # ar_time / reference_time
     peak_memory_mb: float          # CUDA: peak allocated in this batch size; CPU: process peak RSS so far
+    clock: str = "wall"            # what the times measure: wall (perf_counter) or thread (this thread's CPU time)
     hf_time: float | None = None   # transformers generate(do_sample=False), same model and batches
     hf_equals_ar: bool | None = None
     fastest_ar: str = "ours"       # the AR baseline every speedup below divides: "ours" or "transformers"
@@ -116,10 +117,33 @@ class HFGreedy:
     max_new_tokens: int
 
 
-def _timed_run(lm, batches, cfg) -> tuple[float, int, list]:
+CLOCKS = ("auto", "wall", "thread")
+
+
+def pick_clock(clock: str, device) -> str:
+    """"thread" (this thread's CPU time) when the model runs on one CPU thread, else "wall".
+
+    With one torch thread every operation runs on the calling thread, so its CPU time is the decoding's own
+    work; on a machine shared with other processes it leaves out the turns the OS gave them, which the wall
+    clock counts (spreads of several x here). On an otherwise idle machine the two agree."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r} is unknown: use auto, wall or thread")
+    if clock == "auto":
+        return "thread" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    if clock == "thread" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='thread' needs the model on the CPU with one torch thread (--threads 1): "
+                         "use --clock wall")
+    return clock
+
+
+_NOW = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _timed_run(lm, batches, cfg, clock: str = "wall") -> tuple[float, int, list]:
     """Seconds, batched forwards and results for all batches (HFGreedy: token lists, forwards not counted)."""
+    now = _NOW[clock]
     _sync(lm.device)
-    t0 = time.perf_counter()
+    t0 = now()
     results, forwards = [], 0
     for batch in batches:
         if isinstance(cfg, HFGreedy):
@@ -129,7 +153,7 @@ def _timed_run(lm, batches, cfg) -> tuple[float, int, list]:
         forwards += max(r.forwards for r in out)
         results.extend(out)
     _sync(lm.device)
-    return time.perf_counter() - t0, forwards, results
+    return now() - t0, forwards, results
 
 
 @torch.inference_mode()
@@ -148,22 +172,22 @@ def hf_generate(lm, batch: list[list[int]], max_new_tokens: int) -> list[list[in
     return rows
 
 
-def decoder_overhead(lm, batches, cfg) -> tuple[float, float]:
+def decoder_overhead(lm, batches, cfg, clock: str = "wall") -> tuple[float, float]:
     """One extra, instrumented run: ms per forward spent outside the model's forward, and its share of a step."""
     spent = [0.0]
-    forward = lm.model.forward
+    forward, now = lm.model.forward, _NOW[clock]
 
     def timed(*args, **kwargs):
         _sync(lm.device)
-        t0 = time.perf_counter()
+        t0 = now()
         out = forward(*args, **kwargs)
         _sync(lm.device)
-        spent[0] += time.perf_counter() - t0
+        spent[0] += now() - t0
         return out
 
     lm.model.forward = timed
     try:
-        total, forwards, _ = _timed_run(lm, batches, cfg)
+        total, forwards, _ = _timed_run(lm, batches, cfg, clock)
     finally:
         del lm.model.forward          # back to the class's own forward
     outside = max(0.0, total - spent[0])
@@ -178,8 +202,11 @@ def peak_memory_mb(device) -> float:
 
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
-          criterion: str = "prob", transformers: bool = True, verify: bool = True) -> list[BenchRow]:
-    """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size."""
+          criterion: str = "prob", transformers: bool = True, verify: bool = True,
+          clock: str = "auto") -> list[BenchRow]:
+    """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
+    `clock` (see `pick_clock`) decides what every time in the rows measures."""
+    clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
     bad = [b for b in batch_sizes if not isinstance(b, int) or b < 1]
@@ -204,32 +231,32 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
         for cfg in cfgs.values():                      # warm-up, every side
-            _timed_run(lm, batches[:1], cfg)
+            _timed_run(lm, batches[:1], cfg, clock)
         times = {side: [] for side in cfgs}
         runs = {}
         for _ in range(repeats):                       # alternate so drift hits every side alike
             for side, cfg in cfgs.items():
-                t, forwards, res = _timed_run(lm, batches, cfg)
+                t, forwards, res = _timed_run(lm, batches, cfg, clock)
                 times[side].append(t)
                 runs[side] = (forwards, res)
             if progress:
                 progress(f"batch {bs}: " + ", ".join(f"{side} {times[side][-1]:.2f}s" for side in cfgs))
         med = {side: statistics.median(t) for side, t in times.items()}
         if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
-            t0 = time.perf_counter()
+            t0 = _NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
-            ref_time = time.perf_counter() - t0
-        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size))
+            ref_time = _NOW[clock]() - t0
+        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock))
     return rows
 
 
-def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size) -> BenchRow:
+def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock) -> BenchRow:
     (ar_fwd, ar_res), (mars_fwd, mars_res) = runs["ar"], runs["mars"]
     ar_tokens = [r.token_ids for r in ar_res]
     fastest = "transformers" if "transformers" in med and med["transformers"] < med["ar"] else "ours"
     base = med["transformers"] if fastest == "transformers" else med["ar"]
     ar_ms, mars_ms = 1000 * med["ar"] / ar_fwd, 1000 * med["mars"] / mars_fwd
-    overhead = {side: decoder_overhead(lm, batches, cfgs[side]) for side in cfgs if side != "transformers"}
+    overhead = {side: decoder_overhead(lm, batches, cfgs[side], clock) for side in cfgs if side != "transformers"}
     row = BenchRow(
         batch_size=bs, prompts=len(ids),
         tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
@@ -238,7 +265,7 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size) -> 
         ar_tokens_per_s=sum(map(len, ar_tokens)) / med["ar"],
         mars_tokens_per_s=sum(len(r.token_ids) for r in mars_res) / med["mars"],
         reference_time=ref_time, reference_speedup=(med["ar"] / ref_time) if ref_time else None,
-        peak_memory_mb=peak_memory_mb(lm.device),
+        peak_memory_mb=peak_memory_mb(lm.device), clock=clock,
         fastest_ar=fastest, mars_speedup=base / med["mars"],
         mars_agreement=statistics.mean(r.token_ids == a for r, a in zip(mars_res, ar_tokens)),
         time_ranges={side: [min(t), max(t)] for side, t in times.items()},
@@ -276,7 +303,7 @@ def format_table(rows: list[BenchRow]) -> str:
         ]))
     notes = []
     for r in rows:
-        notes.append(f"batch {r.batch_size}: speedups divide the fastest AR ({r.fastest_ar}); "
+        notes.append(f"batch {r.batch_size}: times are {r.clock} seconds; speedups divide the fastest AR ({r.fastest_ar}); "
                      f"transformers == our AR: {r.hf_equals_ar}; lossless == AR: {r.verify_equals_ar}; "
                      "lossless drafts confirmed per slot: "
                      + (", ".join("-" if a is None else f"{a:.0%}" for a in r.draft_acceptance or []) or "-"))
@@ -313,6 +340,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
     if len(ids) + max_rows > lm.context_length:
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
     model, device = lm.model, lm.device
+    now = _NOW[pick_clock("auto", device)]   # one CPU thread: its CPU time, immune to other processes
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     past = len(ids)
@@ -324,10 +352,10 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
         mask = step_attention(kv_valid, torch.ones(1, r, dtype=torch.bool, device=device))
         keep = torch.arange(r - min(r, block_size), r, device=device)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         model(input_ids=chunk, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=keep)
         _sync(device)
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         cache.crop(-r)
         return elapsed
 

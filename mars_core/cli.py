@@ -14,10 +14,11 @@ import torch
 
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
                              rows_as_dicts)
+from mars_core.cpu_layout import RowMajorLinear
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.threads import parse_threads, set_threads
-from mars_core.loading import DEFAULT_MODEL, RowMajorLinear, load_model, pick_device, pick_dtype
+from mars_core.loading import DEFAULT_MODEL, load_model, pick_device, pick_dtype
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
     b.add_argument("--no-transformers", action="store_true", help="skip transformers' own generate as a baseline")
     b.add_argument("--no-verify", action="store_true", help="skip lossless MARS (mode verify)")
+    b.add_argument("--clock", choices=("auto", "wall", "thread"), default="auto",
+                   help="what the times measure: auto = this thread's CPU time when decoding on one CPU thread "
+                        "(immune to other processes on a shared machine), else the wall clock")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -145,7 +149,7 @@ def cmd_bench(args) -> int:
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify)
+                 verify=not args.no_verify, clock=args.clock)
     layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
     meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "criterion": args.criterion,

@@ -312,6 +312,14 @@ class _Batch:
     def __init__(self, rows: list[_Row], cache, device):
         self.rows, self.cache, self.device = rows, cache, device
         self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
+        self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
+
+    def attention(self, chunk_valid: torch.Tensor, width: int):
+        """The step's attention mask, or None when nothing is a hole: then the model's own causal mask is the
+        same mask and its mask-free fast path applies (a batch of one never has holes)."""
+        if self.kv_holes or any(len(r.pending) != width for r in self.rows):
+            return step_attention(self.kv_valid, chunk_valid)
+        return None
 
     def chunk(self, n_masks: int, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """The step's input, right-aligned: [holes | pending | masks] per row -> ids, positions, valid, width.
@@ -338,6 +346,8 @@ class _Batch:
             if n > common:
                 kept[i, width - n: width - common] = False
         self.kv_valid = torch.cat([self.kv_valid, kept], dim=1)
+        self.kv_holes = self.kv_holes or any(n > common for n in rejected) or any(
+            len(r.pending) != width for r in self.rows)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these batch rows (finished rows leave the batch and the cache)."""
@@ -469,7 +479,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id)
         keep = torch.arange(width - 1 - n_verify, width + n_masks, device=device)   # q_0 (and drafts), masks
-        out = lm.model(input_ids=ids, attention_mask=step_attention(batch.kv_valid, valid), position_ids=pos,
+        out = lm.model(input_ids=ids, attention_mask=batch.attention(valid, width), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep)
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
         _check_finite(logits, lm, step)
