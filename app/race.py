@@ -417,7 +417,8 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     if done and side.compute_time > 0:
         race_ratio = (f"this race, one run: {ar.compute_time / side.compute_time:.2f}× "
                       f"(AR time ÷ {label} time; noisy)")
-    wait = measuring or ("the measured speedup follows the race" if not done else "")
+    wait = measuring or ("the measured speedup follows the race" if not done else
+                         "not timed again after the race (tick 'then time again' for a number you can quote)")
     return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: <b id="{vid}">—</b>'
             f'<span class="how">{_esc(" · ".join(x for x in (race_ratio, wait) if x))}</span>'
             f'<div class="equal-work">{comparison_html(cmp, label)}</div></div>')

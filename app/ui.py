@@ -154,6 +154,8 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                                        elem_id="generate-btn")
                     slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
                                               elem_id="slow-motion", container=False)
+                    measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
+                                                elem_id="measure-after", container=False)
                     tau_status = gr.Markdown("", elem_id="tau-status")
                 notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
                 with gr.Row():
@@ -315,13 +317,13 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
                         diff_plot, ledger_step, ledger, race_state]
         assert len(race_outputs) == generate.N_OUTPUTS
 
-        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, sd, request: gr.Request):
+        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, sd, again, request: gr.Request):
             # a plain function (not functools.partial) so that Gradio injects the request (τ is per session)
             yield from generate.run_race(choice, free_text, ar, p, t, off, b, mx, temp, slow, jobs=jobs,
-                                         request=request, criterion=crit, seed=sd)
+                                         request=request, criterion=crit, seed=sd, measure_after=bool(again))
 
         race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion,
-                       criterion, seed]
+                       criterion, seed, measure_after]
         for trigger in (go_btn.click, prompt.submit):
             # at once: the waiting line (replaced by the race's first message when the machine is free), then
             # the race in the shared queue, its queue position shown on the status line

@@ -131,6 +131,7 @@ def test_different_answers_are_never_called_a_speedup(tiny_mars):
     mars_line = re.search(r'data-lane="mars">(.*?)</div></div>', stats, re.S).group(0)
     assert "time ratio" in mars_line and "speedup" not in mars_line.split("<b")[0]
     assert "⚠ different answer: first difference at token" in mars_line and "of tokens agree" in mars_line
+    assert "not timed again after the race" in mars_line and 'id="speedup-value">—<' in mars_line   # no number
     verify_line = re.search(r'data-lane="verify">(.*?)</div></div>', stats, re.S).group(0)
     assert "speedup" in verify_line and "✓ same answer as AR" in verify_line
     assert "<td class='stat-same-mars'>no</td>" in stats and "<td class='stat-same-verify'>yes</td>" in stats
