@@ -185,7 +185,8 @@ STAT_DEFINITIONS = (
     "**drafts confirmed** — lossless MARS: the mask proposals kept as drafts that the next forward found equal to "
     "AR's own token. "
     "**speedup ×** — AR time ÷ this lane's time for its whole answer, *measured* after the race by timing the "
-    "decoders again on the same prompt (alternating, warmed up; median and min–max). Called a speedup only when the "
+    "decoders again on the same prompt (alternating, warmed up; median and min–max; on a CPU by the decoding thread's "
+    "CPU time, so other processes' turns on a shared machine do not count). Called a speedup only when the "
     "answer is the same as AR's. The **bound** is what the model's forward costs allow: tokens/forward × cost(1 "
     "position) ÷ cost(positions a step feeds), from forward costs measured right after (`mars_core.bench.row_costs`)."
 )
