@@ -356,3 +356,24 @@ def test_a_warning_goes_when_an_input_it_was_about_changes(tmp_path):
     assert cleared == {"race-status", "sweep-status", "learn-step", "ft-msg"}
     prompt_events = {f.outputs[0].elem_id for f in clears if (by_id["prompt"]._id, "change") in f.targets}
     assert prompt_events == {"race-status", "learn-step"}
+
+
+def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_mars, monkeypatch):
+    monkeypatch.setattr(generate, "YIELD_EVERY_S", 0.0)
+
+    class Req:
+        session_hash = "replay-session"
+    gen = generate.run_race("tiny-mars", "", "same", SORT_PROMPT, 0.95, False, 4, 64, 0.0, request=Req())
+    outs = [next(gen) for _ in range(4)]
+    assert "next forward pass" in generate.set_tau(0.5, False, Req())
+    outs += list(gen)
+    last = outs[-1]
+    state = last[-1]
+    assert len(set(state["mars"].taus)) == 2 and "→" in last[1]
+    assert re.search(r'<b id="speedup-value" data-median', last[5])
+    assert "another answer than the race" not in last[5]   # the replayed τ schedule wrote the race's answer
+    # and the replay itself: the decoder reads τ once a step
+    from mars_core import DecodeConfig, generate as core_generate
+    again = core_generate(tiny_mars, [SORT_PROMPT], DecodeConfig(mode="mars", max_new_tokens=64),
+                          tau_control=timing.ReplayTau(state["mars"].taus))[0]
+    assert again.token_ids == state["mars"].token_ids
