@@ -43,6 +43,7 @@ def test_generate_plain_text_marks_forward_boundaries(model_dir):
     assert out.stdout.count("|") == 5 and "5 forwards, 5 tokens, 1.00 tokens/forward" in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_errors_name_the_value(model_dir):
     out = run_cli("generate", "--model", str(model_dir), "--prompt", "hi", "--tau", "nan")
     assert out.returncode == 2 and "tau=nan" in out.stderr
@@ -50,6 +51,7 @@ def test_cli_errors_name_the_value(model_dir):
     assert out.returncode == 2 and "unknown model 'no-such-model'" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_prints_table_and_json(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("What is 2+3?\nSort: c a b\nHello\n")
@@ -94,6 +96,7 @@ def test_bench_decodes_with_the_chosen_criterion():
     assert tpf["prob"] != pytest.approx(tpf["margin"])
 
 
+@pytest.mark.slow
 def test_bench_row_costs_times_every_row_count(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("What is 2+3?\n")

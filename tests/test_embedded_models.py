@@ -73,6 +73,7 @@ def test_ar_sft_model_solves_heldout_tasks(heldout):
     assert accuracy >= 0.7, f"AR-SFT accuracy {accuracy:.0%} on {len(heldout)} held-out prompts"
 
 
+@pytest.mark.slow
 def test_mars_mask_predictions_do_not_depend_on_the_block_grid_phase(mars):
     """tiny-mars trained on a block grid shifted at random every step, so its held-out mask loss is about the same
     whichever way the grid is shifted (on these 64 tasks max/min 1.08); the fixed-grid tiny-mars of c5c8762 read

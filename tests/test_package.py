@@ -68,6 +68,7 @@ def test_requirements_are_requirements_txt_exactly(installed):
     assert parse(declared) == parse(pins) and ("torch", ">=2.4") in parse(declared)
 
 
+@pytest.mark.slow
 def test_mars_help_and_a_tiny_generate_from_the_installed_script(installed):
     target, env, work = installed
     helped = run([str(target / "bin" / "mars"), "--help"], env, work)
@@ -83,6 +84,7 @@ def test_mars_help_and_a_tiny_generate_from_the_installed_script(installed):
     assert app_help.returncode == 0 and "--runs-dir" in app_help.stdout, app_help.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_missing_assets_name_mars_assets(installed, tmp_path):
     target, env, work = installed
     done = run([sys.executable, "-m", "mars_core", "generate", "--prompt", "hi", "--device", "cpu"],
@@ -106,6 +108,7 @@ print(json.dumps({"path": custom_generate_path(), "same": out.sequences[0, ids.s
 """
 
 
+@pytest.mark.slow
 def test_custom_generate_runs_from_the_installed_package(installed, tmp_path):
     target, env, work = installed
     done = run([sys.executable, "-c", CUSTOM_GENERATE], {**env, "HF_MODULES_CACHE": str(tmp_path / "modules")}, work)

@@ -128,6 +128,7 @@ def test_card_timing_names_the_recipe_invocations_the_runs_came_from():
             "2026-11-30 18:57 UTC)") in note
 
 
+@pytest.mark.slow
 def test_the_whole_recipe_at_a_tiny_scale_trains_the_ablation_only_when_asked(tmp_path, monkeypatch):
     # Every stage for real (subprocesses of finetune.train and finetune.evaluate), a few steps each.
     monkeypatch.setattr(recipe, "TIMING_PROMPTS", 1)
