@@ -12,7 +12,8 @@ Splits: an example belongs to "heldout" when a hash of its question falls in
 the lowest HELDOUT_PERCENT buckets, otherwise to "train"; the two splits can
 therefore never share a question, whatever the seed.
 
-API (team contract): FAMILIES, make_examples(split, n, seed), check_answer(example, response).
+API (what finetune.data, finetune.evaluate and the app use): FAMILIES, make_examples(split, n, seed),
+check_answer(example, response).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Digits are always single tokens (optionally with the space before them), so a
 number's digits line up one token each and column arithmetic stays learnable.
 Saved as a transformers PreTrainedTokenizerFast directory with a ChatML chat
-template and the special tokens of the team contract:
+template and the special tokens the trainer, the decoder and the app expect:
 <|im_start|>, <|im_end|> (eos, end of turn), <|pad|> (pad), <|mask|> (mask_token).
 
     python -m finetune.tokenizer --out assets/tokenizer --vocab-size 512

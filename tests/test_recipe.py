@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import recipe
+from finetune import model_cards, recipe
 from finetune.config import config_from_args
 
 
@@ -66,11 +66,11 @@ def _card_info(arw0_parallel: list[str]) -> dict:
 def test_card_time_counts_side_by_side_runs_once_and_an_ablation_trained_apart_not_at_all():
     # 0.1 + 18 + 10 + max(14, 23) + 4 = 55.1 min; the ablation trained on its own (30 min) and evaluated apart is
     # named but not added; trained side by side with stage 2 it is the group's longest run and counts.
-    card = recipe.model_card("tiny-mars", "what", _card_info([]), ["tiny-mars"], [], "cmd")
+    card = model_cards.model_card("tiny-mars", "what", _card_info([]), ["tiny-mars"], [], "cmd")
     assert "add up to 55 min, not counting the ablation `tiny-mars-arw0` (`--stages ablation,eval`, 30.0 min)" in card
-    card = recipe.model_card("tiny-mars", "what", _card_info(["tiny-mars-arw0"]), ["tiny-mars"], [], "cmd")
+    card = model_cards.model_card("tiny-mars", "what", _card_info(["tiny-mars-arw0"]), ["tiny-mars"], [], "cmd")
     assert "add up to 62 min." in card and "not counting" not in card
-    card = recipe.model_card("tiny-ar-sft", "what", _card_info([]), ["tiny-ar-sft"], [], "cmd")
+    card = model_cards.model_card("tiny-ar-sft", "what", _card_info([]), ["tiny-ar-sft"], [], "cmd")
     assert "add up to 55 min." in card
 
 
@@ -97,32 +97,35 @@ def test_card_notes_are_computed_from_this_runs_rows_not_copied_from_the_shipped
                           _rows("tiny-mars", 0.95, 0.871, 2.57, units=0.7, sorting=0.75)]}
     rows["tiny-mars"][1]["criterion"] = "entropy"   # listed first at the same τ, yet not the row reported
     rows["tiny-mars ar_weight=0"] = [_rows("tiny-mars ar_weight=0", 1.0, 0.067, 1.0)]
-    mars = recipe.card_notes("tiny-mars", rows)
+    mars = model_cards.card_notes("tiny-mars", rows)
     assert "(tiny-ar-sft: " in mars and "; 91.3%) MARS at τ = 1 scores 92.5% (+1.2 points" in mars
     assert "At τ = 0.95 it scores 87.1% (-5.4 points against τ = 1) at 2.57 tokens per forward" in mars
     assert "units 90% -> 70%, sorting 80% -> 75% lose most" in mars
     assert "scores 6.7% at τ = 1 against MARS's 92.5%" in mars
     assert "96.2%" not in mars and "3.41" not in mars   # the shipped run's numbers
-    ar = recipe.card_notes("tiny-ar-sft", rows)
+    ar = model_cards.card_notes("tiny-ar-sft", rows)
     assert ar.startswith("Notes: 91.3% exact overall, weakest family sorting at 52%") and "is met" in ar
     assert "(τ = 0.95: 1.1% at 1.90 tokens/forward)" in ar
-    stage1 = recipe.STAGE1_SCORE
-    assert stage1 in ar and stage1 not in recipe.card_notes("tiny-ar-sft", rows, recipe_stage1=False)  # --scale
+    stage1 = "scored 80.8% with sorting at 8% on 400 held-out questions, so the stage-2 AR steps are what lift sorting."
+    assert stage1 not in ar   # the stage-1 model was not measured: nothing claimed
+    rows["stage-1"] = [dict(_rows("final", 1.0, 0.808, 1.0, sorting=0.08), n=400)]
+    ar = model_cards.card_notes("tiny-ar-sft", rows)
+    assert stage1 in ar and stage1 not in model_cards.card_notes("tiny-ar-sft", rows, recipe_stage1=False)  # --scale
     rows["tiny-ar-sft"][0]["per_family"]["sorting"] = 0.49
-    assert "is NOT met" in recipe.card_notes("tiny-ar-sft", rows)
-    assert recipe.card_notes("tiny-mars", {}) == ""   # nothing measured, nothing claimed
+    assert "is NOT met" in model_cards.card_notes("tiny-ar-sft", rows)
+    assert model_cards.card_notes("tiny-mars", {}) == ""   # nothing measured, nothing claimed
 
 
 def test_card_timing_names_the_recipe_invocations_the_runs_came_from():
     info = _card_info(["tiny-mars-arw0"])
     runs = ["tiny-ar-sft-1", "tiny-ar-sft-2", "tiny-mars"]
-    assert "was not recorded" in recipe.timing_note(info, runs)
+    assert "was not recorded" in model_cards.timing_note(info, runs)
     for stage in info["stages"].values():
         stage["invocation"] = "2026-11-30 18:57 UTC"
-    assert "ran in one invocation of the recipe (started 2026-11-30 18:57 UTC)" in recipe.timing_note(info, runs)
+    assert "ran in one invocation of the recipe (started 2026-11-30 18:57 UTC)" in model_cards.timing_note(info, runs)
     for key in ("base", "tiny-ar-sft-1", "tiny-ar-sft-2"):
         info["stages"][key]["invocation"] = "2026-11-30 12:06 UTC"
-    note = recipe.timing_note(info, runs)
+    note = model_cards.timing_note(info, runs)
     assert ("2 invocations of the recipe, a later one continuing from the checkpoints of an earlier one: `base`, "
             "`tiny-ar-sft-1`, `tiny-ar-sft-2` (started 2026-11-30 12:06 UTC); `tiny-mars`, `eval` (started "
             "2026-11-30 18:57 UTC)") in note
