@@ -31,7 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads: auto (1 on <= 2 cores, else the idle cores) or a number")

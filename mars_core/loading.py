@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
 from mars_core.adapter import merge_adapter, read_adapter_config
+from mars_core.cpu_layout import RowMajorLinear, cpu_decoding_layout  # noqa: F401  (also imported from here)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -263,7 +264,7 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
+    if dtype == "auto":   # on a CPU, load_model then measures whether bf16 decodes faster (dtype_probe)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
@@ -613,6 +614,10 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     model.to(dev).eval()
     if dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
+    if dev.type == "cpu" and dtype == "auto":
+        from mars_core.dtype_probe import choose_cpu_dtype   # fp32 or bf16, whichever decodes faster here
+
+        model.to(choose_cpu_dtype(model, str(where)))
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
     if adapter_cfg is not None and mask_id != adapter_cfg["mask_id"]:
         raise ValueError(f"{name_or_path!r}: {mask_token!r} is id {mask_id} in the base tokenizer but the adapter "
@@ -622,54 +627,6 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
         context_length=getattr(config, "max_position_embeddings", 2048),
     )
-
-
-class RowMajorLinear(torch.nn.Module):
-    """Inference-only stand-in for `nn.Linear` that stores W^T, shape (in, out), contiguous.
-
-    A decoding step multiplies 1 row (AR) or 4-7 rows (MARS, B = 4) by each weight. On a CPU, MKL's
-    GEMM for so few rows is cheaper with the weight in this layout than with `nn.Linear`'s (out, in):
-    benchmarks/notes in `cpu_decoding_layout`. Same arithmetic, so the outputs agree to float rounding.
-    """
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
-                                                                        requires_grad=False)
-
-    @property
-    def weight(self) -> torch.Tensor:   # (out, in) view, for code that inspects weight.shape or .dtype
-        return self.weight_t.t()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
-
-
-def cpu_decoding_layout(model: torch.nn.Module) -> None:
-    """Prepare a CPU model for decoding, in place.
-
-    1. Every `nn.Linear` whose weight is not the input embedding's (a tied LM head keeps that layout)
-       becomes a `RowMajorLinear`. Measured once on this repo's 2-core machine with an ad-hoc script (not
-       in the repo): one thread, 29 tiny-mars-shaped weights in a row, caches flushed, `F.linear` took
-       24/31/37/39 µs per weight for 1/2/4/6 rows and `x @ W^T` from a row-major W^T 23/27/25/31 µs.
-    2. Parameters that safetensors left off a 64-byte boundary (tiny-mars's sat at offset 16) are copied
-       to aligned memory; in the same kind of ad-hoc timing a 1-row forward went from 2.70 to 2.29 ms.
-    `python -m mars_core bench --stock-layout` times decoding without this. Only for inference: the
-    converted model is not meant to be trained or saved.
-    """
-    embedding = model.get_input_embeddings()
-    tied = embedding.weight if embedding is not None else None
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear and child.weight is not tied:
-                setattr(module, name, RowMajorLinear(child))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.data_ptr() % 64:
-                p.data = p.data.clone()
 
 
 def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None) -> LoadedModel:
