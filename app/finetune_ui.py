@@ -123,7 +123,8 @@ def eta_warning(seconds) -> str:
 def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, steps, lr, lora) -> FinetuneRequest:
     base_model = jobs.checkpoint_for(base[4:]) if str(base).startswith("run:") else base
     if not str(base).startswith("run:") and base not in [v for _, v in BASE_MODELS]:
-        raise ValueError(f"base model {base!r} is not in the list")
+        raise ValueError("no base model is chosen: pick one from the list" if base in (None, "") else
+                         f"base model {base!r} is not in the list")
     if data_source == "upload":
         ok, report = validate_jsonl(upload)
         if not ok:

@@ -101,7 +101,8 @@ def effective_tau(tau, tau_off, notes: list[str] | None = None) -> float:
         try:
             value = float(tau)
         except (TypeError, ValueError):
-            raise ValueError(f"τ {tau!r} is not a number; use {TAU_MIN}..{TAU_MAX}") from None
+            raise ValueError(f"τ is {'empty' if tau in (None, '') else repr(tau)}: type a number in "
+                             f"{TAU_MIN}..{TAU_MAX}") from None
         if not TAU_MIN <= value <= TAU_MAX:
             raise ValueError(f"τ {value:g} is out of range; use {TAU_MIN}..{TAU_MAX} (or tick 'off' for one-token mode)")
         return value
@@ -223,7 +224,9 @@ def waiting_status():
 
 def check_criterion(criterion) -> str:
     if criterion not in CRITERIA:
-        raise ValueError(f"confidence criterion {criterion!r} is unknown; use one of {', '.join(CRITERIA)}")
+        what = "no confidence criterion is chosen" if criterion in (None, "") else \
+            f"confidence criterion {criterion!r} is unknown"
+        raise ValueError(f"{what}; use one of {', '.join(CRITERIA)}")
     return criterion
 
 
@@ -251,7 +254,8 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
         if typed and not tau_off and abs(typed[0] - tau) < 1e-9 and not any(n.startswith("τ ") for n in notes):
             notes.insert(0, typed[1])
         if slow_motion not in [v for _, v in SLOW_MOTION]:
-            raise ValueError(f"slow motion {slow_motion!r} is not one of {[v for _, v in SLOW_MOTION]}")
+            raise ValueError(f"slow motion {'is empty' if slow_motion is None else repr(slow_motion)}: pick one of "
+                             f"{', '.join(label for label, _ in SLOW_MOTION)}")
         criterion = check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
         ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)

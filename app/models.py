@@ -102,7 +102,7 @@ def resolve(choice: str, free_text: str = "", jobs=None) -> str:
         raise ValueError(f"{SMOLLM2_MARS} is not available: its adapter is missing in assets/{SMOLLM2_MARS} "
                          f"(build it with `python -m finetune.recipe_smollm2`)")
     if choice not in known:
-        raise ValueError(f"model {choice!r} is not in the list {known}; type other paths in the free field")
+        raise ValueError(f"model {choice!r} is not in the list {', '.join(known)}; type other paths in the free field")
     return choice
 
 

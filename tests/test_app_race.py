@@ -377,3 +377,24 @@ def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_m
     again = core_generate(tiny_mars, [SORT_PROMPT], DecodeConfig(mode="mars", max_new_tokens=64),
                           tau_control=timing.ReplayTau(state["mars"].taus))[0]
     assert again.token_ids == state["mars"].token_ids
+
+
+def test_empty_fields_are_named_not_shown_as_none(tmp_path):
+    messages = []
+    for args in ((SORT_PROMPT, None, False, 4, 32, 0.0), (SORT_PROMPT, 0.9, False, 4, None, 0.0)):
+        with pytest.raises(ValueError) as err:
+            generate.check_inputs(*args)
+        messages.append(str(err.value))
+    for crit in (None, ""):
+        with pytest.raises(ValueError) as err:
+            generate.check_criterion(crit)
+        messages.append(str(err.value))
+    outs = list(generate.run_race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 8, 0.0, slow_motion=None,
+                                  measure_after=False))
+    messages.append(outs[-1][0])
+    jobs = JobManager(tmp_path / "runs")
+    messages.append(finetune_ui.command_preview(jobs, None, "builtin", None, "mars", 4, 1.0, 600, 1e-3, False))
+    assert all("None" not in m and m for m in messages), messages
+    assert "τ is empty" in messages[0] and "max new tokens is empty" in messages[1]
+    assert "no confidence criterion is chosen" in messages[2] and "slow motion is empty" in messages[4]
+    assert "no base model is chosen" in messages[5]
