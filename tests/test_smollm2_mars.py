@@ -1,7 +1,8 @@
 """The shipped smollm2-mars (SmolLM2-135M-Instruct + assets/smollm2-mars): offline load, the merge cache,
 one-token mode == greedy AR == transformers generate, and several tokens per forward on held-out prompts.
 
-Decoding here runs in fp32 (the CPU default), where the equivalences are exact."""
+Decoding here runs in fp32 (asked for explicitly: on a CPU with native bf16, dtype="auto" may pick bf16),
+where the equivalences are exact."""
 
 import os
 
@@ -19,7 +20,7 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def lm():
     os.environ["HF_HUB_OFFLINE"] = "1"          # nothing here may touch the network
-    return load_model("smollm2-mars", device="cpu")
+    return load_model("smollm2-mars", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_a_second_load_reads_the_cached_merge_without_rebuilding(lm, monkeypatch
 
     monkeypatch.setattr(loading, "merge_adapter", no_rebuild)
     monkeypatch.setattr(loading, "gguf_to_checkpoint", no_rebuild)
-    again = load_model("smollm2-mars", device="cpu")
+    again = load_model("smollm2-mars", device="cpu", dtype="float32")
     assert again.path == lm.path
 
 

@@ -1,0 +1,110 @@
+"""`dtype="auto"` on a CPU: decode in whichever of float32 / bfloat16 runs this model's one-token forward faster.
+
+A decoding step reads every weight once for a handful of rows, so its cost is memory traffic and kernel
+overhead, not arithmetic, and the answer depends on the CPU: on a CPU with native bf16 (avx512_bf16 or AMX)
+bf16 halves the bytes read and its few-row forwards cost about what one row costs, but on some such CPUs
+fp32's one-row forward is still the faster one. AR's one-row forward decides, so the AR baseline runs in
+its own fastest configuration and MARS in the same one; only when the two one-row times are within
+`TIE` (the probe's own noise) does the cheaper 2B-1-row forward (a full MARS step) break the tie. Models
+under `MIN_PARAMS` stay fp32 (their
+steps are bound by Python overhead, not by weight reads). The choice is measured once per model file, CPU
+and torch version, and cached in `cache_dir()/dtype-probe.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+MIN_PARAMS = 50_000_000
+ROUNDS = 7
+TIE = 0.03        # one-row times this close count as equal
+MARS_ROWS = 7     # what a B = 4 step feeds after accepting all four
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+@torch.inference_mode()
+def forward_ms(models: dict, rows: tuple[int, ...] = (1, MARS_ROWS), rounds: int = ROUNDS,
+               context: int = 32) -> dict:
+    """{(name, r): fastest ms} of a cached forward of r new tokens after a `context`-token prefix, the models
+    and row counts taking turns every round so drift hits all alike; this thread's CPU time with one torch
+    thread, so other processes do not decide the choice."""
+    from transformers import DynamicCache
+
+    now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    times = {(name, r): [] for name in models for r in rows}
+    for i in range(rounds + 1):   # round 0 warms up
+        for name, model in models.items():
+            ids = torch.arange(1, context + 1)[None] % model.config.vocab_size
+            for r in rows:
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                t0 = now()
+                model(input_ids=ids[:, -r:], cache=cache, use_cache=True, logits_to_keep=min(r, 4))
+                if i:
+                    times[(name, r)].append(now() - t0)
+    return {k: 1000 * min(v) for k, v in times.items()}   # the least disturbed run: neighbours only add time
+
+
+def _cache_file() -> Path:
+    from mars_core.loading import cache_dir
+
+    return cache_dir() / "dtype-probe.json"
+
+
+def _key(where: str) -> str:
+    weights = next((p for p in (Path(where) / "model.safetensors", Path(where)) if p.exists()), Path(where))
+    stat = weights.stat() if weights.exists() else None
+    stamp = f"{stat.st_size}:{int(stat.st_mtime)}" if stat else "?"
+    return f"{Path(where).resolve()}|{stamp}|{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def choose_cpu_dtype(model, where: str) -> torch.dtype:
+    """float32 or bfloat16 for decoding `model` (loaded in float32 from `where`) on this CPU."""
+    if sum(p.numel() for p in model.parameters()) < MIN_PARAMS or not cpu_has_native_bf16():
+        return torch.float32
+    path, key = _cache_file(), _key(where)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return getattr(torch, known[key]["dtype"])
+    import copy
+
+    ms = forward_ms({"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)})
+    fp32, bf16 = ms[("float32", 1)], ms[("bfloat16", 1)]
+    if abs(bf16 - fp32) <= TIE * min(bf16, fp32):
+        choice = "bfloat16" if ms[("bfloat16", MARS_ROWS)] < ms[("float32", MARS_ROWS)] else "float32"
+    else:
+        choice = "bfloat16" if bf16 < fp32 else "float32"
+    known[key] = {"dtype": choice, **{f"{n}_ms_{r}_rows": round(v, 3) for (n, r), v in ms.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only cache only costs the probe again next time
+    return getattr(torch, choice)
