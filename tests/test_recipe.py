@@ -47,6 +47,7 @@ def test_scale_shrinks_steps_and_data_but_keeps_a_runnable_stage():
     assert recipe.stage_settings(recipe.AR_SFT) == recipe.AR_SFT   # scale 1 changes nothing
 
 
+@pytest.mark.slow
 def test_the_toy_compile_fails_without_a_compiler_and_works_with_one():
     assert not recipe.compile_works(env=dict(os.environ, PATH="/nonexistent"))
     if any(shutil.which(c) for c in recipe.CXX):

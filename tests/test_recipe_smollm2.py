@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_recipe_distils_trains_exports_evaluates_and_resumes(tmp_path):
     from mars_core import DecodeConfig, generate, load_model
 

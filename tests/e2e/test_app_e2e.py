@@ -70,6 +70,7 @@ def test_race_fills_both_panes_with_multi_token_chunks(page):
                     clip={"x": 0, "y": 0, "width": 1440, "height": min(2000, bottom + 24)})
 
 
+@pytest.mark.slow
 def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
     page.check("#tau-off input[type=checkbox]")
     race(page, prompt_for_model())
@@ -81,6 +82,7 @@ def test_tau_off_gives_one_token_per_forward_and_the_ar_text(page):
     page.screenshot(path=str(ARTIFACTS / "tau-off.png"), full_page=True)
 
 
+@pytest.mark.slow
 def test_moving_tau_mid_race_marks_the_change(page):
     page.click("#slow-motion input")
     page.get_by_role("option", name="slow motion ×50").click()
@@ -96,6 +98,7 @@ def test_moving_tau_mid_race_marks_the_change(page):
     page.screenshot(path=str(ARTIFACTS / "tau-moved.png"), full_page=True)
 
 
+@pytest.mark.slow
 def test_tau_explorer_on_two_prompts(page):
     from app import models
     from tests.e2e.conftest import MODEL
@@ -123,6 +126,7 @@ def test_learn_tab_lays_out_one_step(page):
     page.screenshot(path=str(ARTIFACTS / "learn.png"), full_page=True)
 
 
+@pytest.mark.slow
 def test_finetune_runs_updates_the_loss_and_appears_in_the_picker(page, app_server):
     open_tab(page, "Finetune")
     page.fill("#ft-steps input", "3")
@@ -240,6 +244,7 @@ def test_tiny_model_on_free_text_gets_a_notice(page):
     page.wait_for_function("!document.querySelector('#notice')?.innerText.includes('task suite')")
 
 
+@pytest.mark.slow
 def test_the_tau_line_shows_the_tau_that_ran(page):
     set_tau(page, "1.5")
     page.wait_for_function("document.querySelector('#tau-status')?.innerText.includes('1.50 is above')")
@@ -251,6 +256,7 @@ def test_the_tau_line_shows_the_tau_that_ran(page):
     assert "ran at MARS τ = 0.90 · MARS lossless τ = 0.90" in page.inner_text("#tau-status")
 
 
+@pytest.mark.slow
 def test_a_queued_race_shows_its_waiting_state(browser, app_server, page):
     url, _, _ = app_server
     other = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
