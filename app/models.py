@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from mars_core.loading import find_assets
+
 BUILTIN_MODELS = [
     ("tiny-mars — embedded MARS model (B=4)", "tiny-mars"),
     ("tiny-ar-sft — embedded AR-SFT baseline", "tiny-ar-sft"),
@@ -23,7 +25,7 @@ BUILTIN_MODELS = [
 # The MARS-trained real-language model: listed (first) only while its adapter folder exists.
 SMOLLM2_MARS = "smollm2-mars"
 SMOLLM2_MARS_ENTRY = ("smollm2-mars — SmolLM2-135M taught MARS here (B=4, real language)", SMOLLM2_MARS)
-SMOLLM2_MARS_DIR = Path(__file__).resolve().parent.parent / "assets" / SMOLLM2_MARS
+SMOLLM2_MARS_DIR = find_assets() / SMOLLM2_MARS   # a checkout's assets/, an installed copy's, or $MARS_ASSETS
 ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
 DEFAULT_MODEL = "tiny-mars"       # the page starts here; the task-suite parts (built-in sweep, Learn) stay here
 TASK_MODEL = "tiny-mars"
