@@ -315,13 +315,14 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
                   block_size: int = 4, max_new_tokens: int = NATURAL_MAX_NEW_TOKENS,
                   checkable_max_new_tokens: int = CHECKABLE_MAX_NEW_TOKENS, batch_size: int = 16,
                   model_name: str | None = None, criterion: str = "prob", ar_only: bool = False,
-                  seed: int | None = None, test_timeout: float = 5.0, runner=None,
+                  seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
                   progress: Callable[[float, str], None] | None = None) -> list[dict]:
     """One row per τ on natural prompts, checkable `items` (finetune.natural.CheckItem) and HumanEval `problems`.
 
     HumanEval replies are EXECUTED (finetune.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
     code) -> bool` replaces it, e.g. a shared finetune.humaneval.RunCache). τ = 1.0 is decoded first and added when
-    missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode. Natural prompts and HumanEval
+    missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"` sweeps
+    lossless MARS instead of lossy (its τ = 1 row is AR as well). Natural prompts and HumanEval
     get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. Row keys: see NATURAL_ROW_KEYS.
     """
     from finetune.humaneval import RunCache, build_prompt
@@ -334,7 +335,7 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
     encoded = {"natural": [lm.encode(p) for p in prompts], "checkable": [lm.encode(i.prompt) for i in items],
                "humaneval": [lm.encode(build_prompt(p)) for p in problems]}
     caps = {"natural": max_new_tokens, "checkable": checkable_max_new_tokens, "humaneval": max_new_tokens}
-    mode = "ar" if ar_only else "mars"
+    mode = "ar" if ar_only else mode
     reference = None
     rows = []
     for k, tau in enumerate(order):
@@ -472,8 +473,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="confidence criteria, one sweep each: prob (default, the paper's), entropy, margin")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--lossless", action="store_true",
-                    help="tasks suite: also sweep lossless MARS (mode verify: drafts checked by the next forward, "
-                         "the answer is exactly AR's) beside lossy MARS")
+                    help="also sweep lossless MARS (mode verify: drafts checked by the next forward, the answer is "
+                         "exactly AR's in fp32) beside lossy MARS")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"new-token cap (default: tasks suite {MAX_NEW_TOKENS}; natural suite "
                          f"{NATURAL_MAX_NEW_TOKENS}, for natural prompts and HumanEval)")
@@ -651,13 +652,15 @@ def _main_natural(args, log) -> list[dict]:
     for m, name in zip(models, labels):
         lm = load_model(m, device=args.device or "auto", dtype=args.dtype)
         is_ar = m in ar_only or name in ar_only
-        for criterion in (["prob"] if is_ar else args.criteria):
+        sweeps = [("prob", "ar")] if is_ar else [(c, m) for c in args.criteria
+                                                for m in (("mars", "verify") if args.lossless else ("mars",))]
+        for criterion, mode in sweeps:
             t0 = time.time()
             rows += natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
                                   max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
                                   checkable_max_new_tokens=args.checkable_max_new_tokens,
                                   batch_size=args.batch_size, model_name=name, criterion=criterion, ar_only=is_ar,
-                                  seed=args.seed, runner=runner,
+                                  seed=args.seed, runner=runner, mode=mode,
                                   progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
             print(f"{curve_label(rows[-1])}: {'AR only' if is_ar else 'swept τ'} in {time.time() - t0:.0f}s",
                   file=log, flush=True)

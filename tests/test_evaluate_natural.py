@@ -233,6 +233,19 @@ def test_natural_sweep_rows(tiny_lm, problems):
     assert 0.0 <= low["agreement_prefix"] < 1.0
 
 
+def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm):
+    # verify mode's answers are AR's (fp32): every row agrees with the τ = 1 reference and scores the same
+    from finetune.evaluate import curve_label, natural_sweep
+    from finetune.natural import checkable_set, natural_prompts
+
+    rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
+                         taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify")
+    assert [(r["tau"], r["mode"]) for r in rows] == [(1.0, "verify"), (0.005, "verify"), (0.5, "verify")]
+    for r in rows:
+        assert r["agreement_exact"] == 1.0 and r["checkable_accuracy"] == rows[0]["checkable_accuracy"]
+        assert curve_label(r).endswith("(lossless)")
+
+
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
     from finetune.evaluate import natural_sweep
     from finetune.natural import checkable_set, natural_prompts
