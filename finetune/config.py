@@ -196,6 +196,15 @@ def check_types(cfg: "TrainConfig") -> None:
                              f"(--{f.name.replace('_', '-')} on the command line)")
 
 
+def refuse_file_above(p: Path, label: str, fix: str) -> None:
+    """A path whose nearest existing ancestor is a file can never be created: say so, naming both."""
+    for folder in p.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"{label} lies under {str(folder)!r}, which is a file: {fix}")
+            return
+
+
 def check_output_file(flag: str, path: str | Path) -> Path:
     """An output file path that can be written: not a directory, not under a file, its folder creatable and
     writable. Checked before any long work, so results are never lost to a bad path at the end. The file itself
@@ -203,12 +212,7 @@ def check_output_file(flag: str, path: str | Path) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a directory: pass a file path")
-    for folder in p.parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise ValueError(f"{flag} {str(path)!r} lies under {str(folder)!r}, which is a file: "
-                                 "pass a path inside a directory")
-            break
+    refuse_file_above(p, f"{flag} {str(path)!r}", "pass a path inside a directory")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         if p.exists():

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from finetune.config import TrainConfig, config_from_args
+from finetune.config import TrainConfig, config_from_args, refuse_file_above
 from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.losses import ar_loss, mars_loss
 from finetune.status import process_start, read_status
@@ -313,12 +313,7 @@ def check_output_dir(output_dir: str) -> Path:
     out = Path(output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {output_dir!r} is a file, not a directory: pass a new or existing directory")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--output-dir {output_dir!r} lies under {str(parent)!r}, which is a file: "
-                                 "pass a directory path")
-            break
+    refuse_file_above(out, f"--output-dir {output_dir!r}", "pass a directory path")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"

@@ -32,6 +32,9 @@ class Row:
     active: bool = True
     text: str = ""
     finish_reason: str | None = None
+    drafts: list = field(default_factory=list)   # verify-mode fields (tests/test_app_race.py)
+    confirmed: int = 0
+    rejected: int | None = None
 
 
 @dataclass

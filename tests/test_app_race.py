@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -16,6 +15,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from app import explorer, finetune_ui, generate, learn, models, notices, timing  # noqa: E402
 from app.race import SideRecord, compare, render_chunks, render_ledger, render_stats  # noqa: E402
 from app.runs import JobManager  # noqa: E402
+from tests.test_app import Event, Row  # noqa: E402  (the hand-made events both files feed the race)
 
 SORT_PROMPT = "Sort in descending order: 91, 57, 59, 87"   # tiny-mars at τ 0.5: a rejected draft, MARS ≠ AR
 
@@ -26,28 +26,6 @@ def _race(*args, **kw):
 
 
 # ----------------------------------------------------------------------------- the lossless lane, hand-made
-@dataclass
-class Row:
-    accepted_ids: list
-    candidates: list
-    confidences: list
-    n_accepted: int
-    done: bool = False
-    active: bool = True
-    text: str = ""
-    finish_reason: str | None = None
-    drafts: list = field(default_factory=list)
-    confirmed: int = 0
-    rejected: int | None = None
-
-
-@dataclass
-class Event:
-    step: int
-    tau: float
-    step_time: float
-    rows: list
-
 
 def _verify_record():
     """step 0: AR's token 1, drafts 2 3 4; step 1: 2 confirmed, 3 rejected (AR says 9), 4 dropped; step 2: end."""
