@@ -423,7 +423,7 @@ def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_S
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
-def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos_ids) -> list[_Settled]:
+def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos: set[int]) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
     drafts are kept while equal to them, the first one that differs is replaced by AR's token, and new
     drafts come from the masks only when every draft was confirmed (else the masks saw a wrong token)."""
@@ -432,7 +432,6 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos_ids) -> list[_
     if n_masks:
         p, c = propose(logits[:, n_verify + 1:], cfg.criterion)
         props, conf = p.tolist(), c.tolist()
-    eos = set(int(e) for e in eos_ids.tolist())
     settled = []
     for i, r in enumerate(rows):
         m = r.n_drafts
@@ -486,7 +485,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
         _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, eos_ids)
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, set(lm.eos_ids))
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
         batch.rollback(n_masks, [s.n_rejected for s in settled], valid[:, :width])
