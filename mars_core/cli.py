@@ -15,6 +15,7 @@ import torch
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
                              rows_as_dicts)
 from mars_core.cpu_layout import RowMajorLinear
+from mars_core.int8 import Int8Linear
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.threads import parse_threads, set_threads
@@ -31,7 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16, or int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy, often the fastest one-token step on a CPU)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads: auto (1 on <= 2 cores, else the idle cores) or a number")
@@ -150,15 +151,25 @@ def cmd_bench(args) -> int:
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
                  verify=not args.no_verify, clock=args.clock)
-    layout = "row-major" if any(isinstance(m, RowMajorLinear) for m in lm.model.modules()) else "stock"
-    meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "layout": layout, "tau": args.tau, "criterion": args.criterion,
+    meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
         print(format_table(rows))
     print(json.dumps({**meta, "rows": rows_as_dicts(rows)}))
     return 0
+
+
+def _model_meta(lm) -> dict:
+    """What a timing depends on: model, device, weight dtype and layout, threads."""
+    modules = list(lm.model.modules())
+    act = str(lm.model.dtype).replace("torch.", "")
+    if any(isinstance(m, Int8Linear) for m in modules):
+        dtype, layout = f"int8 (activations {act})", "int8"
+    else:
+        dtype, layout = act, "row-major" if any(isinstance(m, RowMajorLinear) for m in modules) else "stock"
+    return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "threads": torch.get_num_threads(),
+            "layout": layout}
 
 
 def check_bench_args(args) -> None:
@@ -176,8 +187,7 @@ def check_bench_args(args) -> None:
 def _bench_row_costs(lm, prompt: str, args) -> int:
     rows = row_costs(lm, prompt, max_rows=2 * args.block_size - 1, block_size=args.block_size,
                      rounds=args.rounds)
-    meta = {"model": lm.path, "device": str(lm.device), "dtype": str(lm.model.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size,
+    meta = {**_model_meta(lm), "prompt_tokens": len(lm.encode(prompt)), "block_size": args.block_size,
             "rounds": args.rounds}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))

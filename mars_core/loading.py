@@ -264,8 +264,16 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of activations (and of weights, except for "int8", whose weights are int8)."""
     if dtype == "auto":   # on a CPU, load_model then measures whether bf16 decodes faster (dtype_probe)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"dtype='int8' is a CPU weight format, not one for device {device.type!r}: "
+                             "use bfloat16 there, or --device cpu")
+        from mars_core.dtype_probe import cpu_has_native_bf16
+
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise ValueError(f"dtype={dtype} is not a floating-point type: use torch.float32, bfloat16 or float16")
@@ -273,7 +281,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"dtype={dtype!r} is unknown: use auto, float32, bfloat16 or float16")
+        raise ValueError(f"dtype={dtype!r} is unknown: use auto, float32, bfloat16, float16 or int8 (CPU)")
     return table[dtype]
 
 
@@ -595,7 +603,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     An adapter (smollm2-mars, or a folder with adapter_config.json) is merged into its base once and the
     merged folder loaded; its mask token is the one it was trained with.
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
-    `cpu_layout=False` keeps the stock modules.
+    `cpu_layout=False` keeps the stock modules. `dtype="int8"` (CPU only) stores the linear weights as int8
+    with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.int8`).
     """
     name_or_path = _model_name(name_or_path)   # a Path works as its text
     kind, where = resolve_source(name_or_path)
@@ -612,7 +621,11 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     tokenizer = _load_tokenizer(where)
     model = _load_weights(where, config, torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
-    if dev.type == "cpu" and cpu_layout:
+    if dtype == "int8":   # replaces the linear layers, so the row-major layout does not apply
+        from mars_core.int8 import quantize_int8
+
+        quantize_int8(model, torch_dtype)
+    elif dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
     if dev.type == "cpu" and dtype == "auto":
         from mars_core.dtype_probe import choose_cpu_dtype   # fp32 or bf16, whichever decodes faster here
