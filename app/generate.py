@@ -1,19 +1,22 @@
 """Generate tab handlers: load a model, run the race, move τ mid-generation, browse the ledger.
 
 Handlers are plain functions / generators of values (Gradio calls them); decoding is
-`mars_core.generate_stream`, scheduling is `app.race.race`.
+`mars_core.generate_stream`, scheduling is `app.race.race`. A race runs in steps: the page's values
+become a checked `RaceSettings`, then the models load, the lanes stream, and the decoders are timed again.
 """
 from __future__ import annotations
 
 import re
 import threading
 import time
+from dataclasses import dataclass, field
 
 import gradio as gr
 
 from app import models, notices, plots, timing
 from app.race import LANE_LABELS, LANES, SideRecord, race, render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
+from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
 from mars_core.decoding import CRITERIA
 
 TAU_MIN, TAU_MAX = 0.5, 1.0
@@ -27,8 +30,8 @@ SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 
-# τ controls of running races, by browser session: the τ slider writes here, the decoder reads.
-_tau_controls: dict[str, object] = {}
+# The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.
+_tau_controls: dict[str, list[TauControl]] = {}
 _tau_lock = threading.Lock()
 # The last clamp note of the τ field, by session: the page may hand the race the clamped value only, so the
 # race repeats the note when it runs at that value.
@@ -171,10 +174,11 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
             _tau_notes[key] = None
     note = f" — {notes[0].replace('ran with', 'runs with')}" if notes else ""
     with _tau_lock:
-        control = _tau_controls.get(key)
-    if control is None:
+        controls = _tau_controls.get(key)
+    if controls is None:
         return f"τ = {_tau_text(value)} (applies to the next run){note}"
-    control.value = value
+    for control in controls:
+        control.value = value
     return f"τ → {_tau_text(value)} from the next forward pass{note}"
 
 
@@ -188,15 +192,20 @@ def _session(request) -> str:
 
 PLACEHOLDERS = {"ar": "AR output appears here", "verify": "lossless MARS output appears here",
                 "mars": "MARS output appears here"}
-N_OUTPUTS = 12   # see race_outputs in ui.py
+N_OUTPUTS = 12   # the race's outputs, wired in ui._wire_race
 
 
-def _outputs(status, sides, ar_label, final=False, measured=None, measuring="", tau_line=None):
-    """The tuple of values the race yields, in the order of `race_outputs` in ui.py:
+def empty_sides() -> dict[str, SideRecord]:
+    """One empty record per lane: the panes before a race, and a race's start."""
+    return {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
+
+
+def _outputs(status, sides, final=False, measured=None, measuring="", tau_line=None):
+    """The tuple of values the race yields, in the order of the outputs in ui._wire_race:
     status, τ line, AR pane, lossless pane, MARS pane, stats, 3 plots, ledger step, ledger, state."""
     vals = [status, gr.skip() if tau_line is None else tau_line]
     vals += [render_chunks(sides[n], PLACEHOLDERS[n]) for n in LANES]
-    vals.append(render_stats(sides, measured, ar_label, measuring))
+    vals.append(render_stats(sides, measured, sides["ar"].label, measuring))
     if final:
         mars, ar = sides["mars"], sides["ar"]
         last = max(0, mars.forwards - 1)
@@ -208,6 +217,16 @@ def _outputs(status, sides, ar_label, final=False, measured=None, measuring="", 
     else:
         vals += [gr.skip()] * 6
     return tuple(vals)
+
+
+@dataclass
+class _Page:
+    """What a race shows: the lanes' records, and the notes (clamps, advice) that end every status line."""
+    sides: dict[str, SideRecord]
+    notes: str = ""
+
+    def show(self, status: str, **kw) -> tuple:
+        return _outputs(status + self.notes, self.sides, **kw)
 
 
 def clear_warning(message):
@@ -230,6 +249,189 @@ def check_criterion(criterion) -> str:
     return criterion
 
 
+def _check_slow_motion(factor) -> int:
+    if factor not in [v for _, v in SLOW_MOTION]:
+        raise ValueError(f"slow motion {'is empty' if factor is None else repr(factor)}: pick one of "
+                         f"{', '.join(label for label, _ in SLOW_MOTION)}")
+    return factor
+
+
+def _repeat_tau_note(session: str, tau: float, notes: list[str]) -> None:
+    """Put the τ field's last clamp note first when the race runs at the value it was clamped to."""
+    with _tau_lock:
+        typed = _tau_notes.get(session)
+    if typed and abs(typed[0] - tau) < 1e-9 and not any(n.startswith("τ ") for n in notes):
+        notes.insert(0, typed[1])
+
+
+@dataclass
+class RaceSettings:
+    """A race's settings as the decoders run them; `notes` says what was clamped or cut on the way."""
+    prompt: str
+    tau: float
+    block_size: int
+    max_new_tokens: int
+    temperature: float
+    seed: int | None = None
+    criterion: str = "prob"
+    slow_motion: int = 1
+    measure_after: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_inputs(cls, prompt, tau, tau_off, block_size, max_new_tokens, temperature, slow_motion=1,
+                    criterion="prob", seed=0, measure_after=True, session: str = "default") -> RaceSettings:
+        """The Generate tab's values, made runnable (see check_inputs); ValueError for what cannot run."""
+        prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
+            prompt, tau, tau_off, block_size, max_new_tokens, temperature)
+        seed = _seed(seed, temperature, notes)
+        if not tau_off:
+            _repeat_tau_note(session, tau, notes)
+        return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
+                   slow_motion=_check_slow_motion(slow_motion), criterion=check_criterion(criterion),
+                   measure_after=bool(measure_after), notes=notes)
+
+    @property
+    def lanes(self) -> list[str]:
+        """The lanes that race, in the page's order: lossless MARS reproduces greedy AR, so not when sampling."""
+        return [n for n in LANES if n != "verify" or self.temperature <= 0]
+
+    def config(self, lane: str) -> DecodeConfig:
+        common = dict(block_size=self.block_size, max_new_tokens=self.max_new_tokens)
+        if lane == "ar":
+            return DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
+        if lane == "verify":
+            return DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion, **common)
+        return DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
+                            criterion=self.criterion, **common)
+
+
+@dataclass
+class _Lane:
+    """One decoder of the race; `control` is the τ the slider moves (the MARS lanes only)."""
+    lm: object
+    cfg: DecodeConfig
+    control: TauControl | None = None
+
+    def rerun(self, prompt_ids: list[int], taus: list[float]):
+        """A function decoding the prompt once more as the race did: a lane whose τ moved replays its τ per step."""
+        replay = self.control is not None and len(set(taus)) > 1
+        return lambda: core_generate(self.lm, [prompt_ids], self.cfg,
+                                     tau_control=ReplayTau(taus) if replay else None)
+
+
+def _make_lanes(settings: RaceSettings, lm, ar_lm) -> dict[str, _Lane]:
+    def lane(n):
+        if n == "ar":
+            return _Lane(ar_lm, settings.config(n))
+        return _Lane(lm, settings.config(n), TauControl(settings.tau))
+    return {n: lane(n) for n in settings.lanes}
+
+
+def choose_models(choice, free_text, ar_choice, jobs=None) -> tuple[str, str]:
+    """(the MARS lanes' model, the AR lane's): the AR baseline is the same model unless another is picked."""
+    name = models.resolve(choice, free_text, jobs)
+    ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
+    return name, ar_name
+
+
+def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
+             slow_motion=1, criterion="prob", seed=0, measure_after=True, request: gr.Request | None = None,
+             jobs=None):
+    """The Race button, its inputs in the page's order: stream AR, lossless MARS and MARS side by side, then time
+    the decoders again for a speedup you can quote. A generator of `_outputs` tuples."""
+    session = _session(request)
+    try:
+        settings = RaceSettings.from_inputs(prompt, tau, tau_off, block_size, max_new_tokens, temperature,
+                                            slow_motion, criterion, seed, measure_after, session)
+        name, ar_name = choose_models(choice, free_text, ar_choice, jobs)
+    except Exception as exc:
+        yield _Page(empty_sides()).show(f"⚠ {models.friendly_error(exc)}")
+        return
+    yield from race_models(settings, name, ar_name, session, jobs)
+
+
+def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = "default", jobs=None):
+    """The race once its inputs are checked: load the models, stream the lanes, time them again."""
+    page = _Page(empty_sides(), _notes_text(settings, name, jobs))
+    page.sides["ar"].label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
+    try:
+        lm, ar_lm = yield from _load_models(page, name, ar_name)
+    except Exception as exc:
+        yield page.show(f"⚠ Could not load the model: {models.friendly_error(exc)}")
+        return
+    if "verify" not in settings.lanes:
+        page.sides["verify"].note = ("lossless MARS reproduces greedy AR, so it runs at temperature 0 only: "
+                                     "set temperature to 0 to race it")
+    try:
+        lanes = _make_lanes(settings, lm, ar_lm)
+        yield from _stream_lanes(page, settings, lanes, session)
+    except Exception as exc:
+        yield page.show(f"⚠ Generation failed: {models.friendly_error(exc)}")
+        return
+    summary, tau_line = _summary(page.sides, lanes), _ran_tau_line(page.sides)
+    measured = None
+    if settings.measure_after:
+        try:
+            measured = yield from _time_again(page, settings, lanes, summary, tau_line)
+        except Exception as exc:
+            yield page.show(f"✓ Done: {summary}. ⚠ the timing after the race failed: {models.friendly_error(exc)}",
+                            final=True, tau_line=tau_line)
+            return
+    yield page.show(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else ""),
+                    final=True, measured=measured, tau_line=tau_line)
+
+
+def _notes_text(settings: RaceSettings, name: str, jobs=None) -> str:
+    text = "".join(f"\n\n✂ {n}" for n in settings.notes)
+    advice = notices.race_notice(name, settings.prompt, settings.tau, jobs)
+    return text + (f"\n\nℹ {advice}" if advice else "")
+
+
+def _load_models(page: _Page, name: str, ar_name: str):
+    """(lm, ar_lm); a line for each model that is not loaded yet while it loads."""
+    for n in dict.fromkeys([name, ar_name]):
+        if not models.is_loaded(n):
+            yield page.show(f"Loading **{n}** …{models.loading_note(n) or ' ' + models.load_estimate(n)}")
+        models.get_model(n)
+    return models.get_model(name), models.get_model(ar_name)
+
+
+def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], session: str):
+    """Race the decoders (app.race.race: the lane with the least compute so far runs the next forward); the page
+    gets at most one update per YIELD_EVERY_S, and the τ slider steers the MARS lanes meanwhile."""
+    controls = [lane.control for lane in lanes.values() if lane.control is not None]
+    with _tau_lock:
+        _tau_controls[session] = controls
+    try:
+        words = {n: (token_texts(lane.lm), _decoder(lane.lm)) for n, lane in lanes.items()}
+        racing = race(lanes={n: generate_stream(lane.lm, [settings.prompt], lane.cfg, tau_control=lane.control)
+                             for n, lane in lanes.items()})
+        yield page.show("▶ Racing …")
+        last = 0.0
+        for n, event in racing:
+            page.sides[n].add(event, *words[n])
+            if settings.slow_motion > 1:
+                time.sleep((settings.slow_motion - 1) * event.step_time)
+            now = time.perf_counter()
+            if now - last >= YIELD_EVERY_S:
+                last = now
+                yield page.show("▶ Racing …")
+        for n in lanes:
+            page.sides[n].finished = True
+    finally:
+        with _tau_lock:
+            if _tau_controls.get(session) is controls:   # a newer race of this session keeps its own
+                del _tau_controls[session]
+
+
+def _summary(sides: dict[str, SideRecord], lanes) -> str:
+    mars, verify = sides["mars"], sides["verify"]
+    return (f"MARS {mars.tokens_per_forward:.2f} tokens/forward ({mars.forwards} forwards)"
+            + (f", MARS lossless {verify.tokens_per_forward:.2f} ({verify.forwards})" if "verify" in lanes else "")
+            + f", AR {sides['ar'].forwards} forwards")
+
+
 def _ran_tau_line(sides) -> str:
     parts = []
     for n in ("mars", "verify"):
@@ -239,140 +441,20 @@ def _ran_tau_line(sides) -> str:
     return "ran at " + " · ".join(parts) if parts else ""
 
 
-def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-             slow_motion=1, jobs=None, request: gr.Request | None = None, criterion="prob", seed=0,
-             measure_after=True):
-    """Stream AR, lossless MARS and MARS side by side (least compute so far runs the next forward), then time
-    the decoders again for a speedup you can quote (app.timing)."""
-    sides = {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
-    try:
-        prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
-            prompt, tau, tau_off, block_size, max_new_tokens, temperature)
-        seed = _seed(seed, temperature, notes)
-        with _tau_lock:
-            typed = _tau_notes.get(_session(request))
-        if typed and not tau_off and abs(typed[0] - tau) < 1e-9 and not any(n.startswith("τ ") for n in notes):
-            notes.insert(0, typed[1])
-        if slow_motion not in [v for _, v in SLOW_MOTION]:
-            raise ValueError(f"slow motion {'is empty' if slow_motion is None else repr(slow_motion)}: pick one of "
-                             f"{', '.join(label for label, _ in SLOW_MOTION)}")
-        criterion = check_criterion(criterion)
-        name = models.resolve(choice, free_text, jobs)
-        ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
-    except Exception as exc:
-        yield _outputs(f"⚠ {models.friendly_error(exc)}", sides, "AR")
-        return
-    ar_label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
-    sides["ar"].label = ar_label
-    note_text = "".join(f"\n\n✂ {n}" for n in notes)
-    advice = notices.race_notice(name, prompt, tau, jobs)
-    if advice:
-        note_text += f"\n\nℹ {advice}"
-    try:
-        for n in dict.fromkeys([name, ar_name]):
-            if not models.is_loaded(n):
-                yield _outputs(f"Loading **{n}** …{models.loading_note(n) or ' ' + models.load_estimate(n)}{note_text}",
-                               sides, ar_label)
-            models.get_model(n)
-        lm, ar_lm = models.get_model(name), models.get_model(ar_name)
-    except Exception as exc:
-        yield _outputs(f"⚠ Could not load the model: {models.friendly_error(exc)}{note_text}", sides, ar_label)
-        return
-
-    from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
-    control = TauControl(tau)
-    verify_control = TauControl(tau)
-    key = _session(request)
-    with _tau_lock:
-        _tau_controls[key] = _Both(control, verify_control)
-    lanes_run = ["ar", "verify", "mars"]
-    if temperature > 0:
-        lanes_run.remove("verify")
-        sides["verify"].note = ("lossless MARS reproduces greedy AR, so it runs at temperature 0 only: "
-                                "set temperature to 0 to race it")
-    try:
-        common = dict(block_size=block_size, max_new_tokens=max_new_tokens)
-        cfgs = {"mars": DecodeConfig(mode="mars", tau=tau, temperature=temperature, seed=seed, criterion=criterion,
-                                     **common),
-                "verify": DecodeConfig(mode="verify", tau=tau, criterion=criterion, **common),
-                "ar": DecodeConfig(mode="ar", tau=1.0, temperature=temperature, seed=seed, **common)}
-        texts = {"mars": token_texts(lm), "verify": token_texts(lm), "ar": token_texts(ar_lm)}
-        decode = {"mars": _decoder(lm), "verify": _decoder(lm), "ar": _decoder(ar_lm)}
-        models_of = {"mars": lm, "verify": lm, "ar": ar_lm}
-        streams = {"ar": generate_stream(ar_lm, [prompt], cfgs["ar"]),
-                   "verify": generate_stream(lm, [prompt], cfgs["verify"], tau_control=verify_control),
-                   "mars": generate_stream(lm, [prompt], cfgs["mars"], tau_control=control)}
-        racing = race(lanes={n: streams[n] for n in lanes_run})
-        yield _outputs(f"▶ Racing …{note_text}", sides, ar_label)
-        last = 0.0
-        for lane, event in racing:
-            sides[lane].add(event, texts[lane], decode[lane])
-            if slow_motion > 1:
-                time.sleep((slow_motion - 1) * event.step_time)
-            now = time.perf_counter()
-            if now - last >= YIELD_EVERY_S:
-                last = now
-                yield _outputs(f"▶ Racing …{note_text}", sides, ar_label)
-        for n in lanes_run:
-            sides[n].finished = True
-    except Exception as exc:
-        yield _outputs(f"⚠ Generation failed: {models.friendly_error(exc)}{note_text}", sides, ar_label)
-        return
-    finally:
-        with _tau_lock:
-            if isinstance(_tau_controls.get(key), _Both) and _tau_controls[key].mars is control:
-                del _tau_controls[key]
-    tau_line = _ran_tau_line(sides)
-    summary = (f"MARS {sides['mars'].tokens_per_forward:.2f} tokens/forward ({sides['mars'].forwards} forwards)"
-               + (f", MARS lossless {sides['verify'].tokens_per_forward:.2f} ({sides['verify'].forwards})"
-                  if "verify" in lanes_run else "")
-               + f", AR {sides['ar'].forwards} forwards")
-    measured = None
-    if measure_after:
-        prompt_ids = lm.encode(prompt)
-
-        def run_of(n):
-            cfg = cfgs[n]
-            taus = sides[n].taus
-            moved = n != "ar" and len(set(taus)) > 1
-            return lambda: core_generate(models_of[n], [prompt_ids], cfg,
-                                         tau_control=ReplayTau(taus) if moved else None)
-
-        runs = {n: run_of(n) for n in lanes_run}
-        gen = timing.measure_iter(sides, runs, ar_lm, lm, prompt_ids, block_size)
-        first = True   # the plots, the ledger and the state go out once, with the first progress line
+def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], summary: str, tau_line: str):
+    """Time the lanes' decoders again (app.timing), a status line per progress message; returns the measurements."""
+    prompt_ids = lanes["mars"].lm.encode(settings.prompt)
+    runs = {n: lane.rerun(prompt_ids, page.sides[n].taus) for n, lane in lanes.items()}
+    progress = timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
+                                   settings.block_size)
+    first = True   # the plots, the ledger and the state go out once, with the first progress line
+    while True:
         try:
-            while True:
-                try:
-                    msg = next(gen)
-                except StopIteration as stop:
-                    measured = stop.value
-                    break
-                yield _outputs(f"▶ Race finished: {summary}. {msg}{note_text}", sides, ar_label, final=first,
-                               measuring=msg, tau_line=tau_line)
-                first = False
-        except Exception as exc:
-            yield _outputs(f"✓ Done: {summary}. ⚠ the timing after the race failed: "
-                           f"{models.friendly_error(exc)}{note_text}", sides, ar_label, final=True, tau_line=tau_line)
-            return
-    yield _outputs(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else "") + note_text,
-                   sides, ar_label, final=True, measured=measured, tau_line=tau_line)
-
-
-class _Both:
-    """The τ slider steers both MARS lanes of a race."""
-
-    def __init__(self, mars, verify):
-        self.mars, self.verify = mars, verify
-
-    @property
-    def value(self):
-        return self.mars.value
-
-    @value.setter
-    def value(self, tau):
-        self.mars.value = tau
-        self.verify.value = tau
+            msg = next(progress)
+        except StopIteration as done:
+            return done.value
+        yield page.show(f"▶ Race finished: {summary}. {msg}", final=first, measuring=msg, tau_line=tau_line)
+        first = False
 
 
 def _decoder(lm):
@@ -381,11 +463,11 @@ def _decoder(lm):
     return decode
 
 
-LEDGER_SIDES = [("MARS", "mars"), ("MARS lossless", "verify"), ("AR", "ar")]
+LEDGER_LANES = {"MARS": "mars", "MARS lossless": "verify", "AR": "ar"}   # the ledger's lane choices
 
 
 def _lane_of(side) -> str:
-    return {"AR": "ar", "MARS lossless": "verify", "MARS": "mars"}.get(side, side if side in LANES else "mars")
+    return LEDGER_LANES.get(side, side if side in LANES else "mars")
 
 
 def show_ledger(race_state, side, step):
