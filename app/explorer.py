@@ -12,8 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import gradio as gr
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from app import generate, models
 
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
@@ -124,6 +127,31 @@ def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: in
         if progress is not None:
             progress((k + 1) / len(runs), f"{'lossless ' if mode == 'verify' else ''}τ={tau}: agreement {exact:.0%}")
     return rows
+
+
+def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
+              lossless, picked, progress=gr.Progress(), jobs=None):
+    """The Run sweep button: (status line, Pareto figure, table rows, JSON export); a ⚠ line for bad input."""
+    try:
+        taus = parse_taus(taus_text)
+        criterion = generate.check_criterion(criterion)
+        name = (models.resolve(choice, free_text, jobs) if source == "free"
+                else models.task_model(choice, free_text, picked, jobs))   # tasks: tiny-mars by default
+        lm = models.get_model(name)
+        kw = dict(criterion=criterion, lossless=bool(lossless))
+        if source == "free":
+            rows = sweep_free(lm, parse_prompts(prompts_text), taus, int(block_size), int(max_new_tokens),
+                              progress, **kw)
+        else:
+            rows = sweep_builtin(lm, int(n), taus, int(block_size), int(max_new_tokens), progress, **kw)
+    except Exception as exc:
+        return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
+    path = export_json(rows, {"model": name, "source": source, "block_size": int(block_size),
+                              "max_new_tokens": int(max_new_tokens), "criterion": criterion})
+    n_tau = len({r["tau"] for r in rows})
+    both = ", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else ""
+    return (f"✓ {n_tau} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {criterion}){both}.",
+            pareto_figure(rows), table_rows(rows), path)
 
 
 # Label placement: plotly does not avoid overlaps, so each τ label gets the first nearby offset whose box

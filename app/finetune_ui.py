@@ -78,6 +78,11 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
     return ok, "\n\n".join(parts)
 
 
+def upload_report(path) -> str:
+    """The report on a file just uploaded; nothing once it is removed."""
+    return validate_jsonl(path)[1] if path else ""
+
+
 def data_source_changed(source, upload):
     """(upload field, data report, start message): the other dataset's report and start error are replaced."""
     report = (validate_jsonl(upload)[1] if upload else "Upload a chat JSONL file.") if source == "upload" else ""

@@ -508,6 +508,25 @@ def examples_and_prompt(choice, free_text="", prompt="", jobs=None):
     return gr.update(choices=prompts, value=None), (gr.update(value=prompts[0]) if replace else gr.skip())
 
 
+def use_example(example, prompt):
+    """An example picked from the list becomes the prompt; emptying the list keeps the prompt."""
+    return example or prompt
+
+
+def take_offer(offered):
+    """'Switch model' pressed: the picker moves to the offered model, and that counts as the user's own pick."""
+    return gr.update(value=offered), True
+
+
+def show_seed(temperature):
+    """The seed field is shown only while sampling (temperature > 0)."""
+    try:
+        sampling = float(temperature) > 0
+    except (TypeError, ValueError):
+        sampling = False
+    return gr.update(visible=sampling)
+
+
 def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, jobs=None):
     """(notice, 'switch model' button, 'τ off' button, offered model) for the page; hidden when nothing applies."""
     try:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import html
 
+import gradio as gr
 import plotly.graph_objects as go
+
+from app import generate, models
+from app.plots import empty_figure
 
 MASK_TEXT = """
 **Training input** is `[noisy | clean]`: the clean half is the example; the noisy half is the same
@@ -86,6 +90,30 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
                       yaxis=dict(title="query position" + every, tickvals=ticks, ticktext=short, autorange="reversed",
                                  tickfont=dict(size=11), scaleanchor="x"))
     return fig
+
+
+def show_mask(n, block_size):
+    """The mask figure for the sliders' n and B, or an empty figure saying what is wrong with them."""
+    try:
+        return mask_figure(int(n), int(block_size))
+    except Exception as exc:
+        return empty_figure(models.friendly_error(exc))
+
+
+def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked, jobs=None):
+    """The Learn tab's button: (step HTML, confidence figure) for the first forward pass on the Generate tab's
+    prompt and τ. B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's."""
+    try:
+        # only the prompt and τ are checked here: B, max new tokens and temperature are placeholders
+        prompt, tau, _, _, _, notes = generate.check_inputs(prompt, tau, tau_off, 4, 8, 0.0)
+        block_size = int(block_size)
+        criterion = generate.check_criterion(criterion)
+        lm = models.get_model(models.task_model(choice, free_text, picked, jobs))
+        event = first_step(lm, prompt, tau, block_size, criterion)
+        note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
+        return note + step_html(lm, prompt, event), confidence_figure(lm, event)
+    except Exception as exc:
+        return f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
 
 
 def first_step(lm, prompt: str, tau: float, block_size: int, criterion: str = "prob"):

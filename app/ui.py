@@ -1,9 +1,9 @@
 """The MARS Playground page: components and event wiring only (handlers live in sibling modules)."""
 from __future__ import annotations
 
-import html
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 
@@ -75,17 +75,6 @@ del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; backgro
 .job .ckpt {font-size: 12px; color: #4b5563; margin-top: 4px;}
 """
 
-def _empty_sides():
-    return {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
-
-
-def _positive(value) -> bool:
-    try:
-        return float(value) > 0
-    except (TypeError, ValueError):
-        return False
-
-
 RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
 
 INTRO = """# MARS Playground
@@ -94,6 +83,13 @@ emit several tokens: after the committed text come `B` mask tokens; the model pr
 keeps them left to right while their confidence is at least **τ**. Easy spans arrive several tokens at a time,
 hard tokens one by one — and with τ off it is exactly greedy AR decoding."""
 
+PANE_TITLES = {"ar": "AR baseline (one token per forward)",
+               "verify": "MARS lossless (drafts checked: exactly AR's answer)",
+               "mars": "MARS (multi-token, lossy below τ = 1)"}
+
+# Events that only move page state run outside the model's queue, at once and without a spinner.
+QUICK = dict(show_progress="hidden", concurrency_limit=None)
+
 
 def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
              launcher: str = "accelerate") -> gr.Blocks:
@@ -101,322 +97,324 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
     background preparer (models.PREPARER, started by app.py) has it ready; a named model is the user's
     choice and stays."""
     jobs = JobManager(runs_dir, launcher=launcher)
-    auto = default_model is None
-    start_model = models.DEFAULT_MODEL if auto else default_model
-    builtin = models.builtin_names()
-    picker_value = start_model if start_model in builtin else models.DEFAULT_MODEL
-    free_value = "" if start_model in builtin else start_model
-    first_examples = models.example_prompts(start_model)
-    first_notice = notices.notice(start_model, first_examples[0] if first_examples else "", 0.9)[0]
-
+    start_model = models.DEFAULT_MODEL if default_model is None else default_model
     with gr.Blocks(title="MARS Playground", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
-        with gr.Row(equal_height=True):
-            model = gr.Dropdown(models.model_choices(jobs), value=picker_value, label="Model", scale=3,
-                                elem_id="model-picker")
-            free = gr.Textbox(value=free_value, label="…or a local path / hub id", scale=3, max_length=300,
-                              placeholder="/path/to/checkpoint or owner/model (overrides the list)")
-            ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.builtin_models(),
-                                    value=models.SAME_MODEL, label="AR baseline", scale=2, elem_id="ar-picker")
-            load_btn = gr.Button("Load model", scale=1)
-        model_status = gr.Markdown("", elem_id="model-status")
-        # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
-        prep_status = gr.Markdown("", elem_id="prep-status")
-        prep_timer = gr.Timer(generate.PREPARE_POLL_S)
-        picked = gr.State(not auto)  # True once the user chose a model: the page then never switches it
-
+        bar = _model_bar(jobs, start_model, picked=default_model is not None)
         with gr.Tabs():
-            # ---------------------------------------------------------------- Generate
-            with gr.Tab("Generate", id="generate"):
-                with gr.Row():
-                    # no max_length: the browser would cut a long prompt silently; the handler cuts it with a note
-                    prompt = gr.Textbox(value=first_examples[0] if first_examples else "", label="Prompt", lines=2,
-                                        scale=4, elem_id="prompt",
-                                        info=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
-                    examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model",
-                                           scale=2, elem_id="examples")
-                with gr.Row(equal_height=True):
-                    tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01,
-                                                     label="τ (confidence threshold)", scale=3, elem_id="tau",
-                                                     info="lower = more tokens per forward, less fidelity (lossy MARS)"))
-                    tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
-                    block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
-                    max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
-                                                         label="max new tokens", scale=2))
-                    temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
-                                                             scale=2, elem_id="temperature"))
-                    seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False, elem_id="seed",
-                                     info="same seed, same sample")
-                    criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
-                                            elem_id="criterion", info="what must reach τ (the paper: probability)")
-                with gr.Row():
-                    go_btn = gr.Button("▶ Race AR vs lossless MARS vs MARS", variant="primary", scale=3,
-                                       elem_id="generate-btn")
-                    slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
-                                              elem_id="slow-motion", container=False)
-                    measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
-                                                elem_id="measure-after", container=False)
-                    tau_status = gr.Markdown("", elem_id="tau-status")
-                notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
-                with gr.Row():
-                    notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
-                    notice_off_btn = gr.Button("Use one-token mode (τ off)", size="sm", visible=False,
-                                               elem_id="notice-off")
-                race_status = gr.Markdown("", elem_id="race-status")
-                gr.HTML(legend_html(8))
-                with gr.Row(equal_height=True):
-                    with gr.Column(elem_classes="race-pane"):
-                        gr.Markdown("### AR baseline (one token per forward)")
-                        ar_html = gr.HTML(render_chunks(SideRecord("AR", "ar"), generate.PLACEHOLDERS["ar"]),
-                                          elem_id="ar-pane")
-                    with gr.Column(elem_classes="race-pane"):
-                        gr.Markdown("### MARS lossless (drafts checked: exactly AR's answer)")
-                        verify_html = gr.HTML(render_chunks(SideRecord("MARS lossless", "verify"),
-                                                            generate.PLACEHOLDERS["verify"]), elem_id="verify-pane")
-                    with gr.Column(elem_classes="race-pane"):
-                        gr.Markdown("### MARS (multi-token, lossy below τ = 1)")
-                        mars_html = gr.HTML(render_chunks(SideRecord("MARS", "mars"), generate.PLACEHOLDERS["mars"]),
-                                            elem_id="mars-pane")
-                with gr.Row():
-                    with gr.Column(scale=3):
-                        stats = gr.HTML(render_stats(_empty_sides()), elem_id="stats")
-                    with gr.Column(scale=2):
-                        gr.Markdown(STAT_DEFINITIONS, elem_classes="defs")
-                with gr.Row():
-                    tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
-                    acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
-                diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
-                with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
-                    with gr.Row():
-                        ledger_side = gr.Radio(["MARS", "MARS lossless", "AR"], value="MARS", label="lane", scale=1)
-                        ledger_step = gr.Slider(0, 1, value=0, step=1, label="forward pass (step)", scale=4,
-                                                interactive=False)
-                    ledger = gr.HTML(render_ledger(SideRecord("MARS", "mars"), 0), elem_id="ledger")
-                race_state = gr.State(None)
-
-            # ---------------------------------------------------------------- τ explorer
-            with gr.Tab("τ explorer", id="explorer"):
-                gr.Markdown("Sweep τ over a set of prompts with the model chosen above. Built-in tasks are scored "
-                            "by exact answer; pasted prompts by **agreement with the model's own AR output** "
-                            "(identical tokens). Speedup = AR time ÷ MARS time, measured alternately, batch 1. "
-                            f"Until you pick a model yourself, built-in tasks run on **{models.TASK_MODEL}** (trained "
-                            f"on them) even when free text has moved to {models.FREE_TEXT_DEFAULT}.")
-                with gr.Row():
-                    source = gr.Radio([("built-in held-out tasks", "builtin"), ("my prompts (one per line)", "free")],
-                                      value="builtin", label="prompts", scale=2)
-                    n_tasks = gr.Slider(2, 100, value=16, step=1, label="number of built-in tasks", scale=2)
-                    taus_text = gr.Textbox("1.0, 0.95, 0.9, 0.8, 0.7, 0.6", label="τ values", scale=2,
-                                           elem_id="taus")
-                free_prompts = gr.Textbox(label="my prompts (one per line, at most 20)", lines=3,
-                                          elem_id="free-prompts")
-                with gr.Row():
-                    ex_block = gr.Slider(2, 8, value=4, step=1, label="block size B")
-                    ex_max_new = gr.Slider(8, 256, value=64, step=8, label="max new tokens")
-                    ex_criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence",
-                                               elem_id="ex-criterion")
-                    lossless = gr.Checkbox(True, label="add the lossless curve (verify mode)", elem_id="ex-lossless")
-                    sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-btn")
-                sweep_status = gr.Markdown("", elem_id="sweep-status")
-                pareto = gr.Plot(empty_figure("the Pareto plot appears after a sweep"), label="Pareto",
-                                 elem_id="pareto")
-                table = gr.Dataframe(headers=explorer.TABLE_HEADERS, label="sweep results", interactive=False)
-                export = gr.File(label="JSON export", interactive=False)
-
-            # ---------------------------------------------------------------- Learn
-            with gr.Tab("Learn", id="learn"):
-                with gr.Row():
-                    with gr.Column(scale=3):
-                        with gr.Row():
-                            mask_n = gr.Slider(2, 32, value=12, step=1, label="sequence length n")
-                            mask_b = gr.Slider(1, 8, value=4, step=1, label="block size B")
-                        mask_plot = gr.Plot(label="training attention mask", elem_id="learn-mask")
-                    with gr.Column(scale=2):
-                        gr.Markdown(learn.MASK_TEXT)
-                gr.Markdown("### One inference step of the current prompt")
-                with gr.Row():
-                    with gr.Column(scale=2):
-                        gr.Markdown(learn.STEP_TEXT)
-                        gr.Markdown(f"Runs on **{models.TASK_MODEL}** until you pick a model above.",
-                                    elem_classes="defs")
-                        step_btn = gr.Button("Lay out the first step of the Generate tab's prompt with this B",
-                                             variant="primary",
-                                             elem_id="learn-step-btn")
-                    with gr.Column(scale=3):
-                        step_view = gr.HTML("", elem_id="learn-step")
-                        conf_plot = gr.Plot(empty_figure("candidate confidences appear here"), label="confidence vs τ")
-
-            # ---------------------------------------------------------------- Finetune
-            with gr.Tab("Finetune", id="finetune"):
-                gr.Markdown("Train your own MARS model. The job runs as its own process; this page only reads "
-                            "its files (`runs/<name>/status.json`, `metrics.jsonl`, `log.txt`), so you can "
-                            "refresh or close the page and come back. One job at a time.")
-                with gr.Row():
-                    base = gr.Dropdown(finetune_ui.base_choices(jobs), value=finetune_ui.DEFAULTS["base"],
-                                       label="base model", scale=2, elem_id="ft-base")
-                    data_source = gr.Radio([("built-in task suite", "builtin"), ("upload chat JSONL", "upload")],
-                                           value="builtin", label="dataset", scale=2)
-                    upload = gr.File(label="chat JSONL (≤ 20 MB)", file_types=[".jsonl", ".json"],
-                                     type="filepath", scale=2, visible=False, elem_id="ft-upload")
-                data_report = gr.Markdown("", elem_id="ft-data-report")
-                with gr.Row():
-                    stage = gr.Radio([("AR-SFT (stage 1)", "ar-sft"), ("MARS (stage 2)", "mars")],
-                                     value=finetune_ui.DEFAULTS["stage"], label="stage")
-                    ft_block = gr.Slider(1, 8, value=4, step=1, label="block size B")
-                    ar_weight = gr.Slider(0.0, 2.0, value=1.0, step=0.1, label="ar_weight (1 = MARS, 0 = ablation)")
-                    steps = gr.Number(finetune_ui.DEFAULTS["steps"], label="steps", precision=0, minimum=1,
-                                      maximum=100000, elem_id="ft-steps")
-                    lr = gr.Number(finetune_ui.DEFAULTS["lr"], label="learning rate", minimum=1e-7, maximum=1.0)
-                    lora = gr.Checkbox(False, label="LoRA")
-                command = gr.Markdown("", elem_id="ft-command")
-                with gr.Row():
-                    start_btn = gr.Button("Start", variant="primary", elem_id="ft-start")
-                    stop_btn = gr.Button("Stop (save, then exit)", elem_id="ft-stop")
-                    kill_btn = gr.Button("Kill", variant="stop", elem_id="ft-kill")
-                ft_msg = gr.Markdown("", elem_id="ft-msg")
-                job_status = gr.HTML(finetune_ui.status_html(None), elem_id="ft-status")
-                loss_plot = gr.Plot(empty_figure("loss curves appear while a run trains"), label="loss",
-                                    elem_id="ft-loss")
-                log_box = gr.Textbox(label="log (last lines)", lines=8, max_lines=12, interactive=False,
-                                     elem_id="ft-log", autoscroll=True)
-                seen = gr.State({})
-                timer = gr.Timer(1.0)
-
-        # ---------------------------------------------------------------- wiring
-        model_inputs = [model, free]
-        load_btn.click(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
-        # the examples (and the prompt, while it is an example of another model) follow the model
-        for comp, ev in ((model, "change"), (free, "submit")):
-            getattr(comp, ev)(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [prompt],
-                              [examples, prompt], show_progress="hidden").then(
-                partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
-        examples.change(lambda p, cur: p or cur, [examples, prompt], prompt)
-        demo.load(partial(generate.load_model_ui, jobs=jobs), model_inputs, model_status)
-        # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
-        model.input(lambda: True, None, picked, show_progress="hidden", concurrency_limit=None)
-        prep_inputs, prep_outputs = [model, free, picked], [prep_status, model, examples, prep_timer]
-        prep_timer.tick(partial(generate.poll_default_model, jobs=jobs), prep_inputs, prep_outputs,
-                        show_progress="hidden", concurrency_limit=None)
-        demo.load(partial(generate.poll_default_model, jobs=jobs), prep_inputs, prep_outputs,
-                  show_progress="hidden")
-
-        # notices: a model meeting prompts it was not trained for; replaced whenever model, prompt or τ change
-        offer = gr.State(None)
-        notice_inputs = [model, free, prompt, tau, tau_off]
-        notice_outputs = [notice, notice_model_btn, notice_off_btn, offer]
-        for comp, ev in ((model, "change"), (free, "submit"), (prompt, "change"), (tau, "change"),
-                         (tau_off, "change")):
-            getattr(comp, ev)(partial(generate.notice_update, jobs=jobs), notice_inputs, notice_outputs,
-                              show_progress="hidden", concurrency_limit=None, trigger_mode="always_last")
-        notice_model_btn.click(lambda name: (gr.update(value=name), True), offer, [model, picked],
-                               show_progress="hidden", concurrency_limit=None)
-        notice_off_btn.click(lambda: True, None, tau_off, show_progress="hidden", concurrency_limit=None)
-        temperature.change(lambda t: gr.update(visible=_positive(t)), temperature, seed, show_progress="hidden",
-                           concurrency_limit=None)
-
-        race_outputs = [race_status, tau_status, ar_html, verify_html, mars_html, stats, tpf_plot, acc_plot,
-                        diff_plot, ledger_step, ledger, race_state]
-        assert len(race_outputs) == generate.N_OUTPUTS
-
-        def race_fn(choice, free_text, ar, p, t, off, b, mx, temp, slow, crit, sd, again, request: gr.Request):
-            # a plain function (not functools.partial) so that Gradio injects the request (τ is per session)
-            yield from generate.run_race(choice, free_text, ar, p, t, off, b, mx, temp, slow, jobs=jobs,
-                                         request=request, criterion=crit, seed=sd, measure_after=bool(again))
-
-        race_inputs = [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new, temperature, slow_motion,
-                       criterion, seed, measure_after]
-        for trigger in (go_btn.click, prompt.submit):
-            # at once: the waiting line (replaced by the race's first message when the machine is free), then
-            # the race in the shared queue, its queue position shown on the status line
-            trigger(generate.waiting_status, None, race_status, show_progress="hidden", concurrency_limit=None).then(
-                race_fn, race_inputs, race_outputs, concurrency_id="model", show_progress="minimal",
-                show_progress_on=[race_status])
-        for comp in (tau, tau_off):
-            comp.change(generate.set_tau, [tau, tau_off], tau_status, trigger_mode="always_last",
-                        show_progress="hidden", concurrency_limit=None)
-        ledger_step.change(generate.show_ledger, [race_state, ledger_side, ledger_step], ledger, show_progress="hidden")
-        ledger_side.change(generate.ledger_side_changed, [race_state, ledger_side], [ledger_step, ledger],
-                           show_progress="hidden")
-
-        def run_sweep(choice, free_text, src, n, taus_s, prompts_s, b, mx, crit, with_lossless, user_picked,
-                      progress=gr.Progress()):
-            try:
-                taus = explorer.parse_taus(taus_s)
-                crit = generate.check_criterion(crit)
-                name = (models.resolve(choice, free_text, jobs) if src == "free"
-                        else models.task_model(choice, free_text, user_picked, jobs))  # tasks: tiny-mars by default
-                lm = models.get_model(name)
-                if src == "free":
-                    rows = explorer.sweep_free(lm, explorer.parse_prompts(prompts_s), taus, int(b), int(mx), progress,
-                                               criterion=crit, lossless=bool(with_lossless))
-                else:
-                    rows = explorer.sweep_builtin(lm, int(n), taus, int(b), int(mx), progress, criterion=crit,
-                                                  lossless=bool(with_lossless))
-            except Exception as exc:
-                return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
-            path = explorer.export_json(rows, {"model": name, "source": src, "block_size": int(b),
-                                               "max_new_tokens": int(mx), "criterion": crit})
-            n_tau = len({r["tau"] for r in rows})
-            return (f"✓ {n_tau} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {crit})"
-                    + (", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else "") + ".",
-                    explorer.pareto_figure(rows), explorer.table_rows(rows), path)
-
-        sweep_btn.click(generate.waiting_status, None, sweep_status, show_progress="hidden",
-                        concurrency_limit=None).then(
-            run_sweep, [model, free, source, n_tasks, taus_text, free_prompts, ex_block, ex_max_new, ex_criterion,
-                        lossless, picked],
-            [sweep_status, pareto, table, export], concurrency_id="model")
-
-        def show_mask(n, b):
-            try:
-                return learn.mask_figure(int(n), int(b))
-            except Exception as exc:
-                return empty_figure(models.friendly_error(exc))
-
-        for comp in (mask_n, mask_b):
-            comp.change(show_mask, [mask_n, mask_b], mask_plot, show_progress="hidden")
-        demo.load(show_mask, [mask_n, mask_b], mask_plot)
-
-        def one_step(choice, free_text, p, t, off, b, crit, user_picked):
-            # B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's
-            try:
-                p, t, _, _, _, notes = generate.check_inputs(p, t, off, 4, 8, 0.0)
-                b = int(b)
-                crit = generate.check_criterion(crit)
-                lm = models.get_model(models.task_model(choice, free_text, user_picked, jobs))
-                event = learn.first_step(lm, p, t, b, crit)
-                note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
-                return note + learn.step_html(lm, p, event), learn.confidence_figure(lm, event)
-            except Exception as exc:
-                return f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
-
-        step_btn.click(one_step, [model, free, prompt, tau, tau_off, mask_b, criterion, picked],
-                       [step_view, conf_plot],
-                       concurrency_id="model")
-
-        # a warning is replaced as soon as its cause may have gone: any of the inputs it was about changes
-        for target, causes in ((race_status, [model, free, ar_choice, prompt, tau, tau_off, block_size, max_new,
-                                              temperature, criterion, seed]),
-                               (sweep_status, [model, free, source, n_tasks, taus_text, free_prompts, ex_block,
-                                               ex_max_new, ex_criterion]),
-                               (step_view, [model, free, prompt, tau, tau_off, mask_b, criterion]),
-                               (ft_msg, [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora])):
-            for comp in causes:
-                comp.change(generate.clear_warning, target, target, show_progress="hidden", concurrency_limit=None)
-
-        ft_inputs = [base, data_source, upload, stage, ft_block, ar_weight, steps, lr, lora]
-        for comp in ft_inputs:
-            comp.change(partial(finetune_ui.command_preview, jobs), ft_inputs, command, show_progress="hidden")
-        upload.change(lambda f: finetune_ui.validate_jsonl(f)[1] if f else "", upload, data_report)
-        # switching the dataset replaces what was said about the other one (report, start error)
-        data_source.change(finetune_ui.data_source_changed, [data_source, upload], [upload, data_report, ft_msg],
-                           show_progress="hidden")
-        demo.load(partial(finetune_ui.command_preview, jobs), ft_inputs, command)
-        start_btn.click(partial(finetune_ui.start, jobs), ft_inputs, ft_msg)
-        stop_btn.click(partial(finetune_ui.stop, jobs), None, ft_msg)
-        kill_btn.click(partial(finetune_ui.kill, jobs), None, ft_msg)
-        poll_outputs = [job_status, loss_plot, log_box, model, base, seen]
-        timer.tick(partial(finetune_ui.poll, jobs), seen, poll_outputs, show_progress="hidden",
-                   concurrency_limit=None)
-        demo.load(partial(finetune_ui.poll, jobs), seen, poll_outputs)
+            gen = _generate_tab(start_model)
+            sweep = _explorer_tab()
+            lesson = _learn_tab()
+            ft = _finetune_tab(jobs)
+        _wire_model_bar(demo, bar, gen, jobs)
+        _wire_notices(bar, gen, jobs)
+        _wire_race(bar, gen, jobs)
+        _wire_explorer(bar, sweep, jobs)
+        _wire_learn(demo, bar, gen, lesson, jobs)
+        _clear_warnings_on_change(bar, gen, sweep, lesson, ft)
+        _wire_finetune(demo, bar, ft, jobs)
     demo.jobs = jobs  # for tests and app.py
     return demo
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
+    """The model choice above the tabs: every tab runs on it."""
+    bar = SimpleNamespace()
+    listed = start_model in models.builtin_names()   # else a path or hub id: it goes in the free field
+    with gr.Row(equal_height=True):
+        bar.model = gr.Dropdown(models.model_choices(jobs), value=start_model if listed else models.DEFAULT_MODEL,
+                                label="Model", scale=3, elem_id="model-picker")
+        bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=3,
+                              max_length=300, placeholder="/path/to/checkpoint or owner/model (overrides the list)")
+        bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.builtin_models(),
+                                    value=models.SAME_MODEL, label="AR baseline", scale=2, elem_id="ar-picker")
+        bar.load_btn = gr.Button("Load model", scale=1)
+    bar.model_status = gr.Markdown("", elem_id="model-status")
+    # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
+    bar.prep_status = gr.Markdown("", elem_id="prep-status")
+    bar.prep_timer = gr.Timer(generate.PREPARE_POLL_S)
+    bar.picked = gr.State(picked)  # True once the user chose a model: the page then never switches it
+    return bar
+
+
+def _generate_tab(start_model: str) -> SimpleNamespace:
+    """The race's settings and buttons; its panes and results come from _race_view."""
+    gen = SimpleNamespace()
+    first_examples = models.example_prompts(start_model)
+    first_prompt = first_examples[0] if first_examples else ""
+    first_notice = notices.notice(start_model, first_prompt, 0.9)[0]
+    with gr.Tab("Generate", id="generate"):
+        with gr.Row():
+            # no max_length: the browser would cut a long prompt silently; the handler cuts it with a note
+            gen.prompt = gr.Textbox(value=first_prompt, label="Prompt", lines=2, scale=4, elem_id="prompt",
+                                    info=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
+            gen.examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model", scale=2,
+                                       elem_id="examples")
+        with gr.Row(equal_height=True):
+            gen.tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01,
+                                                 label="τ (confidence threshold)", scale=3, elem_id="tau",
+                                                 info="lower = more tokens per forward, less fidelity (lossy MARS)"))
+            gen.tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
+            gen.block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
+            gen.max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
+                                                     label="max new tokens", scale=2))
+            gen.temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05,
+                                                         label="temperature (0 = greedy)", scale=2,
+                                                         elem_id="temperature"))
+            gen.seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False, elem_id="seed",
+                                 info="same seed, same sample")
+            gen.criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
+                                        elem_id="criterion", info="what must reach τ (the paper: probability)")
+        with gr.Row():
+            gen.go_btn = gr.Button("▶ Race AR vs lossless MARS vs MARS", variant="primary", scale=3,
+                                   elem_id="generate-btn")
+            gen.slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
+                                          elem_id="slow-motion", container=False)
+            gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
+                                            elem_id="measure-after", container=False)
+            gen.tau_status = gr.Markdown("", elem_id="tau-status")
+        gen.notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
+        with gr.Row():
+            gen.notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
+            gen.notice_off_btn = gr.Button("Use one-token mode (τ off)", size="sm", visible=False,
+                                           elem_id="notice-off")
+        gen.race_status = gr.Markdown("", elem_id="race-status")
+        _race_view(gen)
+    return gen
+
+
+def _race_view(gen: SimpleNamespace) -> None:
+    """The three lanes side by side, then the stats, the plots and the step ledger (added to `gen`)."""
+    gr.HTML(legend_html(8))
+    gen.panes = {}
+    with gr.Row(equal_height=True):
+        for lane in LANES:
+            with gr.Column(elem_classes="race-pane"):
+                gr.Markdown(f"### {PANE_TITLES[lane]}")
+                gen.panes[lane] = gr.HTML(render_chunks(SideRecord(LANE_LABELS[lane], lane),
+                                                        generate.PLACEHOLDERS[lane]), elem_id=f"{lane}-pane")
+    with gr.Row():
+        with gr.Column(scale=3):
+            gen.stats = gr.HTML(render_stats(generate.empty_sides()), elem_id="stats")
+        with gr.Column(scale=2):
+            gr.Markdown(STAT_DEFINITIONS, elem_classes="defs")
+    with gr.Row():
+        gen.tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
+        gen.acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
+    gen.diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
+    with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
+        with gr.Row():
+            gen.ledger_side = gr.Radio(list(generate.LEDGER_LANES), value="MARS", label="lane", scale=1)
+            gen.ledger_step = gr.Slider(0, 1, value=0, step=1, label="forward pass (step)", scale=4,
+                                        interactive=False)
+        gen.ledger = gr.HTML(render_ledger(SideRecord("MARS", "mars"), 0), elem_id="ledger")
+    gen.race_state = gr.State(None)
+
+
+def _explorer_tab() -> SimpleNamespace:
+    sweep = SimpleNamespace()
+    with gr.Tab("τ explorer", id="explorer"):
+        gr.Markdown("Sweep τ over a set of prompts with the model chosen above. Built-in tasks are scored "
+                    "by exact answer; pasted prompts by **agreement with the model's own AR output** "
+                    "(identical tokens). Speedup = AR time ÷ MARS time, measured alternately, batch 1. "
+                    f"Until you pick a model yourself, built-in tasks run on **{models.TASK_MODEL}** (trained "
+                    f"on them) even when free text has moved to {models.FREE_TEXT_DEFAULT}.")
+        with gr.Row():
+            sweep.source = gr.Radio([("built-in held-out tasks", "builtin"), ("my prompts (one per line)", "free")],
+                                    value="builtin", label="prompts", scale=2)
+            sweep.n_tasks = gr.Slider(2, 100, value=16, step=1, label="number of built-in tasks", scale=2)
+            sweep.taus_text = gr.Textbox("1.0, 0.95, 0.9, 0.8, 0.7, 0.6", label="τ values", scale=2, elem_id="taus")
+        sweep.free_prompts = gr.Textbox(label="my prompts (one per line, at most 20)", lines=3,
+                                        elem_id="free-prompts")
+        with gr.Row():
+            sweep.block_size = gr.Slider(2, 8, value=4, step=1, label="block size B")
+            sweep.max_new = gr.Slider(8, 256, value=64, step=8, label="max new tokens")
+            sweep.criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence",
+                                          elem_id="ex-criterion")
+            sweep.lossless = gr.Checkbox(True, label="add the lossless curve (verify mode)", elem_id="ex-lossless")
+            sweep.sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-btn")
+        sweep.status = gr.Markdown("", elem_id="sweep-status")
+        sweep.pareto = gr.Plot(empty_figure("the Pareto plot appears after a sweep"), label="Pareto",
+                               elem_id="pareto")
+        sweep.table = gr.Dataframe(headers=explorer.TABLE_HEADERS, label="sweep results", interactive=False)
+        sweep.export = gr.File(label="JSON export", interactive=False)
+    return sweep
+
+
+def _learn_tab() -> SimpleNamespace:
+    lesson = SimpleNamespace()
+    with gr.Tab("Learn", id="learn"):
+        with gr.Row():
+            with gr.Column(scale=3):
+                with gr.Row():
+                    lesson.mask_n = gr.Slider(2, 32, value=12, step=1, label="sequence length n")
+                    lesson.mask_b = gr.Slider(1, 8, value=4, step=1, label="block size B")
+                lesson.mask_plot = gr.Plot(label="training attention mask", elem_id="learn-mask")
+            with gr.Column(scale=2):
+                gr.Markdown(learn.MASK_TEXT)
+        gr.Markdown("### One inference step of the current prompt")
+        with gr.Row():
+            with gr.Column(scale=2):
+                gr.Markdown(learn.STEP_TEXT)
+                gr.Markdown(f"Runs on **{models.TASK_MODEL}** until you pick a model above.", elem_classes="defs")
+                lesson.step_btn = gr.Button("Lay out the first step of the Generate tab's prompt with this B",
+                                            variant="primary", elem_id="learn-step-btn")
+            with gr.Column(scale=3):
+                lesson.step_view = gr.HTML("", elem_id="learn-step")
+                lesson.conf_plot = gr.Plot(empty_figure("candidate confidences appear here"),
+                                           label="confidence vs τ")
+    return lesson
+
+
+def _finetune_tab(jobs) -> SimpleNamespace:
+    ft = SimpleNamespace()
+    with gr.Tab("Finetune", id="finetune"):
+        gr.Markdown("Train your own MARS model. The job runs as its own process; this page only reads "
+                    "its files (`runs/<name>/status.json`, `metrics.jsonl`, `log.txt`), so you can "
+                    "refresh or close the page and come back. One job at a time.")
+        with gr.Row():
+            ft.base = gr.Dropdown(finetune_ui.base_choices(jobs), value=finetune_ui.DEFAULTS["base"],
+                                  label="base model", scale=2, elem_id="ft-base")
+            ft.data_source = gr.Radio([("built-in task suite", "builtin"), ("upload chat JSONL", "upload")],
+                                      value="builtin", label="dataset", scale=2)
+            ft.upload = gr.File(label="chat JSONL (≤ 20 MB)", file_types=[".jsonl", ".json"], type="filepath",
+                                scale=2, visible=False, elem_id="ft-upload")
+        ft.data_report = gr.Markdown("", elem_id="ft-data-report")
+        with gr.Row():
+            ft.stage = gr.Radio([("AR-SFT (stage 1)", "ar-sft"), ("MARS (stage 2)", "mars")],
+                                value=finetune_ui.DEFAULTS["stage"], label="stage")
+            ft.block_size = gr.Slider(1, 8, value=4, step=1, label="block size B")
+            ft.ar_weight = gr.Slider(0.0, 2.0, value=1.0, step=0.1, label="ar_weight (1 = MARS, 0 = ablation)")
+            ft.steps = gr.Number(finetune_ui.DEFAULTS["steps"], label="steps", precision=0, minimum=1,
+                                 maximum=100000, elem_id="ft-steps")
+            ft.lr = gr.Number(finetune_ui.DEFAULTS["lr"], label="learning rate", minimum=1e-7, maximum=1.0)
+            ft.lora = gr.Checkbox(False, label="LoRA")
+        ft.inputs = [ft.base, ft.data_source, ft.upload, ft.stage, ft.block_size, ft.ar_weight, ft.steps, ft.lr,
+                     ft.lora]
+        ft.command = gr.Markdown("", elem_id="ft-command")
+        with gr.Row():
+            ft.start_btn = gr.Button("Start", variant="primary", elem_id="ft-start")
+            ft.stop_btn = gr.Button("Stop (save, then exit)", elem_id="ft-stop")
+            ft.kill_btn = gr.Button("Kill", variant="stop", elem_id="ft-kill")
+        ft.msg = gr.Markdown("", elem_id="ft-msg")
+        ft.job_status = gr.HTML(finetune_ui.status_html(None), elem_id="ft-status")
+        ft.loss_plot = gr.Plot(empty_figure("loss curves appear while a run trains"), label="loss",
+                               elem_id="ft-loss")
+        ft.log_box = gr.Textbox(label="log (last lines)", lines=8, max_lines=12, interactive=False,
+                                elem_id="ft-log", autoscroll=True)
+        ft.seen = gr.State({})
+        ft.timer = gr.Timer(1.0)
+    return ft
+
+
+# ---------------------------------------------------------------------------------------------------- wiring
+def _wire_model_bar(demo, bar, gen, jobs) -> None:
+    model_inputs = [bar.model, bar.free]
+    load = partial(generate.load_model_ui, jobs=jobs)
+    bar.load_btn.click(load, model_inputs, bar.model_status)
+    # the examples (and the prompt, while it is an example of another model) follow the model
+    for event in (bar.model.change, bar.free.submit):
+        event(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [gen.prompt],
+              [gen.examples, gen.prompt], show_progress="hidden").then(load, model_inputs, bar.model_status)
+    gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt)
+    demo.load(load, model_inputs, bar.model_status)
+    # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
+    bar.model.input(lambda: True, None, bar.picked, **QUICK)
+    poll = partial(generate.poll_default_model, jobs=jobs)
+    prep_inputs = [bar.model, bar.free, bar.picked]
+    prep_outputs = [bar.prep_status, bar.model, gen.examples, bar.prep_timer]
+    bar.prep_timer.tick(poll, prep_inputs, prep_outputs, **QUICK)
+    demo.load(poll, prep_inputs, prep_outputs, show_progress="hidden")
+
+
+def _wire_notices(bar, gen, jobs) -> None:
+    """A model meeting prompts it was not trained for gets a notice, replaced whenever model, prompt or τ change."""
+    offer = gr.State(None)
+    inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off]
+    outputs = [gen.notice, gen.notice_model_btn, gen.notice_off_btn, offer]
+    for event in (bar.model.change, bar.free.submit, gen.prompt.change, gen.tau.change, gen.tau_off.change):
+        event(partial(generate.notice_update, jobs=jobs), inputs, outputs, trigger_mode="always_last", **QUICK)
+    gen.notice_model_btn.click(generate.take_offer, offer, [bar.model, bar.picked], **QUICK)
+    gen.notice_off_btn.click(lambda: True, None, gen.tau_off, **QUICK)
+
+
+def _wire_race(bar, gen, jobs) -> None:
+    gen.temperature.change(generate.show_seed, gen.temperature, gen.seed, **QUICK)
+    outputs = [gen.race_status, gen.tau_status, *(gen.panes[n] for n in LANES), gen.stats,
+               gen.tpf_plot, gen.acc_plot, gen.diff_plot, gen.ledger_step, gen.ledger, gen.race_state]
+    assert len(outputs) == generate.N_OUTPUTS
+
+    def race_fn(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
+                slow_motion, criterion, seed, measure_after, request: gr.Request):
+        # a plain function, not functools.partial: Gradio passes the session (τ is steered per session) only to
+        # a parameter it can see typed as gr.Request
+        yield from generate.run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size,
+                                     max_new_tokens, temperature, slow_motion, criterion, seed, measure_after,
+                                     request, jobs)
+
+    inputs = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size, gen.max_new,
+              gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after]
+    for trigger in (gen.go_btn.click, gen.prompt.submit):
+        # at once: the waiting line (replaced by the race's first message when the machine is free), then
+        # the race in the shared queue, its queue position shown on the status line
+        trigger(generate.waiting_status, None, gen.race_status, **QUICK).then(
+            race_fn, inputs, outputs, concurrency_id="model", show_progress="minimal",
+            show_progress_on=[gen.race_status])
+    for comp in (gen.tau, gen.tau_off):
+        comp.change(generate.set_tau, [gen.tau, gen.tau_off], gen.tau_status, trigger_mode="always_last", **QUICK)
+    gen.ledger_step.change(generate.show_ledger, [gen.race_state, gen.ledger_side, gen.ledger_step], gen.ledger,
+                           show_progress="hidden")
+    gen.ledger_side.change(generate.ledger_side_changed, [gen.race_state, gen.ledger_side],
+                           [gen.ledger_step, gen.ledger], show_progress="hidden")
+
+
+def _wire_explorer(bar, sweep, jobs) -> None:
+    inputs = [bar.model, bar.free, sweep.source, sweep.n_tasks, sweep.taus_text, sweep.free_prompts,
+              sweep.block_size, sweep.max_new, sweep.criterion, sweep.lossless, bar.picked]
+    sweep.sweep_btn.click(generate.waiting_status, None, sweep.status, **QUICK).then(
+        partial(explorer.run_sweep, jobs=jobs), inputs, [sweep.status, sweep.pareto, sweep.table, sweep.export],
+        concurrency_id="model", api_name="run_sweep")
+
+
+def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
+    mask_inputs = [lesson.mask_n, lesson.mask_b]
+    for comp in mask_inputs:
+        comp.change(learn.show_mask, mask_inputs, lesson.mask_plot, show_progress="hidden")
+    demo.load(learn.show_mask, mask_inputs, lesson.mask_plot)
+    # the Generate tab's prompt, τ and confidence criterion, with the Learn tab's own B
+    step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
+    lesson.step_btn.click(partial(learn.one_step, jobs=jobs), step_inputs, [lesson.step_view, lesson.conf_plot],
+                          concurrency_id="model", api_name="one_step")
+
+
+def _clear_warnings_on_change(bar, gen, sweep, lesson, ft) -> None:
+    """A warning is replaced as soon as its cause may have gone: any of the inputs it was about changes."""
+    race_causes = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size,
+                   gen.max_new, gen.temperature, gen.criterion, gen.seed]
+    sweep_causes = [bar.model, bar.free, sweep.source, sweep.n_tasks, sweep.taus_text, sweep.free_prompts,
+                    sweep.block_size, sweep.max_new, sweep.criterion]
+    step_causes = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion]
+    for target, causes in ((gen.race_status, race_causes), (sweep.status, sweep_causes),
+                           (lesson.step_view, step_causes), (ft.msg, ft.inputs)):
+        for comp in causes:
+            comp.change(generate.clear_warning, target, target, **QUICK)
+
+
+def _wire_finetune(demo, bar, ft, jobs) -> None:
+    preview = partial(finetune_ui.command_preview, jobs)
+    for comp in ft.inputs:
+        comp.change(preview, ft.inputs, ft.command, show_progress="hidden")
+    ft.upload.change(finetune_ui.upload_report, ft.upload, ft.data_report)
+    # switching the dataset replaces what was said about the other one (report, start error)
+    ft.data_source.change(finetune_ui.data_source_changed, [ft.data_source, ft.upload],
+                          [ft.upload, ft.data_report, ft.msg], show_progress="hidden")
+    demo.load(preview, ft.inputs, ft.command)
+    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg)
+    ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg)
+    ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg)
+    # a finished run joins both model lists: the picker above and the base models here
+    poll = partial(finetune_ui.poll, jobs)
+    poll_outputs = [ft.job_status, ft.loss_plot, ft.log_box, bar.model, ft.base, ft.seen]
+    ft.timer.tick(poll, ft.seen, poll_outputs, **QUICK)
+    demo.load(poll, ft.seen, poll_outputs)

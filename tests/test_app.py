@@ -646,8 +646,8 @@ def test_page_wires_the_poll_and_the_users_own_pick(monkeypatch, tmp_path):
         pick = [f for f in fns if (picker._id, "input") in f.targets]
         assert len(pick) == 1 and pick[0].outputs == [state] and pick[0].fn() is True
     # the task-suite handlers receive the pick too
-    for name in ("run_sweep", "one_step"):
-        f = next(f for f in fns if getattr(f.fn, "__name__", "") == name)
+    for handler in (explorer.run_sweep, learn.one_step):
+        f = next(f for f in fns if getattr(f.fn, "func", None) is handler)
         assert f.inputs[-1] is state
 
 
