@@ -20,11 +20,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from finetune.config import native_bf16_cpu
-from finetune.status import read_status
+from finetune.config import STAGES, native_bf16_cpu
+from finetune.status import METRICS_FILE, RunStatus, read_metrics_rows, read_status
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-STAGES = ("ar-sft", "mars")
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 
 
@@ -35,7 +34,7 @@ def _gpu_visible() -> bool:
 
 # accelerate's launcher runs the trainer as a child process (one process; `--cpu` is added only when no GPU is
 # visible, so a machine with a GPU trains on it).
-# One thread: on the shared 2-core CPU a second thread made training steps ~6x slower (0.37 s vs 2.3 s per step).
+# One thread: on a small shared CPU a second thread makes each training step several times slower.
 ACCELERATE = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
               *([] if _gpu_visible() else ["--cpu"]), "-m", "finetune.train"]
@@ -87,7 +86,7 @@ def build_command(req: FinetuneRequest, run_dir: Path, launcher: str = "accelera
         cmd.append("--lora")
     if req.stage == "mars":   # masks at every phase, as the decoder appends them (docs/experiments.md, "Block phase")
         cmd.append("--random-block-offset")
-    if not _gpu_visible() and native_bf16_cpu():   # bf16 autocast + eager attention: ~1.7x faster steps here
+    if not _gpu_visible() and native_bf16_cpu():   # bf16 autocast + eager attention: faster steps on such a CPU
         cmd += ["--mixed-precision", "bf16", "--attention", "eager"]
     for k, v in req.extra.items():
         cmd += [f"--{k}", str(v)]
@@ -117,18 +116,8 @@ def _read_json(path: Path) -> dict | None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl rows; a half-written last line (the trainer is appending) is skipped."""
-    out = []
-    try:
-        with open(run_dir / "metrics.jsonl") as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-    except OSError:
-        pass
-    return out
+    """metrics.jsonl rows, for the loss plot; a half-written last line (the trainer is appending) is skipped."""
+    return [row for _, row in read_metrics_rows(run_dir / METRICS_FILE)]
 
 
 def log_tail(run_dir: Path, n_lines: int = 30) -> str:
@@ -262,9 +251,9 @@ class JobManager:
     def status(self, name: str) -> dict:
         """Merged view: the trainer's status.json + process liveness + recorded exit code."""
         run_dir = self.run_dir(name)
-        st = read_status(run_dir) or {}   # a "running" whose trainer is gone reads as "interrupted"
+        st = read_status(run_dir) or RunStatus()   # a "running" whose trainer is gone reads as "interrupted"
         job = self._job(name) or {}
-        running = self.is_running(name) or st.get("state") == "running"   # a CLI run has no job.json
+        running = self.is_running(name) or st.state == "running"   # a CLI run has no job.json
         code_file = run_dir / "exit_code"
         exit_code = None
         if code_file.exists():
@@ -272,7 +261,7 @@ class JobManager:
                 exit_code = int(code_file.read_text().strip())
             except ValueError:
                 exit_code = None
-        trainer_state = st.get("state")
+        trainer_state = st.state
         if running:
             state = "running"
         elif exit_code is None:  # ended while no server was watching: trust the trainer's own file
@@ -286,17 +275,17 @@ class JobManager:
         else:
             state = "failed"
         return {"name": name, "state": state, "trainer_state": trainer_state, "exit_code": exit_code,
-                "step": st.get("step"), "max_steps": st.get("max_steps") or job.get("request", {}).get("max_steps"),
-                "eta_s": st.get("eta_s"), "error": st.get("error"), "last_checkpoint": st.get("last_checkpoint"),
+                "step": st.step, "max_steps": st.max_steps or job.get("request", {}).get("max_steps"),
+                "eta_s": st.eta_s, "error": st.error, "last_checkpoint": st.last_checkpoint,
                 "command": job.get("command"), "started_at": job.get("started_at"), "run_dir": str(run_dir)}
 
     def finished_checkpoints(self) -> list[tuple[str, str]]:
         """(run name, checkpoint dir) for runs that ended with a saved checkpoint inside runs/."""
         out = []
         for name in self.list_runs():
-            st = _read_json(self.runs_dir / name / "status.json") or {}
-            ckpt = st.get("last_checkpoint")
-            if st.get("state") not in ("finished", "stopped") or not ckpt or self.is_running(name):
+            st = read_status(self.runs_dir / name) or RunStatus()
+            ckpt = st.last_checkpoint
+            if st.state not in ("finished", "stopped") or not ckpt or self.is_running(name):
                 continue
             path = Path(ckpt).resolve()
             if self.runs_dir in path.parents and (path / "config.json").exists():
@@ -324,9 +313,9 @@ class JobManager:
         its status.json (checked to be in our process group) or the launcher's child.
         """
         pgid = self._pgid(name)
-        st = _read_json(self.run_dir(name) / "status.json") or {}
+        st = read_status(self.run_dir(name)) or RunStatus()
         targets = []
-        pid = st.get("pid")
+        pid = st.pid
         if isinstance(pid, int) and pid > 0 and _pid_alive(pid):
             try:
                 if os.getpgid(pid) == pgid:

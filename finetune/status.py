@@ -1,13 +1,20 @@
-"""status.json for readers: whether the trainer that wrote "running" is still alive.
+"""A run directory's live files, status.json and metrics.jsonl: one writer (finetune.train), several readers.
 
-Kept apart from finetune.train (no torch import) so the app can read a run's state cheaply.
+``RunStatus`` is status.json's one record: the trainer writes it through ``StatusWriter`` and every reader
+(``read_status``, the app) gets it back from ``read_status``. ``read_metrics_rows`` is the one parser of
+metrics.jsonl. Kept apart from finetune.train (no torch import) so the app can read a run's state cheaply.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import datetime, timezone
 from pathlib import Path
+
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
 
 
 def process_start(pid: int) -> int | None:
@@ -40,19 +47,115 @@ def writer_alive(pid, started) -> bool:
         return True
 
 
-def read_status(out: str | Path) -> dict | None:
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomic write: a reader (the app) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- status.json
+
+
+@dataclass
+class RunStatus:
+    """status.json. Every field may be missing from a file (an older trainer, a hand-written test file): it reads
+    as None. "finished" means step == max_steps."""
+
+    state: str | None = None  # running | finished | stopped | failed; read_status adds "interrupted"
+    step: int | None = None
+    max_steps: int | None = None
+    pid: int | None = None
+    pid_started: int | None = None  # with pid: tells the trainer from a later process given the same pid
+    started_at: str | None = None
+    updated_at: str | None = None
+    eta_s: float | None = None
+    last_checkpoint: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def of_this_process(cls, state: str, step: int, max_steps: int, last_checkpoint: str | None,
+                        error: str | None = None) -> RunStatus:
+        """A fresh record written by the calling process."""
+        now, pid = utc_now(), os.getpid()
+        return cls(state, step, max_steps, pid, process_start(pid), now, now, None, last_checkpoint, error)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunStatus:
+        """Unknown keys are ignored, so a file from a newer trainer still reads."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def held_by_another_process(self) -> bool:
+        """A live trainer other than this process owns the run (read_status has already marked dead ones)."""
+        return self.state == "running" and self.pid != os.getpid()
+
+
+def read_status(out: str | Path) -> RunStatus | None:
     """status.json as readers should see it: a "running" whose writer is gone (SIGKILL, power loss) is
     reported as "interrupted", with an error saying how to continue. None when there is no readable file."""
-    path = Path(out) / "status.json"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads((Path(out) / STATUS_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(data, dict):
         return None
-    if data.get("state") == "running" and not writer_alive(data.get("pid"), data.get("pid_started")):
-        data["state"] = "interrupted"
-        data["error"] = data.get("error") or (
-            f"the training process (pid {data.get('pid')}) ended without a word (killed?) at or after step "
-            f"{data.get('step')}: re-run the same command to resume from the last checkpoint")
-    return data
+    st = RunStatus.from_json(data)
+    if st.state == "running" and not writer_alive(st.pid, st.pid_started):
+        st.state = "interrupted"
+        st.error = st.error or (
+            f"the training process (pid {st.pid}) ended without a word (killed?) at or after step "
+            f"{st.step}: re-run the same command to resume from the last checkpoint")
+    return st
+
+
+def write_status(out: Path, st: RunStatus) -> None:
+    write_json(Path(out) / STATUS_FILE, asdict(st))
+
+
+def failed_status(before: RunStatus | None, max_steps: int, last_checkpoint: str | None, error: str) -> RunStatus:
+    """The record of a run that failed before training started; a refused resume keeps the run's real step."""
+    before = before or RunStatus()
+    return RunStatus.of_this_process(
+        "failed", before.step if before.step is not None else 0,
+        before.max_steps if before.max_steps is not None else max_steps, last_checkpoint, error)
+
+
+class StatusWriter:
+    """Keeps one training session's status.json current; only the process given ``write=True`` touches the file."""
+
+    def __init__(self, out: Path, record: RunStatus, write: bool):
+        self.out, self.record, self.write = out, record, write
+
+    def update(self, **changes) -> None:
+        self.record = replace(self.record, **changes, updated_at=utc_now())
+        if self.write:
+            write_status(self.out, self.record)
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def read_metrics_rows(path: str | Path, up_to_step: int | None = None) -> list[tuple[str, dict]]:
+    """metrics.jsonl as (line, row) pairs, oldest first; with ``up_to_step`` only rows of steps up to it.
+
+    A line cut off by a SIGKILL mid-append, or caught half-written while the trainer appends, is skipped;
+    so is any line that is not a row with an integer step."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            if up_to_step is None or row["step"] <= up_to_step:
+                rows.append((line, row))
+    return rows

@@ -9,8 +9,9 @@ data-parallel: each process takes its own slice of every global batch.
 Run directory (``--output-dir``; the app reads it while training runs):
 - ``train_config.json``: the resolved TrainConfig
 - ``status.json``: state (running | finished | stopped | failed), step, max_steps, pid, pid_started,
-  started_at, updated_at, eta_s, last_checkpoint, error. "finished" means step == max_steps; read it
-  with ``read_status``, which reports a "running" whose process is gone (SIGKILL) as "interrupted"
+  started_at, updated_at, eta_s, last_checkpoint, error (``finetune.status.RunStatus``). "finished" means
+  step == max_steps; read it with ``read_status``, which reports a "running" whose process is gone
+  (SIGKILL) as "interrupted"
 - ``metrics.jsonl``: one line per logged step: step, loss (the optimised total), loss_mask
   (noisy-stream CE; null for AR-SFT), loss_ar (clean-stream CE; reported even when
   ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
@@ -42,7 +43,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,9 @@ from torch import nn
 from finetune.config import TrainConfig, config_from_args, refuse_file_above
 from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.losses import ar_loss, mars_loss
-from finetune.status import process_start, read_status
+from finetune.status import (
+    METRICS_FILE, RunStatus, StatusWriter, failed_status, read_metrics_rows, read_status, write_json, write_status,
+)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.pt"
@@ -212,17 +214,6 @@ def list_checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def write_json(path: Path, obj) -> None:
-    """Atomic write: a reader (the app) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
@@ -346,9 +337,9 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
               "drop them, or use --stage mars", file=sys.stderr)
     out = check_output_dir(cfg.output_dir)
     st = read_status(out)
-    if st and st.get("state") == "running" and st.get("pid") != os.getpid():
+    if st and st.held_by_another_process():
         raise ValueError(f"--output-dir {cfg.output_dir!r} is in use by a training process that is still running "
-                         f"(pid {st.get('pid')}, step {st.get('step')}): stop it first (SIGTERM saves a checkpoint), "
+                         f"(pid {st.pid}, step {st.step}): stop it first (SIGTERM saves a checkpoint), "
                          "or use another --output-dir")
     return out
 
@@ -489,17 +480,8 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
 
 
 def read_metrics(path: Path, up_to_step: int | None = None) -> list[str]:
-    if not path.is_file():
-        return []
-    lines = []
-    for ln in path.read_text(errors="replace").splitlines():
-        try:   # a line cut off by a SIGKILL mid-append is dropped (its step is redone after the resume)
-            row = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            lines.append((row["step"], ln))
-    return [ln for step, ln in lines if up_to_step is None or step <= up_to_step]
+    """metrics.jsonl's lines as written, up to ``up_to_step``: what a checkpoint keeps and a resume restarts from."""
+    return [line for line, _ in read_metrics_rows(path, up_to_step)]
 
 
 def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
@@ -535,7 +517,7 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
         write_json(tmp / "train_config.json", run.cfg.to_dict())
-        (tmp / "metrics.jsonl").write_text("".join(ln + "\n" for ln in read_metrics(run.out / "metrics.jsonl", step)))
+        (tmp / METRICS_FILE).write_text("".join(ln + "\n" for ln in read_metrics(run.out / METRICS_FILE, step)))
         state = {
             "step": step,
             "optimizer": run.optimizer.state_dict(),
@@ -554,25 +536,6 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
     return final
-
-
-class Status:
-    """status.json writer (main process only)."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.path = run.out / "status.json"
-        self.data = {
-            "state": "running", "step": run.start_step, "max_steps": run.total_steps, "pid": os.getpid(),
-            "pid_started": process_start(os.getpid()),
-            "started_at": utc_now(), "updated_at": utc_now(), "eta_s": None,
-            "last_checkpoint": run.resumed_from, "error": None,
-        }  # fmt: skip
-
-    def update(self, **changes):
-        self.data.update(changes, updated_at=utc_now())
-        if self.run.accelerator.is_main_process:
-            write_json(self.path, self.data)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -603,12 +566,12 @@ def check_finite(run: Run, step: int, loss: torch.Tensor, grad_norm) -> None:
     )
 
 
-def fit(run: Run, status: Status) -> str:
+def fit(run: Run, status: StatusWriter) -> str:
     """Train from run.start_step to run.total_steps; returns the final state (finished | stopped)."""
     cfg, acc, module, optimizer = run.cfg, run.accelerator, run.module, run.optimizer
     from tqdm.auto import tqdm
 
-    metrics_path = run.out / "metrics.jsonl"
+    metrics_path = run.out / METRICS_FILE
     bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not acc.is_local_main_process,
                desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)  # fmt: skip
     batch_cache: dict = {}
@@ -695,20 +658,15 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     out = Path(cfg.output_dir).resolve()
-    now = utc_now()
     try:
         if not out.is_dir():  # never create a directory for a run that could not start
             return
-        before = read_status(out) or {}   # a refused resume keeps the run's real step and checkpoint
-        if before.get("state") == "running" and before.get("pid") != os.getpid():
-            return   # another live trainer owns this status.json: refusing to join it must not overwrite it
+        before = read_status(out)   # a refused resume keeps the run's real step and checkpoint
+        if before and before.held_by_another_process():
+            return   # refusing to join another live trainer's run must not overwrite its status.json
         checkpoints = list_checkpoints(out)
-        write_json(out / "status.json", {
-            "state": "failed", "step": before.get("step", 0), "max_steps": before.get("max_steps", cfg.max_steps),
-            "pid": os.getpid(), "pid_started": process_start(os.getpid()), "started_at": now, "updated_at": now,
-            "eta_s": None, "last_checkpoint": str(checkpoints[-1]) if checkpoints else None,
-            "error": f"{type(exc).__name__}: {exc}",
-        })  # fmt: skip
+        last = str(checkpoints[-1]) if checkpoints else None
+        write_status(out, failed_status(before, cfg.max_steps, last, f"{type(exc).__name__}: {exc}"))
     except OSError:  # an unwritable --output-dir is what failed: the error message says so
         pass
 
@@ -731,13 +689,14 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
         raise
     run.stop = stop
     acc = run.accelerator
-    status = Status(run)
+    record = RunStatus.of_this_process("running", run.start_step, run.total_steps, run.resumed_from)
+    status = StatusWriter(run.out, record, write=acc.is_main_process)
     if acc.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
         write_json(run.out / "train_config.json", cfg.to_dict())
         # A resumed run drops metrics logged after its checkpoint (they are about to be redone).
-        kept = read_metrics(run.out / "metrics.jsonl", run.start_step)
-        (run.out / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+        kept = read_metrics(run.out / METRICS_FILE, run.start_step)
+        (run.out / METRICS_FILE).write_text("".join(ln + "\n" for ln in kept))
         where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
         n_params = sum(p.numel() for p in run.module.parameters())
         n_train = sum(p.numel() for p in run.module.parameters() if p.requires_grad)
@@ -754,8 +713,8 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
         raise
     status.update(state=state)
     if run.stop.requested and acc.is_main_process:
-        print(f"[finetune.train] {run.stop.signal_name}: stopped at step {status.data['step']}; "
-              f"last checkpoint: {status.data['last_checkpoint']}", file=sys.stderr)  # fmt: skip
+        print(f"[finetune.train] {run.stop.signal_name}: stopped at step {status.record.step}; "
+              f"last checkpoint: {status.record.last_checkpoint}", file=sys.stderr)  # fmt: skip
     acc.end_training()
     return 0
 

@@ -313,7 +313,7 @@ def test_a_second_trainer_on_a_running_output_dir_is_refused(tmp_path):
     finally:
         other.kill()
         other.wait()
-    assert read_status(out)["state"] == "interrupted"   # its writer is gone now
+    assert read_status(out).state == "interrupted"   # its writer is gone now
 
 
 def test_builtin_examples_may_change_when_the_data_is_a_file(tmp_path, tiny):
@@ -449,9 +449,9 @@ def test_a_stale_running_status_reads_as_interrupted(tmp_path):
         (runs / name / "status.json").write_text(json.dumps(
             {"state": "running", "step": 7, "max_steps": 10, "pid": pid, "pid_started": started, "error": None}))
     dead = read_status(runs / "dead")
-    assert dead["state"] == "interrupted" and "re-run the same command" in dead["error"]
-    assert read_status(runs / "alive")["state"] == "running"
-    assert read_status(runs / "reused")["state"] == "interrupted"   # same pid, another process
+    assert dead.state == "interrupted" and "re-run the same command" in dead.error
+    assert read_status(runs / "alive").state == "running"
+    assert read_status(runs / "reused").state == "interrupted"   # same pid, another process
     jobs = JobManager(runs)
     assert jobs.status("dead")["state"] == "interrupted" and jobs.status("alive")["state"] == "running"
 
