@@ -17,8 +17,9 @@ Run directory (``--output-dir``; the app reads it while training runs):
   ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
   previous line), elapsed (training seconds, resumed sessions included)
 - ``checkpoint-<step>/``: a plain transformers directory (LoRA already merged) with the
-  tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state,
-  schedule position, step, RNG, LoRA adapter weights when --lora)
+  tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state, schedule
+  position, step, RNG, LoRA adapter weights when --lora, the mask row when --train-mask-row); see
+  ``finetune.checkpoint``
 
 Re-running with the same ``--output-dir`` resumes from its newest complete
 checkpoint: step count, optimizer state, data position and RNG continue.
@@ -27,38 +28,35 @@ status becomes "stopped" and the process exits with code 0.
 
 Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
 (status bookkeeping around) ``setup`` (model, data, optimizer, resume) and
-``fit`` (the loop), with small helpers.
+``fit`` (the loop), with small helpers. Checkpoints live in ``finetune.checkpoint``,
+status.json and metrics.jsonl in ``finetune.status``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
+from finetune.checkpoint import (
+    CONFIG_FILE, check_resumable, keep_metrics, list_checkpoints, load_resume, save_checkpoint, set_rng_state, warn,
+)
 from finetune.config import TrainConfig, config_from_args, refuse_file_above
 from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.losses import ar_loss, mars_loss
 from finetune.status import (
-    METRICS_FILE, RunStatus, StatusWriter, failed_status, read_metrics_rows, read_status, write_json, write_status,
+    METRICS_FILE, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
 )
-
-CHECKPOINT_PREFIX = "checkpoint-"
-STATE_FILE = "trainer_state.pt"
-
 
 # ----------------------------------------------------------------------------- model loading
 
@@ -80,13 +78,6 @@ def load_base(name: str) -> Base:
 
     lm = load_model(name, device="cpu", dtype="float32", cpu_layout=False)   # stock modules: trained and saved
     return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
-
-
-def load_weights(path: str | Path) -> nn.Module:
-    """A checkpoint's weights (the tokenizer and mask id always come from the base model)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
 def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -199,31 +190,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), foreach=True)
 
 
-def checkpoint_step(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(CHECKPOINT_PREFIX) or not name[len(CHECKPOINT_PREFIX) :].isdigit():
-        return None
-    return int(name[len(CHECKPOINT_PREFIX) :])
-
-
-def list_checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints (those with trainer_state.pt), oldest first."""
-    if not out.is_dir():
-        return []
-    found = [p for p in out.iterdir() if checkpoint_step(p) is not None and (p / STATE_FILE).is_file()]
-    return sorted(found, key=checkpoint_step)
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 class StopFlag:
     """Set by SIGINT/SIGTERM; the loop checks it after each optimizer step. A second signal aborts at once."""
 
@@ -268,37 +234,6 @@ class Run:
     stop: StopFlag = field(default_factory=StopFlag)
 
 
-def check_resumable(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume a run whose model- or objective-defining settings changed.
-
-    --max-steps, --lr and the like may change (to extend a run); the base model and its adapter (lora, lora_r,
-    lora_alpha, lora_dropout), the loss (stage, B, ar_weight, mask_label_smoothing, random_block_offset), the
-    data and its draw (data, builtin_examples, builtin_weights, seed, max_length, overlong) and the batch may
-    not: resuming a run with those changed would silently mix two trainings in one checkpoint.
-    """
-    saved_path = out / "train_config.json"
-    if not saved_path.is_file():   # removed by hand: every checkpoint carries its own copy
-        copies = [c / "train_config.json" for c in list_checkpoints(out) if (c / "train_config.json").is_file()]
-        if not copies:
-            return
-        saved_path = copies[-1]
-    try:
-        saved = json.loads(saved_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{saved_path} is unreadable ({exc}): restore it, or use a new --output-dir") from None
-    keys = ["base_model", "stage", "lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
-            "ar_weight", "mask_label_smoothing", "random_block_offset", "data", "builtin_weights", "seed", "batch_size",
-            "grad_accum", "max_length", "overlong"]
-    if cfg.data == "builtin":  # the number of generated examples is the data; it means nothing for a file
-        keys.append("builtin_examples")
-    for key in keys:
-        if key in saved and saved[key] != getattr(cfg, key):
-            raise ValueError(
-                f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "
-                "use a new --output-dir, or the same settings to resume"
-            )
-
-
 def check_output_dir(output_dir: str) -> Path:
     """--output-dir is (or can become) a directory this process can write to; checked before any loading."""
     out = Path(output_dir).expanduser().resolve()
@@ -332,9 +267,8 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
         raise ValueError("--mixed-precision fp16 needs a CUDA GPU and this run trains on the CPU: "
                          "use --mixed-precision bf16 or --mixed-precision no")
     ignored = ignored_settings(cfg)
-    if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[finetune.train] warning: --stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: "
-              "drop them, or use --stage mars", file=sys.stderr)
+    if ignored:
+        warn(f"--stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: drop them, or use --stage mars")
     out = check_output_dir(cfg.output_dir)
     st = read_status(out)
     if st and st.held_by_another_process():
@@ -342,45 +276,6 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
                          f"(pid {st.pid}, step {st.step}): stop it first (SIGTERM saves a checkpoint), "
                          "or use another --output-dir")
     return out
-
-
-def safetensors_readable(path: Path) -> None:
-    """Raise if a .safetensors file is truncated or its header is damaged (reads every tensor: a cut-off
-    file fails here, not halfway through training)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            f.get_tensor(key)
-
-
-def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig) -> tuple[Path | None, dict | None, nn.Module | None]:
-    """(checkpoint, trainer state, full fine-tuning weights) of the newest intact checkpoint.
-
-    A damaged checkpoint (unreadable trainer_state.pt, truncated model.safetensors) is skipped with a warning
-    and the one before it is used; when every checkpoint is damaged the run refuses to start over silently.
-    """
-    skipped = []
-    for ckpt in reversed(checkpoints):
-        try:
-            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-                raise ValueError(f"{STATE_FILE} holds no step")
-            for weights_file in sorted(ckpt.glob("*.safetensors")):
-                safetensors_readable(weights_file)
-            weights = None if cfg.lora else load_weights(ckpt)  # full fine-tuning: the checkpoint holds them
-        except Exception as exc:  # any damage: this checkpoint cannot be resumed from
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"[finetune.train] warning: {ckpt} is damaged ({reason}); skipping it", file=sys.stderr)
-            skipped.append(ckpt.name)
-            continue
-        if skipped and int(os.environ.get("RANK", "0")) == 0:
-            print(f"[finetune.train] warning: resuming from the older intact {ckpt.name} instead of "
-                  f"{', '.join(skipped)}", file=sys.stderr)
-        return ckpt, state, weights
-    raise ValueError(f"every checkpoint in {out} is damaged ({', '.join(skipped)}): delete them to start over, "
-                     "or use a new --output-dir")
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -391,7 +286,37 @@ def setup(cfg: TrainConfig) -> Run:
     checkpoints = list_checkpoints(out)
     if checkpoints:
         check_resumable(out, cfg)
+    accelerator = start_accelerator(cfg, use_cpu)
 
+    # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
+    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
+    resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
+    base = load_base(cfg.base_model)
+    model = prepare_model(trained if trained is not None else base.model, cfg, state)
+    examples = build_examples(
+        conversations,
+        base.tokenizer,
+        max_length=cfg.max_length,
+        block_size=cfg.block_size if cfg.stage == "mars" else None,
+        eos_ids=base.eos_ids,
+        overlong=cfg.overlong,
+    )
+    micro_per_epoch, total_steps = schedule(cfg, len(examples), accelerator.num_processes)
+    if state is not None and state["step"] > total_steps:
+        raise ValueError(f"{resume} is at step {state['step']}, past this run's {total_steps} steps: raise "
+                         "--max-steps (or --epochs) to continue it, or use a new --output-dir")
+    pad_id = pad_id_of(base.tokenizer, base.eos_ids)
+
+    module = wrap_model(model, cfg, base.mask_id, state)
+    optimizer = make_optimizer(module, cfg)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch)
+    if state is not None:
+        resume_from(run, state, resume)
+    return run
+
+
+def start_accelerator(cfg: TrainConfig, use_cpu: bool):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -399,12 +324,11 @@ def setup(cfg: TrainConfig) -> Run:
         torch.set_num_threads(cfg.threads)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=use_cpu)
     set_seed(cfg.seed)
+    return accelerator
 
-    # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
-    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
-    resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
-    base = load_base(cfg.base_model)
-    model = trained if trained is not None else base.model
+
+def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None) -> nn.Module:
+    """fp32, training mode, no KV cache; with --lora the adapter (a resumed run's saved one) around it."""
     model.float().train()
     model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
     if hasattr(model.config, "use_cache"):
@@ -415,29 +339,24 @@ def setup(cfg: TrainConfig) -> Run:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(model, state["lora"])
+    return model
 
-    examples = build_examples(
-        conversations,
-        base.tokenizer,
-        max_length=cfg.max_length,
-        block_size=cfg.block_size if cfg.stage == "mars" else None,
-        eos_ids=base.eos_ids,
-        overlong=cfg.overlong,
-    )
-    global_batch = cfg.batch_size * accelerator.num_processes
-    micro_per_epoch = len(examples) // global_batch
+
+def schedule(cfg: TrainConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
+    """(micro-batches per epoch, optimizer steps in the run)."""
+    global_batch = cfg.batch_size * num_processes
+    micro_per_epoch = n_examples // global_batch
     if micro_per_epoch < 1:
         raise ValueError(
-            f"{len(examples)} examples are fewer than one global batch of {global_batch} "
-            f"(--batch-size {cfg.batch_size} x {accelerator.num_processes} processes): lower --batch-size or add data"
+            f"{n_examples} examples are fewer than one global batch of {global_batch} "
+            f"(--batch-size {cfg.batch_size} x {num_processes} processes): lower --batch-size or add data"
         )
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
-    if state is not None and state["step"] > total_steps:
-        raise ValueError(f"{resume} is at step {state['step']}, past this run's {total_steps} steps: raise "
-                         "--max-steps (or --epochs) to continue it, or use a new --output-dir")
-    pad_id = pad_id_of(base.tokenizer, base.eos_ids)
+    return micro_per_epoch, cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
 
-    module = TrainModule(model, cfg, base.mask_id)
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | None) -> TrainModule:
+    """The TrainModule around ``model``: a resumed run's mask row restored, --compile applied."""
+    module = TrainModule(model, cfg, mask_id)
     if state is not None and module.mask_row is not None:
         with torch.no_grad():
             module.mask_row.row.copy_(state["mask_row"])
@@ -445,20 +364,21 @@ def setup(cfg: TrainConfig) -> Run:
         # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
         decoder = module.causal_lm().model
         decoder.forward = torch.compile(decoder.forward, dynamic=True)
-    optimizer = make_optimizer(module, cfg)
-    module, optimizer = accelerator.prepare(module, optimizer)
-
-    run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch)
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
-        run.start_step = state["step"]
-        run.elapsed_before = state.get("elapsed", 0.0)
-        run.resumed_from = str(resume)
-    return run
+    return module
 
 
-# ----------------------------------------------------------------------------- batches, logging, saving
+def resume_from(run: Run, state: dict, checkpoint: Path) -> None:
+    """Continue where ``checkpoint`` stopped: optimizer moments, RNG, step count and training time.
+
+    The weights were restored while the model was built; the learning rate follows from the step."""
+    run.optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    run.start_step = state["step"]
+    run.elapsed_before = state.get("elapsed", 0.0)
+    run.resumed_from = str(checkpoint)
+
+
+# ----------------------------------------------------------------------------- batches
 
 
 def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.Tensor], int]:
@@ -477,65 +397,6 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
     batch = collate([run.examples[i] for i in mine], run.pad_id)
     n_tokens = sum(len(run.examples[i].input_ids) for i in mine)
     return {name: t.to(acc.device, non_blocking=True) for name, t in batch.items()}, n_tokens
-
-
-def read_metrics(path: Path, up_to_step: int | None = None) -> list[str]:
-    """metrics.jsonl's lines as written, up to ``up_to_step``: what a checkpoint keeps and a resume restarts from."""
-    return [line for line, _ in read_metrics_rows(path, up_to_step)]
-
-
-def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
-    """Write checkpoint-<step>/ atomically (main process only) and prune old ones."""
-    acc = run.accelerator
-    final = run.out / f"{CHECKPOINT_PREFIX}{step}"
-    acc.wait_for_everyone()
-    if acc.num_processes > 1:  # invariant: data-parallel replicas hold identical weights
-        checksum = torch.stack([p.detach().double().sum() for p in run.module.parameters()]).sum().reshape(1)
-        sums = acc.gather(checksum.to(acc.device))
-        assert torch.allclose(sums, sums[0]), f"replicas diverged: {sums.tolist()}"
-    if acc.is_main_process:
-        train_module = acc.unwrap_model(run.module)
-        model = train_module.model
-        lora_state = None
-        if run.cfg.lora:
-            from peft import get_peft_model_state_dict
-
-            lora_state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
-            # Merge into a copy so training continues on the unmerged adapter; the copy must not
-            # carry a --compile wrapper (it is bound to the original module).
-            decoder = train_module.causal_lm().model
-            compiled = decoder.__dict__.pop("forward", None)
-            try:
-                model = copy.deepcopy(model).merge_and_unload()
-            finally:
-                if compiled is not None:
-                    decoder.forward = compiled
-        tmp = run.out / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if train_module.mask_row is not None:
-            train_module.mask_row.write_into(model.get_base_model() if hasattr(model, "get_base_model") else model)
-        model.save_pretrained(tmp, safe_serialization=True)
-        run.tokenizer.save_pretrained(tmp)
-        write_json(tmp / "train_config.json", run.cfg.to_dict())
-        (tmp / METRICS_FILE).write_text("".join(ln + "\n" for ln in read_metrics(run.out / METRICS_FILE, step)))
-        state = {
-            "step": step,
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": {"decay": run.cfg.decay, "step": step, "total_steps": run.total_steps,
-                          "lr": get_lr(max(step - 1, 0), run.cfg, run.total_steps)},
-            "rng": rng_state(),
-            "elapsed": elapsed,
-            "lora": lora_state,
-            "mask_row": None if train_module.mask_row is None else train_module.mask_row.row.detach().cpu().clone(),
-            "num_processes": acc.num_processes,
-        }
-        torch.save(state, tmp / STATE_FILE)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in list_checkpoints(run.out)[: -run.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
-    return final
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -566,75 +427,103 @@ def check_finite(run: Run, step: int, loss: torch.Tensor, grad_norm) -> None:
     )
 
 
+def accumulate(run: Run, step: int, cache: dict) -> tuple[torch.Tensor, int]:
+    """Forward and backward over optimizer step ``step``'s grad_accum micro-batches.
+
+    Returns (loss, loss_mask, loss_ar) summed over the micro-batches and this process's real tokens."""
+    cfg, acc, module = run.cfg, run.accelerator, run.module
+    sums = torch.zeros(3, device=acc.device)
+    tokens = 0
+    for micro in range(cfg.grad_accum):
+        index = step * cfg.grad_accum + micro
+        batch, n_tokens = get_batch(run, index, cache)
+        tokens += n_tokens
+        sync = micro == cfg.grad_accum - 1  # gradients are all-reduced once, on the last micro-batch
+        with contextlib.nullcontext() if sync else acc.no_sync(module):
+            out = module(**batch, block_offset=block_offset_at(cfg, index))
+            acc.backward(out.loss / cfg.grad_accum)
+        mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
+        sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()
+    return sums, tokens
+
+
+def train_step(run: Run, step: int, params: list[nn.Parameter], cache: dict) -> tuple[float, torch.Tensor, int]:
+    """Optimizer step ``step`` (0-based): (its lr, this process's mean losses, this process's real tokens)."""
+    cfg, optimizer = run.cfg, run.optimizer
+    lr = get_lr(step, cfg, run.total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    sums, tokens = accumulate(run, step, cache)
+    # With --grad-clip 0 the norm is still measured (a max of inf scales the gradients by exactly 1).
+    grad_norm = run.accelerator.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    check_finite(run, step + 1, sums[0] / cfg.grad_accum, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, sums / cfg.grad_accum, tokens
+
+
+def sync_step(run: Run, means: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int, bool]:
+    """One host sync per step: (mean losses over processes, real tokens of all processes, whether to stop).
+
+    Every process must agree to stop at the same step, so the stop flag travels with the losses."""
+    acc = run.accelerator
+    flag = 1.0 if run.stop.requested else 0.0
+    local = torch.cat([means, torch.tensor([float(tokens), flag], device=acc.device)])
+    totals = (acc.reduce(local, "sum") if acc.num_processes > 1 else local).cpu()
+    return totals[:3] / acc.num_processes, int(totals[3]), bool(totals[4] > 0)
+
+
+class MetricsLog:
+    """Appends metrics.jsonl rows (main process only); tokens/s counts the tokens since the previous row."""
+
+    def __init__(self, run: Run, start: float):
+        self.path, self.stage, self.write = run.out / METRICS_FILE, run.cfg.stage, run.accelerator.is_main_process
+        self.since, self.tokens = start, 0
+
+    def log(self, step: int, means: torch.Tensor, lr: float, elapsed: float) -> None:
+        now = time.perf_counter()
+        row = {
+            "step": step,
+            "loss": round(float(means[0]), 6),
+            "loss_mask": round(float(means[1]), 6) if self.stage == "mars" else None,
+            "loss_ar": round(float(means[2]), 6),
+            "lr": lr,
+            "tokens_per_s": round(self.tokens / max(now - self.since, 1e-9), 1),
+            "elapsed": round(elapsed, 3),
+        }
+        self.since, self.tokens = now, 0
+        if self.write:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def fit(run: Run, status: StatusWriter) -> str:
     """Train from run.start_step to run.total_steps; returns the final state (finished | stopped)."""
-    cfg, acc, module, optimizer = run.cfg, run.accelerator, run.module, run.optimizer
     from tqdm.auto import tqdm
 
-    metrics_path = run.out / METRICS_FILE
+    cfg, acc = run.cfg, run.accelerator
     bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not acc.is_local_main_process,
                desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)  # fmt: skip
+    params = [p for p in run.module.parameters() if p.requires_grad]
     batch_cache: dict = {}
     session_start = time.perf_counter()
-    log_t, log_tokens = session_start, 0
-    step = run.start_step
-    state = "finished"
-    params = [p for p in module.parameters() if p.requires_grad]
+    metrics = MetricsLog(run, session_start)
+    step, state = run.start_step, "finished"
     while step < run.total_steps:
         if run.stop.requested and acc.num_processes == 1:
             # Signalled during setup. (Several processes first agree through the per-step reduce.)
             state = "stopped"
             break
-        lr = get_lr(step, cfg, run.total_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        sums = torch.zeros(3, device=acc.device)  # loss, loss_mask, loss_ar summed over micro-batches
-        tokens = 0
-        for micro in range(cfg.grad_accum):
-            index = step * cfg.grad_accum + micro
-            batch, n_tokens = get_batch(run, index, batch_cache)
-            tokens += n_tokens
-            sync = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if sync else acc.no_sync(module):
-                out = module(**batch, block_offset=block_offset_at(cfg, index))
-                acc.backward(out.loss / cfg.grad_accum)
-            mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
-            sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()
-        # With --grad-clip 0 the norm is still measured (a max of inf scales the gradients by exactly 1).
-        grad_norm = acc.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        check_finite(run, step + 1, sums[0] / cfg.grad_accum, grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr, means, tokens = train_step(run, step, params, batch_cache)
         step += 1
-
-        # One host sync per step: mean losses, real tokens and the stop flag, summed over processes
-        # (every process must agree to stop at the same step).
-        flag = 1.0 if run.stop.requested else 0.0
-        local = torch.cat([sums / cfg.grad_accum, torch.tensor([float(tokens), flag], device=acc.device)])
-        totals = (acc.reduce(local, "sum") if acc.num_processes > 1 else local).cpu()
-        means = totals[:3] / acc.num_processes
-        log_tokens += int(totals[3])
-        stop_now = bool(totals[4] > 0)
+        means, tokens, stop_now = sync_step(run, means, tokens)
+        metrics.tokens += tokens
         elapsed = run.elapsed_before + time.perf_counter() - session_start
         bar.update(1)
         bar.set_postfix(loss=f"{means[0]:.4f}", lr=f"{lr:.2e}")
         if step % cfg.log_every == 0 or step == run.total_steps:
-            now = time.perf_counter()
-            row = {
-                "step": step,
-                "loss": round(float(means[0]), 6),
-                "loss_mask": round(float(means[1]), 6) if cfg.stage == "mars" else None,
-                "loss_ar": round(float(means[2]), 6),
-                "lr": lr,
-                "tokens_per_s": round(log_tokens / max(now - log_t, 1e-9), 1),
-                "elapsed": round(elapsed, 3),
-            }
-            log_t, log_tokens = now, 0
-            if acc.is_main_process:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-            done_here = step - run.start_step
-            eta = (time.perf_counter() - session_start) / done_here * (run.total_steps - step)
+            metrics.log(step, means, lr, elapsed)
+            eta = (time.perf_counter() - session_start) / (step - run.start_step) * (run.total_steps - step)
             status.update(step=step, eta_s=round(eta, 1))
         if stop_now:
             state = "stopped"
@@ -642,7 +531,11 @@ def fit(run: Run, status: StatusWriter) -> str:
         if cfg.save_every and step % cfg.save_every == 0 and step < run.total_steps:
             status.update(last_checkpoint=str(save_checkpoint(run, step, elapsed)))
     bar.close()
-    elapsed = run.elapsed_before + time.perf_counter() - session_start
+    return end_fit(run, status, step, state, run.elapsed_before + time.perf_counter() - session_start)
+
+
+def end_fit(run: Run, status: StatusWriter, step: int, state: str, elapsed: float) -> str:
+    """Save the last step's checkpoint and record where the run ended; returns the final state."""
     if step > run.start_step:
         save_checkpoint(run, step, elapsed)
     if state == "finished" and step != run.total_steps:  # "finished" means max_steps was reached, nothing else
@@ -651,6 +544,9 @@ def fit(run: Run, status: StatusWriter) -> str:
     status.update(step=step, eta_s=0.0 if state == "finished" else None,
                   last_checkpoint=str(checkpoints[-1]) if checkpoints else None)  # fmt: skip
     return state
+
+
+# ----------------------------------------------------------------------------- entry points
 
 
 def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
@@ -692,19 +588,7 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
     record = RunStatus.of_this_process("running", run.start_step, run.total_steps, run.resumed_from)
     status = StatusWriter(run.out, record, write=acc.is_main_process)
     if acc.is_main_process:
-        run.out.mkdir(parents=True, exist_ok=True)
-        write_json(run.out / "train_config.json", cfg.to_dict())
-        # A resumed run drops metrics logged after its checkpoint (they are about to be redone).
-        kept = read_metrics(run.out / METRICS_FILE, run.start_step)
-        (run.out / METRICS_FILE).write_text("".join(ln + "\n" for ln in kept))
-        where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
-        n_params = sum(p.numel() for p in run.module.parameters())
-        n_train = sum(p.numel() for p in run.module.parameters() if p.requires_grad)
-        print(
-            f"[finetune.train] {where}; {len(run.examples)} examples, {run.total_steps} steps, "
-            f"{acc.num_processes} process(es), {n_train:,}/{n_params:,} trainable parameters",
-            file=sys.stderr,
-        )
+        start_run_dir(run)
     status.update()
     try:
         state = fit(run, status)
@@ -717,6 +601,22 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
               f"last checkpoint: {status.record.last_checkpoint}", file=sys.stderr)  # fmt: skip
     acc.end_training()
     return 0
+
+
+def start_run_dir(run: Run) -> None:
+    """Write the run's config, drop metrics logged after the resumed checkpoint (about to be redone), and say
+    what is about to happen."""
+    run.out.mkdir(parents=True, exist_ok=True)
+    write_json(run.out / CONFIG_FILE, run.cfg.to_dict())
+    keep_metrics(run.out / METRICS_FILE, run.out / METRICS_FILE, run.start_step)
+    where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
+    n_params = sum(p.numel() for p in run.module.parameters())
+    n_train = sum(p.numel() for p in run.module.parameters() if p.requires_grad)
+    print(
+        f"[finetune.train] {where}; {len(run.examples)} examples, {run.total_steps} steps, "
+        f"{run.accelerator.num_processes} process(es), {n_train:,}/{n_params:,} trainable parameters",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from finetune import train as train_mod
+from finetune.checkpoint import check_resumable, list_checkpoints, load_resume, read_metrics
 from finetune.config import TrainConfig, config_from_args
 from finetune.data import build_examples, read_chat_jsonl
 from finetune.status import process_start, read_status
@@ -321,7 +322,7 @@ def test_builtin_examples_may_change_when_the_data_is_a_file(tmp_path, tiny):
     out.mkdir()
     saved = TrainConfig(data=str(tiny[1]), output_dir=str(out), builtin_examples=200)
     (out / "train_config.json").write_text(json.dumps(saved.to_dict()))
-    train_mod.check_resumable(out, TrainConfig(data=str(tiny[1]), output_dir=str(out), builtin_examples=300))
+    check_resumable(out, TrainConfig(data=str(tiny[1]), output_dir=str(out), builtin_examples=300))
 
 
 # ----------------------------------------------------------------------------- train: data
@@ -386,8 +387,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, 
         train_mod.main(flags(tiny, out, "--max-steps", "5", "--save-every", "1"))
     st = json.loads((out / "status.json").read_text())
     assert st["state"] == "failed" and st["step"] == 2 and "NonFiniteLoss" in st["error"]
-    assert [p.name for p in train_mod.list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
-    for ckpt in train_mod.list_checkpoints(out):
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    for ckpt in list_checkpoints(out):
         weights = load_file_tensors(ckpt)
         assert all(torch.isfinite(t).all() for t in weights.values())
 
@@ -423,8 +424,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tiny, tmp_path, c
 def test_a_metrics_line_cut_off_by_a_kill_does_not_stop_the_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-    assert train_mod.read_metrics(path, 2) == ['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": 1.5}']
-    assert len(train_mod.read_metrics(path)) == 2
+    assert read_metrics(path, 2) == ['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": 1.5}']
+    assert len(read_metrics(path)) == 2
 
 
 def test_every_checkpoint_damaged_is_refused(tmp_path):
@@ -433,7 +434,7 @@ def test_every_checkpoint_damaged_is_refused(tmp_path):
         (out / f"checkpoint-{step}").mkdir(parents=True)
         (out / f"checkpoint-{step}" / "trainer_state.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="every checkpoint in .* is damaged .*checkpoint-2, checkpoint-1"):
-        train_mod.load_resume(out, train_mod.list_checkpoints(out), TrainConfig())
+        load_resume(out, list_checkpoints(out), TrainConfig())
 
 
 def test_a_stale_running_status_reads_as_interrupted(tmp_path):
