@@ -130,15 +130,11 @@ def plain_model(train_module: TrainModule, lora: bool) -> nn.Module:
 
 
 def trainer_state(run: Run, train_module: TrainModule, step: int, elapsed: float) -> dict:
-    """What a resume reads back."""
-    from finetune.train import get_lr
-
+    """What a resume reads back. No schedule state: the learning rate is a function of the step (``get_lr``)."""
     mask_row = train_module.mask_row
     return {
         "step": step,
         "optimizer": run.optimizer.state_dict(),
-        "scheduler": {"decay": run.cfg.decay, "step": step, "total_steps": run.total_steps,
-                      "lr": get_lr(max(step - 1, 0), run.cfg, run.total_steps)},
         "rng": rng_state(),
         "elapsed": elapsed,
         "lora": lora_weights(train_module.model) if run.cfg.lora else None,  # the base model + these = the model

@@ -17,9 +17,8 @@ Run directory (``--output-dir``; the app reads it while training runs):
   ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
   previous line), elapsed (training seconds, resumed sessions included)
 - ``checkpoint-<step>/``: a plain transformers directory (LoRA already merged) with the
-  tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state, schedule
-  position, step, RNG, LoRA adapter weights when --lora, the mask row when --train-mask-row); see
-  ``finetune.checkpoint``
+  tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state, step, RNG,
+  LoRA adapter weights when --lora, the mask row when --train-mask-row); see ``finetune.checkpoint``
 
 Re-running with the same ``--output-dir`` resumes from its newest complete
 checkpoint: step count, optimizer state, data position and RNG continue.
