@@ -33,7 +33,6 @@ token ids (pad may equal eos, as in SmolLM2).
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mars_core.loading import chat_spans, encode_with_text_spans, special_token_texts
+from mars_core.textfile import json_line, read_lines
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -77,34 +77,10 @@ def validate_conversation(row, where: str) -> list[dict]:
 
 def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
     """Read a chat JSONL file into a list of message lists (validated)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data file {str(path)!r} does not exist; pass a .jsonl path or 'builtin'")
-    if path.is_dir():
-        raise ValueError(f"data file {str(path)!r} is a directory; pass a .jsonl file or 'builtin'")
     conversations = []
-    try:
-        f = path.open("rb")
-    except OSError as exc:
-        raise ValueError(f"data file {str(path)!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
-    with f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                 "save the file as UTF-8") from None
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")   # a byte-order mark is not part of the first row
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at line {lineno}, column {e.colno}); "
-                                 "write one JSON object per line") from None
-            conversations.append(validate_conversation(row, where))
+    for lineno, line in read_lines(path, "data file", "pass a .jsonl file or 'builtin'"):
+        if line.strip():
+            conversations.append(validate_conversation(json_line(line, path, lineno), f"{path}:{lineno}"))
     if not conversations:
         raise ValueError(f"data file {str(path)!r} has no conversations")
     return conversations

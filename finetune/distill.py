@@ -17,7 +17,8 @@ every N-th prompt starting at K, so N processes can split one prompts file.
 
 The prompts file has one prompt per line (blank lines and lines starting with
 '#' are skipped), or is a .jsonl file of {"prompt": ...} or {"messages": [...]}
-rows (the first user message is used).
+rows (the first user message is used). mars_core.textfile.read_prompts reads it, as
+it reads ``python -m mars_core bench --prompts``.
 """
 
 from __future__ import annotations
@@ -30,51 +31,6 @@ import time
 from pathlib import Path
 
 MAX_NEW_TOKENS = 256
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a text file (one per line) or a JSONL file; ValueError naming file and line."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"prompts file {str(path)!r} is a directory: pass a text file with one prompt per line")
-    if not path.is_file():
-        raise ValueError(f"prompts file {str(path)!r} does not exist: pass a text file with one prompt per line")
-    prompts = []
-    try:
-        fh = path.open("rb")
-    except OSError as exc:
-        raise ValueError(f"prompts file {str(path)!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8").rstrip("\n")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                 "save the prompts file as UTF-8") from None
-            if not line.strip() or (path.suffix != ".jsonl" and line.lstrip().startswith("#")):
-                continue
-            if path.suffix != ".jsonl":
-                prompts.append(line.strip().replace("\\n", "\n"))
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at line {lineno}, column {e.colno}); "
-                                 "write one JSON object per line") from None
-            try:
-                if "prompt" in row:
-                    prompt = row["prompt"]
-                else:
-                    prompt = next(m["content"] for m in row["messages"] if m["role"] == "user")
-                if not isinstance(prompt, str) or not prompt.strip():
-                    raise ValueError("empty prompt")
-            except (KeyError, StopIteration, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a prompt row ({exc}); expected "
-                                 '{"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}') from None
-            prompts.append(prompt)
-    if not prompts:
-        raise ValueError(f"prompts file {str(path)!r} has no prompts: write one prompt per line")
-    return prompts
 
 
 def repeats_itself(ids: list[int], n: int = 8, times: int = 3) -> bool:
@@ -204,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.resolve() == src.resolve() or dropped_path(out).resolve() == src.resolve():
         raise ValueError(f"--out {args.out!r} is the prompts file: writing there would destroy the prompts; "
                          "pick another --out")
+    from mars_core.textfile import read_prompts   # here, not at the top: mars_core imports torch
+
     prompts = read_prompts(src)[k::n]
     if out.exists() and not out.is_file():
         raise ValueError(f"--out {args.out!r} is not a file: pass a .jsonl path")

@@ -17,12 +17,12 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from mars_core.decoding import DecodeConfig, draft_acceptance, generate, reference_generate, step_attention
 from mars_core.loading import ASSETS
+from mars_core.textfile import read_prompts
 
 GENERAL_PROMPTS = [
     "What is the capital of France?",
@@ -47,31 +47,6 @@ def default_prompts(model_name: str) -> list[str]:
 
         return natural_prompts("heldout", 16)
     return list(GENERAL_PROMPTS)
-
-
-def read_prompts(path: str) -> list[str]:
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"prompts file {path!r} is a directory: give a text file with one prompt per line")
-    if not p.is_file():
-        raise ValueError(f"prompts file {path!r} does not exist: give a text file with one prompt per line")
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"prompts file {path!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"prompts file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}): "
-                         "give a UTF-8 text file with one prompt per line") from None
-    if "\x00" in text:
-        raise ValueError(f"prompts file {path!r} holds NUL bytes (a binary file?): give a text file with one "
-                         "prompt per line")
-    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"prompts file {path!r} has no prompts: put one prompt per line")
-    return prompts
 
 
 @dataclass

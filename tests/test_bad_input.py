@@ -492,7 +492,7 @@ def test_evaluate_and_distill_exit_2_without_traceback(tmp_path):
     (None, b"", ["is a directory"]),
 ])
 def test_distill_prompt_files_name_file_and_line(tmp_path, name, content, words):
-    from finetune.distill import read_prompts
+    from mars_core.textfile import read_prompts
 
     path = tmp_path if name is None else Path(prompts_file(tmp_path, content, name))
     with pytest.raises(ValueError) as err:

@@ -21,6 +21,15 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "mars_core", *args], capture_output=True, text=True, timeout=300)
 
 
+def test_bench_reads_a_jsonl_prompts_file_as_distill_does(tmp_path, capsys):
+    from mars_core import cli
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "no prompt key"}\n')
+    assert cli.main(["bench", "--model", "no-such-model", "--prompts", str(bad)]) == 2   # read before any load
+    assert f"{bad}:2: not a prompt row" in capsys.readouterr().err
+
+
 def test_generate_json_contract(model_dir):
     out = run_cli("generate", "--model", str(model_dir), "--prompt", "What is 2+3?", "--tau", "0.9",
                   "--block-size", "4", "--max-new-tokens", "12", "--mode", "mars", "--json")

@@ -53,6 +53,8 @@ def test_missing_file_and_empty_file_are_clear_errors(tmp_path):
         read_chat_jsonl(tmp_path / "nope.jsonl")
     with pytest.raises(ValueError, match="no conversations"):
         read_chat_jsonl(write_lines(tmp_path / "empty.jsonl", [""]))
+    with pytest.raises(ValueError, match="is a directory"):
+        read_chat_jsonl(tmp_path)
 
 
 def test_prompt_is_ignored_and_the_assistant_turn_is_supervised_through_end_of_turn(tokenizer):

@@ -49,7 +49,7 @@ def test_truncated_answers_are_dropped_by_default(tmp_path):
 
 
 def test_bad_prompt_files_name_the_problem(tmp_path):
-    from finetune.distill import read_prompts
+    from mars_core.textfile import read_prompts
 
     with pytest.raises(ValueError, match="does not exist"):
         read_prompts(tmp_path / "missing.txt")
@@ -64,6 +64,17 @@ def test_bad_prompt_files_name_the_problem(tmp_path):
     good = tmp_path / "q.jsonl"
     good.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
     assert read_prompts(good) == ["a", "b"]
+
+
+def test_prompt_lines_are_stripped_and_escaped_and_binary_files_refused(tmp_path):
+    from mars_core.textfile import read_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("\ufeff  What is 2 + 3?  \n\n# a comment\nline\\nbreak\r\n".encode())
+    assert read_prompts(path) == ["What is 2 + 3?", "line\nbreak"]   # no byte-order mark, no "\r"
+    path.write_bytes(b"fine\n\x00\x00")
+    with pytest.raises(ValueError, match=r"p.txt:2: holds NUL bytes \(a binary file\?\)"):
+        read_prompts(path)
 
 
 def test_distill_resumes_without_repeating_a_prompt(tmp_path, monkeypatch):

@@ -1,0 +1,85 @@
+"""Text files a user hands in, read line by line with errors that name the file, the line and the fix.
+
+``read_lines`` is the one walk over such a file (the prompts files below, finetune.data's chat JSONL) and
+``json_line`` the one parse of a JSONL line. ``read_prompts`` reads a prompts file, the same for
+``python -m mars_core bench --prompts`` and ``python -m finetune.distill --prompts``:
+
+- a text file holds one prompt per line: surrounding whitespace is stripped, blank lines and lines starting
+  with '#' are skipped, and a literal backslash-n (``\\n``) is a newline inside a prompt;
+- a ``.jsonl`` file holds one row per line, ``{"prompt": "..."}`` or a chat row ``{"messages": [...]}`` whose
+  first user message is the prompt.
+
+Lines are split at newlines only, so line N of an error is line N in an editor; a leading byte-order mark is
+not part of the first line.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+PROMPTS_FIX = "give a text file with one prompt per line (or a .jsonl file of prompt rows)"
+
+
+def read_lines(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without its newline) of a UTF-8 text file; ``what`` names the file in errors
+    ("prompts file") and ``fix`` says what to pass instead of a directory, a missing or a binary file."""
+    name, path = str(path), Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {name!r} is a directory: {fix}")
+    if not path.is_file():
+        raise ValueError(f"{what} {name!r} does not exist: {fix}")
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise ValueError(f"{what} {name!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").removesuffix("\n")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{name}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at line {lineno}, column "
+                                 f"{e.start + 1}): save the {what} as UTF-8") from None
+            if "\x00" in line:
+                raise ValueError(f"{name}:{lineno}: holds NUL bytes (a binary file?): {fix}")
+            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def json_line(line: str, path: str | Path, lineno: int):
+    """One line of a JSONL file, parsed; ValueError naming the file, the line and the column."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at line {lineno}, column "
+                         f"{e.colno}); write one JSON object per line") from None
+
+
+def prompt_of_row(row, where: str) -> str:
+    """The prompt of a prompts-JSONL row: its "prompt", or the first user message of its "messages"."""
+    try:
+        if "prompt" in row:
+            prompt = row["prompt"]
+        else:
+            prompt = next(m["content"] for m in row["messages"] if m["role"] == "user")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("empty prompt")
+    except (KeyError, StopIteration, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: not a prompt row ({exc}); expected "
+                         '{"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}') from None
+    return prompt
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a text or .jsonl prompts file (the module's docstring has the format)."""
+    jsonl = Path(path).suffix == ".jsonl"
+    prompts = []
+    for lineno, line in read_lines(path, "prompts file", PROMPTS_FIX):
+        if not line.strip() or (not jsonl and line.lstrip().startswith("#")):
+            continue
+        if jsonl:
+            prompts.append(prompt_of_row(json_line(line, path, lineno), f"{path}:{lineno}"))
+        else:
+            prompts.append(line.strip().replace("\\n", "\n"))
+    if not prompts:
+        raise ValueError(f"prompts file {str(path)!r} has no prompts: write one prompt per line")
+    return prompts
