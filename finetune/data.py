@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from mars_core.loading import chat_spans, encode_with_text_spans, special_token_texts
+from mars_core.loading import chat_spans, encode_with_text_spans, end_of_turn_ids, special_token_texts
 from mars_core.textfile import json_line, read_lines
 
 IGNORE_INDEX = -100
@@ -115,19 +115,6 @@ def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights:
     return read_chat_jsonl(data)
 
 
-def end_of_turn_ids(tokenizer, eos_ids=None) -> list[int]:
-    """Ids that end an assistant turn: ``eos_ids`` if given, else eos plus ``<|im_end|>`` if present."""
-    if eos_ids:
-        return list(eos_ids)
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
-        ids.append(im_end)
-    if not ids:
-        raise ValueError("the tokenizer has no eos token and no <|im_end|>; set tokenizer.eos_token")
-    return ids
-
-
 def tokenize_conversation(tokenizer, messages: list[dict], eos_ids: list[int]) -> Example:
     """Prompt (template + generation prompt) and supervised last assistant turn, up to its end-of-turn token."""
     if not getattr(tokenizer, "chat_template", None):
@@ -189,10 +176,12 @@ def build_examples(
     eos_ids: list[int] | None = None,
     overlong: str = "drop",
 ) -> list[Example]:
-    """Tokenise, block-pad (if ``block_size``) and length-filter conversations."""
+    """Tokenise, block-pad (if ``block_size``) and length-filter conversations. ``eos_ids`` are the ids that end
+    a turn, the model's own (``LoadedModel.eos_ids``, as finetune.train passes); without them, the tokenizer's
+    (mars_core.loading.end_of_turn_ids)."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong={overlong!r}; use one of {OVERLONG}")
-    eos_ids = end_of_turn_ids(tokenizer, eos_ids)
+    eos_ids = list(eos_ids) if eos_ids else end_of_turn_ids(tokenizer)
     examples, dropped = [], 0
     for messages in conversations:
         ex = tokenize_conversation(tokenizer, messages, eos_ids)

@@ -223,8 +223,11 @@ def _unused_special_token(tokenizer) -> str | None:
     return None
 
 
-def end_of_turn_ids(tokenizer, model) -> list[int]:
-    """Every id that ends a turn: the tokenizer eos, <|im_end|>, and the generation config's eos."""
+def end_of_turn_ids(tokenizer, model=None) -> list[int]:
+    """Every id that ends a turn, in ascending order: the tokenizer's eos, ``<|im_end|>`` when the vocabulary has
+    it, and with a ``model`` its generation config's eos ids. The decoder stops at any of them. Training
+    (finetune.data) cuts a rendered answer after the last of them in it; an answer with none gets the list's
+    first id appended, and batches are padded with that id when the tokenizer has no pad token."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -238,7 +241,8 @@ def end_of_turn_ids(tokenizer, model) -> list[int]:
     elif eos:
         ids.update(eos)
     if not ids:
-        raise ValueError("the tokenizer defines no eos token: set tokenizer.eos_token before decoding")
+        raise ValueError("the tokenizer has no eos token and no <|im_end|>: set tokenizer.eos_token before decoding "
+                         "or training")
     return sorted(ids)
 
 

@@ -1,6 +1,8 @@
 """Chat JSONL reading, tokenisation through the chat template, over-long policy, collation."""
 
+import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,6 +15,7 @@ from finetune.data import (
     read_chat_jsonl,
     tokenize_conversation,
 )
+from mars_core.loading import end_of_turn_ids
 from tests.tiny_fixtures import make_tiny_model_dir
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "The answer is 4."}]
@@ -55,6 +58,19 @@ def test_missing_file_and_empty_file_are_clear_errors(tmp_path):
         read_chat_jsonl(write_lines(tmp_path / "empty.jsonl", [""]))
     with pytest.raises(ValueError, match="is a directory"):
         read_chat_jsonl(tmp_path)
+
+
+def test_end_of_turn_ids_are_the_tokenizers_in_ascending_order_plus_the_models(tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(tokenizer) == [eos]
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, eos]))
+    assert end_of_turn_ids(tokenizer, model) == sorted({7, eos})
+    other = copy.deepcopy(tokenizer)
+    other.eos_token = "<|mask|>"   # eos and <|im_end|> differ: both end a turn, smallest first
+    assert end_of_turn_ids(other) == sorted({other.eos_token_id, eos})
+    # without eos_ids, build_examples takes the tokenizer's (finetune.train passes the loaded model's)
+    assert build_examples([CHAT], tokenizer, max_length=256) == build_examples([CHAT], tokenizer, max_length=256,
+                                                                                eos_ids=[eos])
 
 
 def test_prompt_is_ignored_and_the_assistant_turn_is_supervised_through_end_of_turn(tokenizer):
