@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.status import RunStatus, read_status
+
 STAGES = ("tokenizer", "base", "ar-sft", "ar-sft-2", "ar-sft-3", "mars", "ablation", "eval")
 DEFAULT_STAGES = tuple(s for s in STAGES if s != "ablation")   # the ablation trains on its own: --stages ablation,eval
 
@@ -180,10 +182,11 @@ def run_parallel(cmds: list[list[str]]) -> list[float]:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    status = json.loads((run_dir / "status.json").read_text())
-    if status.get("state") != "finished" or not status.get("last_checkpoint"):
-        raise RuntimeError(f"{run_dir}: training did not finish ({status.get('state')}, {status.get('error')})")
-    return Path(status["last_checkpoint"])
+    """The checkpoint a finished training run ended on, from its status.json."""
+    st = read_status(run_dir) or RunStatus()   # no readable status.json: the run never started
+    if st.state != "finished" or not st.last_checkpoint:
+        raise RuntimeError(f"{run_dir}: training did not finish ({st.state}, {st.error})")
+    return Path(st.last_checkpoint)
 
 
 def export(checkpoint: Path, dest: Path) -> None:

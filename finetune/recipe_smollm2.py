@@ -136,7 +136,7 @@ def stage_distill(work: Path, base: str, jobs: int, gpu: bool, dtype: str) -> di
 
 
 def final_checkpoint(train_dir: Path) -> Path:
-    from finetune.train import list_checkpoints
+    from finetune.checkpoint import list_checkpoints
 
     checkpoints = list_checkpoints(train_dir)
     if not checkpoints:

@@ -47,6 +47,18 @@ def test_scale_shrinks_steps_and_data_but_keeps_a_runnable_stage():
     assert recipe.stage_settings(recipe.AR_SFT) == recipe.AR_SFT   # scale 1 changes nothing
 
 
+def test_a_stage_exports_the_checkpoint_its_finished_run_names(tmp_path):
+    from finetune.status import RunStatus, write_status
+
+    with pytest.raises(RuntimeError, match=r"did not finish \(None, None\)"):
+        recipe.final_checkpoint(tmp_path)   # no status.json: the run never started
+    write_status(tmp_path, RunStatus(state="failed", error="boom"))
+    with pytest.raises(RuntimeError, match=r"did not finish \(failed, boom\)"):
+        recipe.final_checkpoint(tmp_path)
+    write_status(tmp_path, RunStatus(state="finished", last_checkpoint=str(tmp_path / "checkpoint-3")))
+    assert recipe.final_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
+
+
 @pytest.mark.slow
 def test_the_toy_compile_fails_without_a_compiler_and_works_with_one():
     assert not recipe.compile_works(env=dict(os.environ, PATH="/nonexistent"))
