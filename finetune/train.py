@@ -250,7 +250,9 @@ def check_output_dir(output_dir: str) -> Path:
     return out
 
 
-MARS_ONLY_DEFAULTS = {"block_size": 4, "ar_weight": 1.0, "mask_label_smoothing": 0.0, "random_block_offset": False}
+# TrainConfig's own defaults of the settings only the MARS loss reads
+MARS_ONLY_DEFAULTS = {k: v for k, v in vars(TrainConfig()).items()
+                      if k in ("block_size", "ar_weight", "mask_label_smoothing", "random_block_offset")}
 
 
 def ignored_settings(cfg: TrainConfig) -> list[str]:
