@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = ("prompts", "distill", "train", "eval-base", "export", "eval", "card")
@@ -181,7 +182,8 @@ def merge_eval(work: Path) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; ``stages`` becomes the list of stage names."""
     ap = argparse.ArgumentParser(prog="python -m finetune.recipe_smollm2", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="assets/smollm2-mars", help="where the adapter and its card go")
@@ -198,76 +200,123 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-checkable", type=int, default=None, help="checkable questions in the evaluation (default: all)")
     ap.add_argument("--eval-threads", type=int, default=1, help="torch threads of each evaluation process")
     args = ap.parse_args(argv)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = [s for s in stages if s not in STAGES]
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"--stages names {unknown}: use a subset of {','.join(STAGES)}")
     if args.prompts < 1 or args.jobs < 1 or args.scale <= 0:
         raise ValueError("--prompts and --jobs need 1 or more and --scale a positive number")
+    return args
 
+
+@dataclass
+class Recipe:
+    """What the stages share: the flags, the folders, what the hardware chose, this invocation."""
+
+    args: argparse.Namespace
+    work: Path
+    out: Path
+    gpu: bool
+    dtype: str        # distillation and evaluation: bf16 where the hardware multiplies it natively
+    settings: dict    # finetune.train's flags
+    threads: int      # training threads
+    command: str      # this invocation, quoted by every stage-<stage>.json and the card
+
+
+def prepare(args: argparse.Namespace, argv: list[str] | None) -> Recipe:
     from finetune.config import native_bf16_cpu
 
-    work, out = Path(args.work), Path(args.out)
+    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    gpu = has_gpu()
-    native = native_bf16_cpu()
-    dtype = "bfloat16" if gpu or native else "float32"
-    settings = train_settings(gpu, native, args.steps, args.scale)
-    threads = args.threads or os.cpu_count() or 1
-    total = time.perf_counter()
+    gpu, native = has_gpu(), native_bf16_cpu()
     command = shlex.join(["python", "-m", "finetune.recipe_smollm2"] + (argv if argv is not None else sys.argv[1:]))
-    side = None   # the base model's evaluation, on a core of its own while training runs
-    for stage in stages:
-        if stage != "card" and stage_done(work, stage):
-            log(f"{stage}: done before ({stage_done(work, stage)['seconds']:.0f} s), skipped")
+    return Recipe(args, work, Path(args.out), gpu, "bfloat16" if gpu or native else "float32",
+                  train_settings(gpu, native, args.steps, args.scale), args.threads or os.cpu_count() or 1, command)
+
+
+def eval_base_cmd(recipe: Recipe) -> list[str]:
+    base = recipe.args.base
+    return eval_cmd(base, Path(base).name, recipe.work / "eval-base.json", recipe.args, recipe.dtype, True)
+
+
+class Beside:
+    """A process started beside the training (the base model's evaluation); its wall time is its own, not the
+    training's: a thread notes when it ends."""
+
+    def __init__(self, cmd: list[str], log_path: Path):
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT)
+        self.started, self.ended = time.perf_counter(), None
+        threading.Thread(target=self._note_end, daemon=True).start()
+
+    def _note_end(self) -> None:
+        self.proc.wait()
+        self.ended = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Wait for it; its wall time. A failure stops the recipe with the log's name."""
+        if self.proc.wait():
+            raise SystemExit(f"eval-base failed (exit {self.proc.returncode}): see {self.log_path}")
+        while self.ended is None:
+            time.sleep(0.05)
+        return self.ended - self.started
+
+
+def stage_train(recipe: Recipe) -> dict:
+    """MARS training; on a CPU with a core to spare, eval-base runs beside it (and is marked done here)."""
+    args, work, gpu = recipe.args, recipe.work, recipe.gpu
+    threads, beside = recipe.threads, None
+    if "eval-base" in args.stages and not stage_done(work, "eval-base") and not gpu and threads > 1:
+        cmd = eval_base_cmd(recipe)
+        log("eval-base beside the training: $ " + shlex.join(cmd))
+        beside = Beside(cmd, work / "eval-base.log")
+        threads -= args.eval_threads
+    cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(work / "data.jsonl"),
+           "--output-dir", str(work / "train"), *flags(recipe.settings)]
+    run(cmd + ([] if gpu else ["--threads", str(threads)]), work / "train.log")
+    if beside is not None:
+        mark_done(work, "eval-base", beside.seconds(), command=recipe.command, rows=len(merge_eval(work)),
+                  beside="train")
+    return {"steps": recipe.settings["max_steps"], "settings": recipe.settings, "threads": threads}
+
+
+def run_stage(recipe: Recipe, stage: str) -> dict:
+    """One stage; returns what its stage-<stage>.json records beside the wall time."""
+    args, work, out = recipe.args, recipe.work, recipe.out
+    if stage == "prompts":
+        return stage_prompts(work, args.prompts)
+    if stage == "distill":
+        return stage_distill(work, args.base, 1 if recipe.gpu else args.jobs, recipe.gpu, recipe.dtype)
+    if stage == "train":
+        return stage_train(recipe)
+    if stage == "export":
+        return stage_export(work, out, args.base, recipe.settings)
+    if stage == "eval-base":
+        run(eval_base_cmd(recipe), work / "eval-base.log")
+        return {"rows": len(merge_eval(work))}
+    if stage == "eval":
+        run(eval_cmd(str(out), out.name, work / "eval-mars.json", args, recipe.dtype, False), work / "eval.log")
+        return {"rows": len(merge_eval(work))}
+    from finetune.model_card_smollm2 import write_card
+
+    write_card(out, work)
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    recipe = prepare(args, argv)
+    total = time.perf_counter()
+    for stage in args.stages:
+        done = stage_done(recipe.work, stage) if stage != "card" else None
+        if done:
+            log(f"{stage}: done before ({done['seconds']:.0f} s), skipped")
             continue
-        if stage == "eval-base" and side is not None:
-            continue   # already running beside the training
         t0 = time.perf_counter()
         log(f"{stage} ...")
-        if stage == "prompts":
-            info = stage_prompts(work, args.prompts)
-        elif stage == "distill":
-            info = stage_distill(work, args.base, 1 if gpu else args.jobs, gpu, dtype)
-        elif stage == "train":
-            train_threads = threads
-            if "eval-base" in stages and not stage_done(work, "eval-base") and not gpu and threads > 1:
-                cmd = eval_cmd(args.base, Path(args.base).name, work / "eval-base.json", args, dtype, True)
-                log("eval-base beside the training: $ " + shlex.join(cmd))
-                proc = subprocess.Popen(cmd, stdout=(work / "eval-base.log").open("a"), stderr=subprocess.STDOUT)
-                side = (proc, time.perf_counter(), {})
-                # its own wall time, not the training's: a thread notes when it ends
-                threading.Thread(target=lambda p=proc, d=side[2]: d.setdefault("end", (p.wait(), time.perf_counter())[1]),
-                                 daemon=True).start()
-                train_threads = threads - args.eval_threads
-            cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(work / "data.jsonl"),
-                   "--output-dir", str(work / "train"), *flags(settings)]
-            run(cmd + ([] if gpu else ["--threads", str(train_threads)]), work / "train.log")
-            info = {"steps": settings["max_steps"], "settings": settings, "threads": train_threads}
-            if side is not None:
-                proc, started, ended = side
-                if proc.wait():
-                    raise SystemExit(f"eval-base failed (exit {proc.returncode}): see {work / 'eval-base.log'}")
-                while "end" not in ended:
-                    time.sleep(0.05)
-                mark_done(work, "eval-base", ended["end"] - started, command=command,
-                          rows=len(merge_eval(work)), beside="train")
-        elif stage == "export":
-            info = stage_export(work, out, args.base, settings)
-        elif stage == "eval-base":
-            run(eval_cmd(args.base, Path(args.base).name, work / "eval-base.json", args, dtype, True),
-                work / "eval-base.log")
-            info = {"rows": len(merge_eval(work))}
-        elif stage == "eval":
-            run(eval_cmd(str(out), out.name, work / "eval-mars.json", args, dtype, False), work / "eval.log")
-            info = {"rows": len(merge_eval(work))}
-        else:
-            from finetune.model_card_smollm2 import write_card
-
-            write_card(out, work)
-            info = {}
+        info = run_stage(recipe, stage)
         seconds = time.perf_counter() - t0
-        mark_done(work, stage, seconds, command=command, **info)
+        mark_done(recipe.work, stage, seconds, command=recipe.command, **info)
         log(f"{stage}: {seconds / 60:.1f} min")
     log(f"all stages: {(time.perf_counter() - total) / 60:.1f} min")
     return 0

@@ -11,6 +11,28 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def test_flags_are_checked_before_any_stage_runs():
+    from finetune.recipe_smollm2 import parse_args
+
+    assert parse_args(["--stages", "prompts, train"]).stages == ["prompts", "train"]
+    with pytest.raises(ValueError, match=r"--stages names \['nope'\]"):
+        parse_args(["--stages", "prompts,nope"])
+    with pytest.raises(ValueError, match="--prompts and --jobs need 1 or more"):
+        parse_args(["--jobs", "0"])
+
+
+def test_export_takes_the_newest_complete_checkpoint(tmp_path):
+    from finetune.recipe_smollm2 import final_checkpoint
+
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        final_checkpoint(tmp_path)
+    for step in (2, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "checkpoint-11").mkdir()   # no trainer_state.pt: a save cut short
+    assert final_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+
+
 @pytest.mark.slow
 def test_the_recipe_distils_trains_exports_evaluates_and_resumes(tmp_path):
     from mars_core import DecodeConfig, generate, load_model
