@@ -135,7 +135,7 @@ def _append(path: Path, rows: list[dict]) -> None:
         os.fsync(fh.fileno())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m finetune.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model name or directory (see mars_core.load_model)")
@@ -149,32 +149,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (bf16 is faster on CPUs with avx512_bf16/AMX)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (use 1 per process on a 2-core machine)")
     args = ap.parse_args(argv)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size}: use 1 or more")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: use 1 or more")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads {args.threads}: use 1 or more")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: use 1 or more")
+    return args
+
+
+def prompts_to_do(args: argparse.Namespace) -> list[str]:
+    """This shard's prompts that no earlier run into --out answered or dropped; --out is checked first."""
+    from finetune.config import check_output_file
+    from mars_core.textfile import read_prompts   # here, not at the top: mars_core imports torch
+
     k, n = parse_shard(args.shard)
     out, src = Path(args.out), Path(args.prompts)
     if out.resolve() == src.resolve() or dropped_path(out).resolve() == src.resolve():
         raise ValueError(f"--out {args.out!r} is the prompts file: writing there would destroy the prompts; "
                          "pick another --out")
-    from mars_core.textfile import read_prompts   # here, not at the top: mars_core imports torch
-
     prompts = read_prompts(src)[k::n]
     if out.exists() and not out.is_file():
         raise ValueError(f"--out {args.out!r} is not a file: pass a .jsonl path")
-    from finetune.config import check_output_file
-
     check_output_file("--out", out)
     seen = done_prompts(out)
     todo = [p for p in prompts if p not in seen]
     print(f"[finetune.distill] {len(prompts)} prompts, {len(prompts) - len(todo)} already done, {len(todo)} to go",
           file=sys.stderr)
-    if not todo:
-        return 0
+    return todo
 
+
+def answer(args: argparse.Namespace, todo: list[str]) -> None:
+    """Load the model and append its answers to --out (and the dropped prompts to its sidecar), batch by batch."""
     import torch
     from tqdm.auto import tqdm
 
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    out = Path(args.out)
     kept = dropped = tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=len(todo), unit="prompt", desc="distill", dynamic_ncols=True)
@@ -195,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     print(f"[finetune.distill] wrote {kept} rows to {out}; dropped {dropped} (see {dropped_path(out).name}); "
           f"{tokens} tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    todo = prompts_to_do(args)
+    if todo:
+        answer(args, todo)
     return 0
 
 
