@@ -15,6 +15,7 @@ import torch
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
                              rows_as_dicts)
 from mars_core.cpu_layout import RowMajorLinear
+from mars_core.dtype_probe import slow_decoding_warning
 from mars_core.int8 import Int8Linear
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
@@ -121,6 +122,9 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(event.rows[0].text + "|", end="", flush=True)
     result = collect(lm, [prompt_ids], events)[0]
+    slow = slow_decoding_warning(lm, result.step_times, 1 if cfg.mode == "ar" or cfg.tau >= 1 else cfg.block_size)
+    if slow:
+        print(slow, file=sys.stderr)
     if args.json:
         out = {"model": lm.path, "mode": cfg.mode, "tau": cfg.tau, "block_size": cfg.block_size,
                "mask_id": lm.mask_id, **result.to_dict()}

@@ -24,6 +24,7 @@ MIN_PARAMS = 50_000_000
 ROUNDS = 7
 TIE = 0.03        # one-row times this close count as equal
 MARS_ROWS = 7     # what a B = 4 step feeds after accepting all four
+SLOW = 3.0        # forwards this many times the probe's are not the model's cost: the cores are shared
 
 
 def cpu_has_native_bf16() -> bool:
@@ -73,11 +74,20 @@ def _cache_file() -> Path:
     return cache_dir() / "dtype-probe.json"
 
 
-def _key(where: str) -> str:
+def _key(where: str, threads: int | None = None) -> str:
     weights = next((p for p in (Path(where) / "model.safetensors", Path(where)) if p.exists()), Path(where))
     stat = weights.stat() if weights.exists() else None
     stamp = f"{stat.st_size}:{int(stat.st_mtime)}" if stat else "?"
-    return f"{Path(where).resolve()}|{stamp}|{_cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{Path(where).resolve()}|{stamp}|{_cpu_name()}|torch {torch.__version__}|threads {threads}"
+
+
+def _known() -> dict:
+    try:
+        known = json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def choose_cpu_dtype(model, where: str) -> torch.dtype:
@@ -85,10 +95,7 @@ def choose_cpu_dtype(model, where: str) -> torch.dtype:
     if sum(p.numel() for p in model.parameters()) < MIN_PARAMS or not cpu_has_native_bf16():
         return torch.float32
     path, key = _cache_file(), _key(where)
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _known()
     if key in known:
         return getattr(torch, known[key]["dtype"])
     import copy
@@ -108,3 +115,26 @@ def choose_cpu_dtype(model, where: str) -> torch.dtype:
     except OSError:
         pass   # a read-only cache only costs the probe again next time
     return getattr(torch, choice)
+
+
+def slow_decoding_warning(lm, step_seconds: list[float], block_size: int = 4) -> str | None:
+    """A warning when decoding's forwards ran far slower than this machine's probe of the same model and dtype
+    (one thread, quiet), or None: that gap is other processes on the cores or too many torch threads, not the
+    model. Steps after the first (the prompt's prefill) are compared, against the probe's time for the most
+    positions a step can feed (1 for one-token steps, else 2B - 1), so only a real slowdown warns."""
+    if lm.device.type != "cpu" or len(step_seconds) < 2:
+        return None
+    name = str(lm.model.dtype).replace("torch.", "")
+    entry = _known().get(_key(lm.path, threads=1), {})
+    rows = 1 if block_size <= 1 else MARS_ROWS
+    probe = entry.get(f"{name}_ms_{rows}_rows")
+    if not isinstance(probe, (int, float)) or probe <= 0:
+        return None
+    import statistics
+
+    ms = 1000 * statistics.median(step_seconds[1:])
+    if ms <= SLOW * probe:
+        return None
+    return (f"warning: a forward took {ms:.0f} ms, {ms / probe:.0f}x this machine's probe of this model ({probe:.0f} ms, "
+            f"one thread, {name}): other processes are using the cores, or --threads {torch.get_num_threads()} "
+            "oversubscribes them; try --threads 1 or stop the other work")

@@ -60,3 +60,35 @@ def test_load_model_auto_keeps_the_tiny_models_in_fp32():
     from mars_core import load_model
 
     assert load_model("tiny-mars", device="cpu").model.dtype == torch.float32
+
+
+def _probe_entry(lm, cache, ms_1, ms_7):
+    key = dtype_probe._key(lm.path, threads=1)
+    (cache / "dtype-probe.json").write_text(json.dumps({key: {"dtype": "float32", "float32_ms_1_rows": ms_1,
+                                                              "float32_ms_7_rows": ms_7}}))
+
+
+def test_decoding_far_slower_than_the_probe_warns_and_names_the_fix(monkeypatch, tmp_path):
+    from mars_core import load_model
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
+    lm = load_model("tiny-mars", device="cpu", dtype="float32")
+    steps = [0.5, 0.040, 0.050, 0.045]                     # the first step holds the prompt's prefill
+    assert dtype_probe.slow_decoding_warning(lm, steps) is None          # no probe on file: nothing to compare
+    _probe_entry(lm, tmp_path, ms_1=2.0, ms_7=10.0)
+    warning = dtype_probe.slow_decoding_warning(lm, steps)               # 45 ms against the probe's 10 ms at 7 rows
+    assert "45 ms" in warning and "--threads 1" in warning
+    assert dtype_probe.slow_decoding_warning(lm, [0.5, 0.025, 0.028]) is None   # under 3x the 7-row probe
+    assert "45 ms" in dtype_probe.slow_decoding_warning(lm, [0.5, 0.045, 0.045, 0.045], 1)
+    assert dtype_probe.slow_decoding_warning(lm, [0.5, 0.005, 0.005], 1) is None   # AR steps against the 1-row probe
+
+
+def test_cli_generate_warns_on_stderr_when_forwards_run_far_slower_than_the_probe(monkeypatch, tmp_path, capsys):
+    from mars_core import load_model
+    from mars_core.cli import main
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
+    _probe_entry(load_model("tiny-mars", device="cpu", dtype="float32"), tmp_path, ms_1=1e-6, ms_7=1e-6)
+    assert main(["generate", "--model", "tiny-mars", "--dtype", "float32", "--device", "cpu", "--threads", "1",
+                 "--max-new-tokens", "8", "--prompt", "What is 2 + 3?"]) == 0
+    assert "other processes are using the cores" in capsys.readouterr().err
