@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.set_defaults(max_new_tokens=64)
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    b.add_argument("--prompts", default=None, help="text file, one prompt per line (default: built-in set)")
+    b.add_argument("--prompts", default=None, help="text file, one prompt per line ('#' lines skipped), or a .jsonl file of {\"prompt\": ...} rows (default: built-in set)")
     b.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="alternating AR/MARS runs; the median is reported")
     b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
