@@ -68,7 +68,7 @@ class BenchRow:
     clock: str = "wall"            # what the times measure: wall (perf_counter) or thread (this thread's CPU time)
     hf_time: float | None = None   # transformers generate(do_sample=False), same model and batches
     hf_equals_ar: bool | None = None
-    fastest_ar: str = "ours"       # the AR baseline every speedup below divides: "ours" or "transformers"
+    fastest_ar: str = "ours"       # the AR baseline every speedup below divides: "ours", "transformers" or other_ar_label
     mars_speedup: float = 0.0      # fastest AR time / MARS time
     verify_time: float | None = None          # lossless MARS (mode="verify")
     verify_tokens_per_forward: float | None = None
@@ -79,6 +79,9 @@ class BenchRow:
     time_ranges: dict = field(default_factory=dict)   # side -> [min, max] seconds over the repeats
     overhead_ms: dict = field(default_factory=dict)   # side -> ms per forward spent outside the model's forward
     overhead_share: dict = field(default_factory=dict)  # side -> that as a share of the step
+    other_ar_label: str | None = None         # our AR on the same model in another weight format (bench other_ar)
+    other_ar_time: float | None = None
+    other_ar_agreement: float | None = None   # share of its answers equal to this format's AR answers
 
 
 def _sync(device):
@@ -178,9 +181,12 @@ def peak_memory_mb(device) -> float:
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
           criterion: str = "prob", transformers: bool = True, verify: bool = True,
-          clock: str = "auto") -> list[BenchRow]:
+          clock: str = "auto", other_ar=None) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
-    `clock` (see `pick_clock`) decides what every time in the rows measures."""
+    `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
+    loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
+    choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
+    the row says by how much."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
@@ -199,19 +205,22 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
                                       criterion=criterion)
     if transformers:
         cfgs["transformers"] = HFGreedy(max_new_tokens)
+    models = {side: lm for side in cfgs}
+    if other_ar is not None:
+        cfgs["other_ar"], models["other_ar"] = cfgs["ar"], other_ar
     rows = []
     ref_time = None
     for bs in batch_sizes:
         batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
-        for cfg in cfgs.values():                      # warm-up, every side
-            _timed_run(lm, batches[:1], cfg, clock)
+        for side, cfg in cfgs.items():                 # warm-up, every side
+            _timed_run(models[side], batches[:1], cfg, clock)
         times = {side: [] for side in cfgs}
         runs = {}
         for _ in range(repeats):                       # alternate so drift hits every side alike
             for side, cfg in cfgs.items():
-                t, forwards, res = _timed_run(lm, batches, cfg, clock)
+                t, forwards, res = _timed_run(models[side], batches, cfg, clock)
                 times[side].append(t)
                 runs[side] = (forwards, res)
             if progress:
@@ -221,8 +230,32 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
             t0 = _NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
             ref_time = _NOW[clock]() - t0
-        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock))
+        row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock)
+        if other_ar is not None:
+            _add_other_ar(row, med, runs, weight_format(other_ar))
+        rows.append(row)
     return rows
+
+
+def weight_format(lm) -> str:
+    """"int8" for int8 weights, else the parameters' dtype: what tells two loads of one model apart."""
+    from mars_core.int8 import Int8Linear
+
+    if any(isinstance(m, Int8Linear) for m in lm.model.modules()):
+        return "int8"
+    return str(lm.model.dtype).replace("torch.", "")
+
+
+def _add_other_ar(row: BenchRow, med: dict, runs: dict, label: str) -> None:
+    """Our AR in another weight format joins the fastest-AR choice; every speedup then divides the fastest."""
+    ar_tokens = [r.token_ids for r in runs["ar"][1]]
+    row.other_ar_label, row.other_ar_time = f"ours, {label}", med["other_ar"]
+    row.other_ar_agreement = statistics.mean(r.token_ids == a for r, a in zip(runs["other_ar"][1], ar_tokens))
+    if med["other_ar"] < min(t for side, t in med.items() if side in ("ar", "transformers")):
+        row.fastest_ar = row.other_ar_label
+        row.mars_speedup = med["other_ar"] / med["mars"]
+        if row.verify_time is not None:
+            row.verify_speedup = med["other_ar"] / row.verify_time
 
 
 def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock) -> BenchRow:
@@ -231,7 +264,8 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
     fastest = "transformers" if "transformers" in med and med["transformers"] < med["ar"] else "ours"
     base = med["transformers"] if fastest == "transformers" else med["ar"]
     ar_ms, mars_ms = 1000 * med["ar"] / ar_fwd, 1000 * med["mars"] / mars_fwd
-    overhead = {side: decoder_overhead(lm, batches, cfgs[side], clock) for side in cfgs if side != "transformers"}
+    overhead = {side: decoder_overhead(lm, batches, cfgs[side], clock) for side in cfgs
+                if side not in ("transformers", "other_ar")}
     row = BenchRow(
         batch_size=bs, prompts=len(ids),
         tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
@@ -265,8 +299,7 @@ def format_table(rows: list[BenchRow]) -> str:
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        spread = lambda side: (f" ({r.time_ranges[side][0]:.2f}–{r.time_ranges[side][1]:.2f})"
-                               if side in r.time_ranges else "")
+        spread = lambda side: _spread(r, side)
         lines.append(" | ".join([
             str(r.batch_size), opt(r.hf_time, ".2f") + spread("transformers"), f"{r.ar_time:.2f}" + spread("ar"),
             f"{r.mars_time:.2f}" + spread("mars"), f"{r.tokens_per_forward:.2f}", f"{r.mars_speedup:.2f}",
@@ -281,8 +314,15 @@ def format_table(rows: list[BenchRow]) -> str:
         notes.append(f"batch {r.batch_size}: times are {r.clock} seconds; speedups divide the fastest AR ({r.fastest_ar}); "
                      f"transformers == our AR: {r.hf_equals_ar}; lossless == AR: {r.verify_equals_ar}; "
                      "lossless drafts confirmed per slot: "
-                     + (", ".join("-" if a is None else f"{a:.0%}" for a in r.draft_acceptance or []) or "-"))
+                     + (", ".join("-" if a is None else f"{a:.0%}" for a in r.draft_acceptance or []) or "-")
+                     + ("" if r.other_ar_time is None else
+                        f"; AR ({r.other_ar_label}) {r.other_ar_time:.2f}" + _spread(r, "other_ar")
+                        + f", its answers equal this AR's in {r.other_ar_agreement:.0%}"))
     return "\n".join(lines + notes)
+
+
+def _spread(r: BenchRow, side: str) -> str:
+    return f" ({r.time_ranges[side][0]:.2f}–{r.time_ranges[side][1]:.2f})" if side in r.time_ranges else ""
 
 
 def rows_as_dicts(rows: list[BenchRow]) -> list[dict]:

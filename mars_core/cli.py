@@ -13,10 +13,9 @@ from dataclasses import asdict
 import torch
 
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
-                             rows_as_dicts)
+                             rows_as_dicts, weight_format)
 from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
-from mars_core.int8 import Int8Linear
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.threads import parse_threads, set_threads
@@ -67,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--clock", choices=("auto", "wall", "thread"), default="auto",
                    help="what the times measure: auto = this thread's CPU time when decoding on one CPU thread "
                         "(immune to other processes on a shared machine), else the wall clock")
+    b.add_argument("--ar-dtype", default=None,
+                   help="also time our AR on the same model loaded in this dtype (e.g. int8), and count it as an AR "
+                        "baseline: every speedup then divides the fastest AR in either format (answers may differ; "
+                        "the table says how often they agree)")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -146,15 +149,21 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch-sizes {too_big[0]} is larger than the {len(prompts)} prompts benchmarked, so no "
                          f"batch of {too_big[0]} would run: use batch sizes <= {len(prompts)}, or more prompts "
                          "(--prompts FILE, --n-prompts N)")
+    if args.ar_dtype is not None:
+        if args.row_costs:
+            raise ValueError("--ar-dtype adds an AR baseline to the timed race; --row-costs times no race: drop one")
+        pick_dtype(args.ar_dtype, pick_device(args.device))
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout)
     _check_block_size(lm, args.block_size)
     if args.row_costs:
         return _bench_row_costs(lm, prompts[0], args)
+    other_ar = None if args.ar_dtype is None else load_model(args.model, device=args.device, dtype=args.ar_dtype,
+                                                              cpu_layout=not args.stock_layout)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify, clock=args.clock)
+                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar)
     meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
@@ -166,12 +175,12 @@ def cmd_bench(args) -> int:
 
 def _model_meta(lm) -> dict:
     """What a timing depends on: model, device, weight dtype and layout, threads."""
-    modules = list(lm.model.modules())
     act = str(lm.model.dtype).replace("torch.", "")
-    if any(isinstance(m, Int8Linear) for m in modules):
+    if weight_format(lm) == "int8":
         dtype, layout = f"int8 (activations {act})", "int8"
     else:
-        dtype, layout = act, "row-major" if any(isinstance(m, RowMajorLinear) for m in modules) else "stock"
+        row_major = any(isinstance(m, RowMajorLinear) for m in lm.model.modules())
+        dtype, layout = act, "row-major" if row_major else "stock"
     return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "threads": torch.get_num_threads(),
             "layout": layout}
 

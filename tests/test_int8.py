@@ -103,3 +103,28 @@ def test_cli_generate_and_row_costs_run_in_int8(capsys):
                  "--threads", "1", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"dtype": "int8 (activations' in out and '"layout": "int8"' in out
+
+
+def test_bench_counts_our_ar_in_another_format_as_a_baseline_and_divides_by_the_fastest(lm_int8_fp32):
+    from mars_core.bench import bench, format_table
+
+    lm = load_model("tiny-mars", device="cpu", dtype="float32")
+    texts = ["What is 12 + 30?", "Sort: 3 1 2", "Reverse the word hello."]
+    row = bench(lm, texts, batch_sizes=(1,), max_new_tokens=16, repeats=1, reference=False, other_ar=lm_int8_fp32)[0]
+    ids = [lm.encode(t) for t in texts]
+    ar16 = DecodeConfig(mode="ar", max_new_tokens=16)
+    same = [a.token_ids == b.token_ids for a, b in zip(generate(lm, ids, ar16), generate(lm_int8_fp32, ids, ar16))]
+    assert row.other_ar_label == "ours, int8" and row.other_ar_time > 0
+    assert row.other_ar_agreement == pytest.approx(sum(same) / len(same))
+    fastest = min(t for t in (row.ar_time, row.hf_time, row.other_ar_time) if t is not None)
+    assert row.mars_speedup == pytest.approx(fastest / row.mars_time)
+    assert row.verify_speedup == pytest.approx(fastest / row.verify_time)
+    assert (row.fastest_ar == "ours, int8") == (fastest == row.other_ar_time)
+    assert "AR (ours, int8)" in format_table([row])
+
+
+def test_cli_bench_refuses_ar_dtype_with_row_costs_before_loading(capsys):
+    from mars_core.cli import main
+
+    assert main(["bench", "--model", "tiny-mars", "--ar-dtype", "int8", "--row-costs"]) == 2
+    assert "--ar-dtype" in capsys.readouterr().err
