@@ -371,7 +371,14 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | N
 def resume_from(run: Run, state: dict, checkpoint: Path) -> None:
     """Continue where ``checkpoint`` stopped: optimizer moments, RNG, step count and training time.
 
-    The weights were restored while the model was built; the learning rate follows from the step."""
+    The weights were restored while the model was built; the learning rate follows from the step. The process
+    count must match: it multiplies the global batch, so another count would change the data order and the
+    schedule behind the checkpoint's back."""
+    saved = state.get("num_processes", 1)
+    if saved != run.accelerator.num_processes:
+        raise ValueError(f"{checkpoint} was written by {saved} training process(es), this run has "
+                         f"{run.accelerator.num_processes}: resume with --num_processes {saved} "
+                         "(accelerate launch), or use a new --output-dir")
     run.optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     run.start_step = state["step"]

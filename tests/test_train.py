@@ -148,6 +148,17 @@ def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, chang
         main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2", *changed))
 
 
+def test_resume_refuses_a_checkpoint_written_by_another_process_count(tiny, tmp_path):
+    out = tmp_path / "run"
+    main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
+    state_file = out / "checkpoint-1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["num_processes"] == 1
+    torch.save({**state, "num_processes": 2}, state_file)   # as if written by `accelerate launch --num_processes 2`
+    with pytest.raises(ValueError, match=r"2 training process\(es\).*this run has 1.*--num_processes 2"):
+        main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2"))
+
+
 def run_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
