@@ -26,9 +26,15 @@ def test_sweep_rows_are_well_formed(tiny_lm):
                  progress=lambda f, msg: seen.append(f))
     assert [r["tau"] for r in rows] == [1.0, 0.5]
     assert seen == [0.5, 1.0]
+    from finetune.tasks import check_answer
+    from mars_core import DecodeConfig, generate
+
     for r in rows:
         assert r["model"] == "tiny-random" and r["n"] == len(FAMILIES)
-        assert 0.0 <= r["accuracy"] <= 1.0
+        cfg = DecodeConfig(tau=r["tau"], max_new_tokens=8, mode="ar" if r["tau"] >= 1 else "mars")
+        answers = [res.text for res in generate(tiny_lm, [e["messages"][0]["content"] for e in examples], cfg)]
+        right = [check_answer(e, a) for e, a in zip(examples, answers)]   # the row's accuracy, scored again
+        assert r["accuracy"] == pytest.approx(sum(right) / len(right))
         assert set(r["per_family"]) == set(FAMILIES)
         assert 1.0 <= r["tokens_per_forward"] <= 4.0
         assert r["speedup"] > 0 and r["ar_time_s"] > 0 and r["mars_time_s"] > 0
