@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 import math
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -315,3 +316,14 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
         if given is not None:
             values[f.name] = given
     return TrainConfig.from_dict(values, where=args.config or "config")
+
+
+def run_main(main) -> None:
+    """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
+    without a traceback; otherwise exit with main()'s return code."""
+    try:
+        code = main()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)

@@ -211,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as exc:  # boundary errors: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from finetune.config import run_main
+
+    run_main(main)

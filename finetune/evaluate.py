@@ -668,8 +668,6 @@ def _main_natural(args, log) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as exc:  # boundary errors: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from finetune.config import run_main
+
+    run_main(main)

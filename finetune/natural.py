@@ -552,8 +552,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as exc:
-        print(f"error: {exc}", file=__import__("sys").stderr)
-        raise SystemExit(2)
+    from finetune.config import run_main
+
+    run_main(main)

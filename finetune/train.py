@@ -628,8 +628,6 @@ def start_run_dir(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as exc:  # boundary errors: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    from finetune.config import run_main
+
+    run_main(main)
