@@ -106,6 +106,7 @@ def choose_cpu_dtype(model, where: str) -> torch.dtype:
         choice = "bfloat16" if ms[("bfloat16", MARS_ROWS)] < ms[("float32", MARS_ROWS)] else "float32"
     else:
         choice = "bfloat16" if bf16 < fp32 else "float32"
+    known = {k: v for k, v in known.items() if Path(k.split("|", 1)[0]).exists()}   # forget deleted models
     known[key] = {"dtype": choice, **{f"{n}_ms_{r}_rows": round(v, 3) for (n, r), v in ms.items()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

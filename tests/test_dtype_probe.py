@@ -92,3 +92,20 @@ def test_cli_generate_warns_on_stderr_when_forwards_run_far_slower_than_the_prob
     assert main(["generate", "--model", "tiny-mars", "--dtype", "float32", "--device", "cpu", "--threads", "1",
                  "--max-new-tokens", "8", "--prompt", "What is 2 + 3?"]) == 0
     assert "other processes are using the cores" in capsys.readouterr().err
+
+
+def test_the_probe_cache_forgets_models_whose_folder_is_gone(probe, monkeypatch, tmp_path):
+    cache, calls, fake = probe
+    timings = {("float32", 1): 60.0, ("float32", 7): 120.0, ("bfloat16", 1): 50.0, ("bfloat16", 7): 55.0}
+    monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
+    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
+    gone, kept, new = (tmp_path / name for name in ("gone", "kept", "new"))
+    for folder in (gone, kept, new):
+        folder.mkdir()
+    model = torch.nn.Linear(4, 4)
+    dtype_probe.choose_cpu_dtype(model, str(gone))
+    dtype_probe.choose_cpu_dtype(model, str(kept))
+    gone.rmdir()                                     # e.g. a test's temporary checkpoint, deleted
+    dtype_probe.choose_cpu_dtype(model, str(new))
+    folders = {k.split("|", 1)[0] for k in json.loads((cache / "dtype-probe.json").read_text())}
+    assert folders == {str(kept.resolve()), str(new.resolve())}
