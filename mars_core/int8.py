@@ -33,10 +33,6 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale.to(dtype))
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scale.dtype
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scale.dtype), self.qweight, self.scale)
@@ -47,7 +43,8 @@ class Int8Linear(torch.nn.Module):
 def quantize_int8(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Replace every linear layer (the tied LM head included) by an `Int8Linear`, in place.
 
-    `model` must already be in `dtype` (the activation dtype) on a CPU. Only for inference.
+    `dtype` is the activation dtype; the rest of the model should be cast to it afterwards. Quantizing from
+    fp32 weights avoids rounding twice. Only for inference, on a CPU.
     """
     if not int8_supported():
         raise ValueError(f"dtype='int8' needs torch's CPU int8 matmul, which torch {torch.__version__} lacks: "

@@ -623,12 +623,14 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     where = _checkpoint_dir(kind, where, name_or_path)
     config = _stock_config(where)
     tokenizer = _load_tokenizer(where)
-    model = _load_weights(where, config, torch_dtype, attn_implementation="sdpa")
+    int8 = dtype == "int8"   # weights rounded once, from fp32, then the rest cast to the activation dtype
+    model = _load_weights(where, config, torch.float32 if int8 else torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
-    if dtype == "int8":   # replaces the linear layers, so the row-major layout does not apply
+    if int8:   # replaces the linear layers, so the row-major layout does not apply
         from mars_core.int8 import quantize_int8
 
         quantize_int8(model, torch_dtype)
+        model.to(torch_dtype)
     elif dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
     if dev.type == "cpu" and dtype == "auto":
