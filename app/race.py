@@ -392,8 +392,10 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     cmp = compare(side.token_strings, ar.token_strings) if done else None
     word = "speedup" if cmp is None or cmp.identical else "time ratio"
     if m is not None:
-        value = (f'<b id="{vid}" data-median="{m.median:.4f}" data-min="{m.low:.4f}" data-max="{m.high:.4f}" '
-                 f'data-bound="{m.bound:.4f}" data-repeats="{m.repeats}">{m.median:.2f}×</b>')
+        # full precision in the data attributes, so whoever reads them rounds exactly as the text does
+        value = (f'<b id="{vid}" data-median="{float(m.median)!r}" data-min="{float(m.low)!r}" '
+                 f'data-max="{float(m.high)!r}" data-bound="{float(m.bound)!r}" data-repeats="{m.repeats}">'
+                 f'{m.median:.2f}×</b>')
         how = (f"measured: median of {m.repeats} alternating runs after the race, "
                f"min {m.low:.2f}× – max {m.high:.2f}× ({_esc(m.clock)})")
         bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "

@@ -320,10 +320,10 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 def run_main(main) -> None:
     """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
-    without a traceback; otherwise exit with main()'s return code."""
+    without a traceback; otherwise exit with main()'s return code when it returns one (an int), else 0."""
     try:
         code = main()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)

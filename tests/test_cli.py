@@ -146,3 +146,23 @@ def test_row_costs_times_each_count_on_the_same_prompt_cache_and_rejects_bad_cou
         row_costs(lm, "hi", rounds=0)
     with pytest.raises(ValueError, match="exceeds the context"):
         row_costs(lm, [5] * lm.context_length, max_rows=2)
+
+
+@pytest.mark.parametrize("result, code", [(None, 0), ([{"rows": 1}], 0), (0, 0), (3, 3)])
+def test_finetune_commands_exit_with_mains_int_code_else_0(result, code):
+    from finetune.config import run_main
+
+    with pytest.raises(SystemExit) as done:
+        run_main(lambda: result)
+    assert done.value.code == code
+
+
+def test_finetune_commands_turn_bad_input_into_one_line_and_exit_2(capsys):
+    from finetune.config import run_main
+
+    def main():
+        raise ValueError("--n -3 must be >= 1")
+
+    with pytest.raises(SystemExit) as done:
+        run_main(main)
+    assert done.value.code == 2 and capsys.readouterr().err == "error: --n -3 must be >= 1\n"
