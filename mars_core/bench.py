@@ -230,10 +230,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
             t0 = _NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
             ref_time = _NOW[clock]() - t0
-        row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock)
-        if other_ar is not None:
-            _add_other_ar(row, med, runs, weight_format(other_ar))
-        rows.append(row)
+        other = None if other_ar is None else f"ours, {weight_format(other_ar)}"
+        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other))
     return rows
 
 
@@ -246,23 +244,13 @@ def weight_format(lm) -> str:
     return str(lm.model.dtype).replace("torch.", "")
 
 
-def _add_other_ar(row: BenchRow, med: dict, runs: dict, label: str) -> None:
-    """Our AR in another weight format joins the fastest-AR choice; every speedup then divides the fastest."""
-    ar_tokens = [r.token_ids for r in runs["ar"][1]]
-    row.other_ar_label, row.other_ar_time = f"ours, {label}", med["other_ar"]
-    row.other_ar_agreement = statistics.mean(r.token_ids == a for r, a in zip(runs["other_ar"][1], ar_tokens))
-    if med["other_ar"] < min(t for side, t in med.items() if side in ("ar", "transformers")):
-        row.fastest_ar = row.other_ar_label
-        row.mars_speedup = med["other_ar"] / med["mars"]
-        if row.verify_time is not None:
-            row.verify_speedup = med["other_ar"] / row.verify_time
-
-
-def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock) -> BenchRow:
+def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other=None) -> BenchRow:
+    """One batch size's row; `other` labels our AR in another weight format (side "other_ar"), if it ran."""
     (ar_fwd, ar_res), (mars_fwd, mars_res) = runs["ar"], runs["mars"]
     ar_tokens = [r.token_ids for r in ar_res]
-    fastest = "transformers" if "transformers" in med and med["transformers"] < med["ar"] else "ours"
-    base = med["transformers"] if fastest == "transformers" else med["ar"]
+    baselines = {"ours": med["ar"], "transformers": med.get("transformers"), other: med.get("other_ar")}
+    fastest = min((name for name, t in baselines.items() if t is not None), key=baselines.get)
+    base = baselines[fastest]
     ar_ms, mars_ms = 1000 * med["ar"] / ar_fwd, 1000 * med["mars"] / mars_fwd
     overhead = {side: decoder_overhead(lm, batches, cfgs[side], clock) for side in cfgs
                 if side not in ("transformers", "other_ar")}
@@ -283,6 +271,9 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
     )
     if "transformers" in med:
         row.hf_time, row.hf_equals_ar = med["transformers"], runs["transformers"][1] == ar_tokens
+    if other is not None:
+        row.other_ar_label, row.other_ar_time = other, med["other_ar"]
+        row.other_ar_agreement = statistics.mean(r.token_ids == a for r, a in zip(runs["other_ar"][1], ar_tokens))
     if "verify" in med:
         v_res = runs["verify"][1]
         row.verify_time, row.verify_speedup = med["verify"], base / med["verify"]
@@ -299,11 +290,11 @@ def format_table(rows: list[BenchRow]) -> str:
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        spread = lambda side: _spread(r, side)
         lines.append(" | ".join([
-            str(r.batch_size), opt(r.hf_time, ".2f") + spread("transformers"), f"{r.ar_time:.2f}" + spread("ar"),
-            f"{r.mars_time:.2f}" + spread("mars"), f"{r.tokens_per_forward:.2f}", f"{r.mars_speedup:.2f}",
-            f"{r.mars_agreement:.0%}", opt(r.verify_time, ".2f") + spread("verify"),
+            str(r.batch_size), opt(r.hf_time, ".2f") + _spread(r, "transformers"),
+            f"{r.ar_time:.2f}" + _spread(r, "ar"),
+            f"{r.mars_time:.2f}" + _spread(r, "mars"), f"{r.tokens_per_forward:.2f}", f"{r.mars_speedup:.2f}",
+            f"{r.mars_agreement:.0%}", opt(r.verify_time, ".2f") + _spread(r, "verify"),
             opt(r.verify_tokens_per_forward, ".2f"), opt(r.verify_speedup, ".2f"),
             f"{r.ar_forward_ms:.1f}", f"{r.mars_forward_ms:.1f}", f"{r.forward_cost:.2f}",
             f"{r.overhead_ms.get('mars', 0):.2f} ms ({r.overhead_share.get('mars', 0):.0%})",

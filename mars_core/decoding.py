@@ -461,7 +461,8 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     cfg.validate()
     prompt_ids = _prompt_ids(lm, prompts)
     device, n_masks_max = lm.device, cfg.candidates - 1
-    eos_ids = torch.tensor(lm.eos_ids, device=device)
+    eos_ids = torch.tensor(lm.eos_ids, device=device)   # on the device for MARS's acceptance, as a set for verify
+    eos_set = set(lm.eos_ids)
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=device)
@@ -485,7 +486,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
         _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, set(lm.eos_ids))
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, eos_set)
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
         batch.rollback(n_masks, [s.n_rejected for s in settled], valid[:, :width])
