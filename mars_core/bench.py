@@ -153,7 +153,7 @@ def hf_generate(lm, batch: list[list[int]], max_new_tokens: int) -> list[list[in
 def decoder_overhead(lm, batches, cfg, clock: str = "wall") -> tuple[float, float]:
     """One extra, instrumented run: ms per forward spent outside the model's forward, and its share of a step."""
     spent = [0.0]
-    forward, now = lm.model.forward, _NOW[clock]
+    forward, now = lm.net.forward, _NOW[clock]
 
     def timed(*args, **kwargs):
         _sync(lm.device)
@@ -163,11 +163,11 @@ def decoder_overhead(lm, batches, cfg, clock: str = "wall") -> tuple[float, floa
         spent[0] += now() - t0
         return out
 
-    lm.model.forward = timed
+    lm.net.forward = timed
     try:
         total, forwards, _ = _timed_run(lm, batches, cfg, clock)
     finally:
-        del lm.model.forward          # back to the class's own forward
+        del lm.net.forward            # back to the class's own forward
     outside = max(0.0, total - spent[0])
     return 1000 * outside / forwards, outside / total
 
@@ -236,12 +236,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
 
 
 def weight_format(lm) -> str:
-    """"int8" for int8 weights, else the parameters' dtype: what tells two loads of one model apart."""
-    from mars_core.int8 import Int8Linear
-
-    if any(isinstance(m, Int8Linear) for m in lm.model.modules()):
-        return "int8"
-    return str(lm.model.dtype).replace("torch.", "")
+    """What tells two loads of one model apart: "w8a8", "int8" or the float dtype, and the backend."""
+    return f"{lm.weight_format}, {lm.backend}"
 
 
 def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other=None) -> BenchRow:
@@ -336,7 +332,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
     sees the same cache length. The r values take turns, in a shuffled order each round, so drift on a
     shared machine hits all of them alike. Only the model forward is timed (no acceptance logic).
     """
-    from transformers import DynamicCache
+    from mars_core.decoding import new_cache
 
     if not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows={max_rows!r} must be an integer >= 1 (MARS with B = 4 feeds up to 7)")
@@ -345,9 +341,9 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
     ids = lm.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if len(ids) + max_rows > lm.context_length:
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
-    model, device = lm.model, lm.device
+    model, device = lm.net, lm.device
     now = _NOW[pick_clock("auto", device)]   # one CPU thread: its CPU time, immune to other processes
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(lm)
     model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     past = len(ids)
     kv_valid = torch.ones(1, past, dtype=torch.bool, device=device)

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import torch
 
 from mars_core.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
-                             rows_as_dicts, weight_format)
+                             rows_as_dicts)
 from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
@@ -32,7 +32,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16, or int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy, often the fastest one-token step on a CPU)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), or w8a8 (CPU only: int8 weights and per-row int8 activations through fbgemm; lossy, the fastest format on an AVX512-VNNI CPU)")
+    p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
+                   help="what the decoder runs: lean (mars_core/lean.py, the Llama family: fewer ops per layer, its "
+                        "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads: auto (1 on <= 2 cores, else the idle cores) or a number")
@@ -70,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time our AR on the same model loaded in this dtype (e.g. int8), and count it as an AR "
                         "baseline: every speedup then divides the fastest AR in either format (answers may differ; "
                         "the table says how often they agree)")
+    b.add_argument("--ar-backend", choices=("auto", "hf", "lean"), default=None,
+                   help="also time our AR through this backend (with --ar-dtype's format, else --dtype's), counted as "
+                        "an AR baseline like --ar-dtype")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -116,7 +122,7 @@ def cmd_generate(args) -> int:
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
                        max_accept=args.max_accept, stop_strings=tuple(args.stop))
     set_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     _check_block_size(lm, args.block_size)
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
     events = []
@@ -149,16 +155,20 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch-sizes {too_big[0]} is larger than the {len(prompts)} prompts benchmarked, so no "
                          f"batch of {too_big[0]} would run: use batch sizes <= {len(prompts)}, or more prompts "
                          "(--prompts FILE, --n-prompts N)")
-    if args.ar_dtype is not None:
+    if args.ar_dtype is not None or args.ar_backend is not None:
         if args.row_costs:
-            raise ValueError("--ar-dtype adds an AR baseline to the timed race; --row-costs times no race: drop one")
-        pick_dtype(args.ar_dtype, pick_device(args.device))
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout)
+            raise ValueError("--ar-dtype/--ar-backend add an AR baseline to the timed race; --row-costs times no "
+                             "race: drop one")
+        pick_dtype(args.ar_dtype or args.dtype, pick_device(args.device))
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_layout=not args.stock_layout,
+                    backend=args.backend)
     _check_block_size(lm, args.block_size)
     if args.row_costs:
         return _bench_row_costs(lm, prompts[0], args)
-    other_ar = None if args.ar_dtype is None else load_model(args.model, device=args.device, dtype=args.ar_dtype,
-                                                              cpu_layout=not args.stock_layout)
+    other_ar = None
+    if args.ar_dtype is not None or args.ar_backend is not None:
+        other_ar = load_model(args.model, device=args.device, dtype=args.ar_dtype or args.dtype,
+                              cpu_layout=not args.stock_layout, backend=args.ar_backend or args.backend)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
@@ -175,14 +185,17 @@ def cmd_bench(args) -> int:
 
 def _model_meta(lm) -> dict:
     """What a timing depends on: model, device, weight dtype and layout, threads."""
-    act = str(lm.model.dtype).replace("torch.", "")
-    if weight_format(lm) == "int8":
-        dtype, layout = f"int8 (activations {act})", "int8"
+    act = str(getattr(lm.net, "dtype", None) or lm.model.dtype).replace("torch.", "")
+    fmt = lm.weight_format
+    if fmt in ("int8", "w8a8"):
+        dtype, layout = f"{fmt} (activations {act})", fmt
+    elif lm.backend == "lean":
+        dtype, layout = act, "lean (fused)"
     else:
         row_major = any(isinstance(m, RowMajorLinear) for m in lm.model.modules())
         dtype, layout = act, "row-major" if row_major else "stock"
-    return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "threads": torch.get_num_threads(),
-            "layout": layout}
+    return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "backend": lm.backend,
+            "threads": torch.get_num_threads(), "layout": layout}
 
 
 def check_bench_args(args) -> None:

@@ -286,6 +286,18 @@ def _prompt_ids(lm, prompts) -> list[list[int]]:
     return out
 
 
+def net(lm):
+    """What the decoder runs: `lm.net` (a LoadedModel's backend: the lean forward or the transformers model), or
+    `lm.model` for a model view that has no backend of its own."""
+    return getattr(lm, "net", None) or lm.model
+
+
+def new_cache(lm):
+    """An empty KV cache for what the decoder runs: the lean forward's own, else transformers' DynamicCache."""
+    make = getattr(net(lm), "new_cache", None)
+    return make() if make is not None else DynamicCache(config=lm.model.config)
+
+
 def _vocab_size(lm) -> int:
     return lm.model.get_input_embeddings().weight.shape[0]
 
@@ -471,8 +483,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     budget = [min(cfg.max_new_tokens, lm.context_length - len(p) - 1) for p in prompt_ids]
     if min(budget) < 1:
         raise ValueError(f"a prompt leaves no room in the context of {lm.context_length} tokens: shorten it")
-    batch = _Batch([_Row(i, budget[i], list(p)) for i, p in enumerate(prompt_ids)],
-                   DynamicCache(config=lm.model.config), device)
+    batch = _Batch([_Row(i, budget[i], list(p)) for i, p in enumerate(prompt_ids)], new_cache(lm), device)
     start, step = time.perf_counter(), 0
     while batch.rows:
         t0 = time.perf_counter()
@@ -481,7 +492,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id)
         keep = torch.arange(width - 1 - n_verify, width + n_masks, device=device)   # q_0 (and drafts), masks
-        out = lm.model(input_ids=ids, attention_mask=batch.attention(valid, width), position_ids=pos,
+        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep)
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
         _check_finite(logits, lm, step)
@@ -603,7 +614,7 @@ def _reference_mars_step(lm, cfg, seq, drafts, left, generator):
     used = masks_this_step(tau, k - 1, lm.context_length - len(seq)) + 1     # candidates q_0 .. q_{used-1}
     # the spec's B masks when they fit (the last one's output is never read), else as many as fit
     masks = [lm.mask_id] * (min(used, lm.context_length - len(seq)) if used > 1 else 0)
-    logits = lm.model(input_ids=torch.tensor([seq + masks], device=lm.device)).logits   # [1, T, V]
+    logits = net(lm)(input_ids=torch.tensor([seq + masks], device=lm.device)).logits   # [1, T, V]
     rows = never_propose_mask(logits[:, len(seq) - 1: len(seq) - 1 + used], lm.mask_id)
     tokens, conf = propose(rows, cfg.criterion, cfg.temperature, cfg.top_p, generator)
     limit = torch.tensor([min(left, cfg.max_accept or k, used)], device=lm.device)
@@ -614,7 +625,7 @@ def _reference_mars_step(lm, cfg, seq, drafts, left, generator):
 def _reference_verify_step(lm, cfg, seq, drafts, left, generator):
     """Feed [committed | drafts | masks]; AR's greedy tokens check the drafts; new drafts only after a full match."""
     n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
-    logits = lm.model(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
+    logits = net(lm)(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
     ar = logits[len(seq) - 1: len(seq) + len(drafts)].argmax(dim=-1).tolist()
     ok = confirm(drafts, ar)
     commit = clip_commit(ar[: ok + 1], left, lm.eos_ids)

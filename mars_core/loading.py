@@ -83,6 +83,31 @@ class LoadedModel:
     device: torch.device
     mask_source: str = "tokenizer"  # how mask_id was found: tokenizer | spare-row | reused:<token>
     context_length: int = field(default=0)
+    # What the decoder runs: `model` itself (backend "hf") or a mars_core.lean.LeanLM built from it ("lean").
+    # `model` stays the transformers model for generate(), training and export.
+    net: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.net is None:
+            self.net = self.model
+
+    @property
+    def backend(self) -> str:
+        return "hf" if self.net is self.model else "lean"
+
+    @property
+    def weight_format(self) -> str:
+        """"w8a8", "int8", or the float dtype the decoder computes in: what tells two loads of one model apart."""
+        fmt = getattr(self.net, "format", None)
+        if fmt in ("int8", "w8a8"):
+            return fmt
+        from mars_core.int8 import Int8Linear
+        from mars_core.w8a8 import W8A8Linear
+
+        for m in self.model.modules():
+            if isinstance(m, (Int8Linear, W8A8Linear)):
+                return "int8" if isinstance(m, Int8Linear) else "w8a8"
+        return str(getattr(self.net, "dtype", None) or self.model.dtype).replace("torch.", "")
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for one user prompt, through the chat template unless `chat=False`."""
@@ -271,10 +296,15 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of activations (and of weights, except for "int8", whose weights are int8)."""
     if dtype == "auto":   # on a CPU, load_model then measures whether bf16 decodes faster (dtype_probe)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype == "int8":
+    if dtype in ("int8", "w8a8"):
         if device.type != "cpu":
-            raise ValueError(f"dtype='int8' is a CPU weight format, not one for device {device.type!r}: "
+            raise ValueError(f"dtype={dtype!r} is a CPU weight format, not one for device {device.type!r}: "
                              "use bfloat16 there, or --device cpu")
+        if dtype == "w8a8":
+            from mars_core.w8a8 import check_w8a8
+
+            check_w8a8()
+            return torch.float32
         from mars_core.dtype_probe import cpu_has_native_bf16
 
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -285,7 +315,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"dtype={dtype!r} is unknown: use auto, float32, bfloat16, float16 or int8 (CPU)")
+        raise ValueError(f"dtype={dtype!r} is unknown: use auto, float32, bfloat16, float16, int8 or w8a8 (CPU)")
     return table[dtype]
 
 
@@ -600,16 +630,38 @@ def is_prepared(name_or_path: str | None = None) -> bool:
         return False
 
 
+BACKENDS = ("auto", "hf", "lean")
+
+
+def pick_backend(backend: str, model, device: torch.device) -> str:
+    """"lean" or "hf". auto: the lean forward on a CPU wherever it supports the architecture."""
+    from mars_core.lean import unsupported
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
+    reason = unsupported(model)
+    if backend == "lean" and reason is not None:
+        raise ValueError(f"backend='lean' cannot run this model: {reason}; use backend='hf' (or auto)")
+    if backend == "auto":
+        return "lean" if device.type == "cpu" and reason is None else "hf"
+    return backend
+
+
 def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: str = "auto",
-               mask_token: str | None = None, cpu_layout: bool = True) -> LoadedModel:
+               mask_token: str | None = None, cpu_layout: bool = True, backend: str = "auto") -> LoadedModel:
     """Load a model for decoding. `None` loads the embedded default (tiny-mars).
 
     An adapter (smollm2-mars, or a folder with adapter_config.json) is merged into its base once and the
     merged folder loaded; its mask token is the one it was trained with.
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
     `cpu_layout=False` keeps the stock modules. `dtype="int8"` (CPU only) stores the linear weights as int8
-    with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.int8`).
+    with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.int8`);
+    `dtype="w8a8"` (CPU only) also quantizes the activations, per row (`mars_core.w8a8`).
+    `backend`: what the decoder runs (`LoadedModel.net`): "lean" (mars_core.lean, Llama-family only), "hf" (the
+    transformers model) or "auto" (lean on a CPU where the architecture allows, else hf).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
     name_or_path = _model_name(name_or_path)   # a Path works as its text
     kind, where = resolve_source(name_or_path)
     adapter_cfg = read_adapter_config(where) if kind == "adapter" else None
@@ -623,20 +675,26 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     where = _checkpoint_dir(kind, where, name_or_path)
     config = _stock_config(where)
     tokenizer = _load_tokenizer(where)
-    int8 = dtype == "int8"   # weights rounded once, from fp32, then the rest cast to the activation dtype
-    model = _load_weights(where, config, torch.float32 if int8 else torch_dtype, attn_implementation="sdpa")
+    quantized = dtype in ("int8", "w8a8")   # weights rounded once, from fp32
+    model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
-    if int8:   # replaces the linear layers, so the row-major layout does not apply
+    if dev.type == "cpu" and dtype == "auto":
+        from mars_core.dtype_probe import choose_cpu_dtype   # fp32 or bf16, whichever decodes faster here
+
+        torch_dtype = choose_cpu_dtype(model, str(where))
+        model.to(torch_dtype)
+    net = _lean_net(model, dtype, torch_dtype) if pick_backend(backend, model, dev) == "lean" else None
+    if dtype == "int8":   # the transformers model in the same format, for generate() and backend="hf"
         from mars_core.int8 import quantize_int8
 
         quantize_int8(model, torch_dtype)
         model.to(torch_dtype)
+    elif dtype == "w8a8":
+        from mars_core.w8a8 import quantize_w8a8
+
+        quantize_w8a8(model)
     elif dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
-    if dev.type == "cpu" and dtype == "auto":
-        from mars_core.dtype_probe import choose_cpu_dtype   # fp32 or bf16, whichever decodes faster here
-
-        model.to(choose_cpu_dtype(model, str(where)))
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
     if adapter_cfg is not None and mask_id != adapter_cfg["mask_id"]:
         raise ValueError(f"{name_or_path!r}: {mask_token!r} is id {mask_id} in the base tokenizer but the adapter "
@@ -644,15 +702,25 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
-        context_length=getattr(config, "max_position_embeddings", 2048),
+        context_length=getattr(config, "max_position_embeddings", 2048), net=net,
     )
 
 
-def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None) -> LoadedModel:
-    """A LoadedModel around objects already in memory (tests, training evaluation)."""
+def _lean_net(model, dtype: str, torch_dtype: torch.dtype):
+    from mars_core.lean import LeanLM
+
+    return LeanLM(model, dtype if dtype in ("int8", "w8a8") else "float", torch_dtype)
+
+
+def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None,
+               backend: str = "hf") -> LoadedModel:
+    """A LoadedModel around objects already in memory (tests, training evaluation); `backend="lean"` decodes
+    through a LeanLM built from `model` in its own dtype."""
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
+    device = next(model.parameters()).device
+    net = _lean_net(model, "float", model.dtype) if pick_backend(backend, model, device) == "lean" else None
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
-        path="", name=name, device=next(model.parameters()).device, mask_source=source,
-        context_length=getattr(model.config, "max_position_embeddings", 2048),
+        path="", name=name, device=device, mask_source=source,
+        context_length=getattr(model.config, "max_position_embeddings", 2048), net=net,
     )

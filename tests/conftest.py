@@ -16,10 +16,14 @@ def tokenizer():
     return make_tokenizer()
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session", params=[("llama", "hf"), ("llama", "lean"), ("qwen2", "hf"), ("qwen2", "lean")],
+                ids=lambda p: "-".join(p))
 def tiny_lm(request, tokenizer):
-    model = make_model(request.param, len(tokenizer))
-    return wrap_model(model, tokenizer, name=f"tiny-{request.param}")
+    """Each architecture through both backends the decoder can run (fp32): the transformers model itself, and
+    mars_core.lean's forward built from it; every equivalence test that takes tiny_lm holds on both."""
+    arch, backend = request.param
+    model = make_model(arch, len(tokenizer))
+    return wrap_model(model, tokenizer, name=f"tiny-{arch}", backend=backend)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,263 @@
+"""A lean decoding forward for the Llama family (Llama, Qwen2, SmolLM2): what the decoder runs on a CPU.
+
+A transformers decoder layer is ~40 small ops plus cache bookkeeping and mask building, which on one CPU thread
+cost more than the matrix products of a 135M model (docs/experiments.md, "lean forward"). `LeanLM` does the same
+arithmetic with fewer ops, in the manner of gpt-fast's `model.py`:
+
+  * q, k, v are one product, gate and up another (the weights concatenated once at load);
+  * RoPE is one complex multiply by a precomputed table: the q and k weight rows of every head are permuted once
+    from transformers' half-split layout to an interleaved one, which leaves q . k unchanged;
+  * the KV cache is two preallocated tensors and a length (`LeanCache`), with exactly what the decoder asks of a
+    cache: append a chunk, crop, keep some batch rows; holes are columns the caller's mask hides;
+  * attention is torch's SDPA with the decoder's own 4D mask, and the LM head runs only on the kept positions.
+
+It takes its weights from a loaded transformers model (which stays usable beside it) and answers the call the
+decoder makes of `lm.net`: `net(input_ids=, attention_mask=, position_ids=, cache=, logits_to_keep=)` with
+`.logits`, plus `new_cache()`. The weight formats are `mars_core.int8` (int8 weights, bf16 activations),
+`mars_core.w8a8` (int8 weights and activations) and plain float. Inference only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("llama", "qwen2")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
+FORMATS = ("float", "int8", "w8a8")
+GROW = 256   # cache columns added at a time
+
+
+def unsupported(model) -> str | None:
+    """Why the lean forward cannot run this model, or None if it can."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return f"its architecture {kind!r} is not one of {', '.join(ARCHITECTURES)}"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"its RoPE type {rope!r} changes with the sequence length"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"its activation {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "use_sliding_window", False):
+        return "it uses sliding-window attention"
+    if not all(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.is_floating_point()
+               for m in _linears(model)):
+        return "its linear layers are already quantized (build the lean forward before quantizing)"
+    return None
+
+
+def _linears(model):
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+
+
+class FloatLinear(torch.nn.Module):
+    """x @ W^T in the weights' float dtype. fp32 keeps W^T row-major, which MKL multiplies faster for few rows;
+    bf16 keeps W as it is (F.linear), which measured faster there (mars_core.cpu_layout explains the layout)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.transposed = dtype == torch.float32
+        w = weight.detach().to(dtype)
+        self.register_buffer("w", (w.t() if self.transposed else w).contiguous())
+        self.register_buffer("b", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transposed:
+            return x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
+        return F.linear(x, self.w, self.b)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> torch.nn.Module:
+    """One weight matrix (out, in) in the chosen format; `dtype` is the activations' dtype."""
+    if fmt == "float":
+        return FloatLinear(weight, bias, dtype)
+    if fmt == "int8":
+        from mars_core.int8 import Int8Linear
+
+        return Int8Linear(weight, bias, dtype)
+    if fmt == "w8a8":
+        from mars_core.w8a8 import W8A8Linear
+
+        return W8A8Linear(weight, bias)
+    raise ValueError(f"weight format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
+
+
+def _interleave_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head reordered from (x_0..x_{d/2-1}, y_0..y_{d/2-1}) to (x_0, y_0, x_1, y_1, ...)."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    heads = w.reshape(-1, head_dim, *w.shape[1:])
+    return heads[:, order].reshape(w.shape)
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor
+
+
+class LeanCache:
+    """Keys and values of every layer, [layers, batch, kv_heads, capacity, head_dim], and how many columns are
+    filled. Columns are appended in place and dropped by moving `length`; the tensors grow by GROW columns."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, limit: int):
+        self.shape, self.dtype, self.device, self.limit = (layers, kv_heads, head_dim), dtype, device, limit
+        self.k = self.v = None
+        self.length = 0
+
+    def reserve(self, batch: int, columns: int) -> None:
+        """Room for `columns` more columns at this batch size."""
+        need = self.length + columns
+        if self.k is not None and self.k.shape[3] >= need:
+            return
+        layers, heads, dim = self.shape
+        cap = min(max(need, self.limit), need + GROW) if self.k is None else need + GROW
+        k = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        if self.k is not None:
+            k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+            v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+        self.k, self.v = k, v
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        """As transformers' Cache.crop: n < 0 drops the last -n columns, n >= 0 keeps the first n."""
+        self.length = max(0, self.length + n if n < 0 else min(n, self.length))
+
+    def batch_select_indices(self, index: torch.Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, index], self.v[:, index]
+
+
+class LeanLM(torch.nn.Module):
+    """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
+
+    def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward cannot run {type(model).__name__}: {reason}; use backend='hf'")
+        cfg = model.config
+        self.config, self.format, self.dtype = cfg, fmt, torch.float32 if fmt == "w8a8" else dtype
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps, self.context = cfg.rms_norm_eps, cfg.max_position_embeddings
+        self.scale = self.head_dim ** -0.5
+        self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
+        self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype) for layer in model.model.layers)
+        self.norm = model.model.norm.weight.detach().to(self.dtype)
+        self.head = make_linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), fmt, dtype)
+        rotary = model.model.rotary_emb
+        angles = torch.outer(torch.arange(self.context, dtype=torch.float32), rotary.inv_freq.float().cpu())
+        table = torch.polar(torch.full_like(angles, float(rotary.attention_scaling)), angles)
+        self.register_buffer("rope", table.to(self.embed.device), persistent=False)
+        # q's rows also carry the attention scale 1/sqrt(d), so the scores need no extra multiply
+        scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
+        self.register_buffer("rope_scale", scale[:, None], persistent=False)
+        # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
+        # number of positions fed; float64 scores and sums make those last-bit differences vanish in fp32
+        self.attention_dtype = torch.float64 if fmt == "w8a8" else torch.float32
+
+    def _layer(self, layer, fmt, dtype) -> torch.nn.Module:
+        a, m, d = layer.self_attn, layer.mlp, self.head_dim
+        bias = lambda lin: None if getattr(lin, "bias", None) is None else lin.bias.detach().float()
+        qkv_w = torch.cat([_interleave_rows(a.q_proj.weight.detach().float(), d),
+                           _interleave_rows(a.k_proj.weight.detach().float(), d), a.v_proj.weight.detach().float()])
+        qkv_b = None
+        if bias(a.q_proj) is not None:
+            qkv_b = torch.cat([_interleave_rows(bias(a.q_proj), d), _interleave_rows(bias(a.k_proj), d), bias(a.v_proj)])
+        gate_up_b = None
+        if bias(m.gate_proj) is not None:
+            gate_up_b = torch.cat([bias(m.gate_proj), bias(m.up_proj)])
+        out = torch.nn.Module()
+        out.qkv = make_linear(qkv_w, qkv_b, fmt, dtype)
+        out.o = make_linear(a.o_proj.weight, a.o_proj.bias, fmt, dtype)
+        out.gate_up = make_linear(torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()]), gate_up_b, fmt, dtype)
+        out.down = make_linear(m.down_proj.weight, m.down_proj.bias, fmt, dtype)
+        out.register_buffer("norm_in", layer.input_layernorm.weight.detach().to(self.dtype))
+        out.register_buffer("norm_post", layer.post_attention_layernorm.weight.detach().to(self.dtype))
+        return out
+
+    def get_input_embeddings(self):
+        return torch.nn.Embedding.from_pretrained(self.embed)
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.embed.device,
+                         self.context)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: LeanCache | None = None, use_cache: bool = True,
+                logits_to_keep: int | torch.Tensor = 0, **unused) -> LeanOutput:
+        """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look."""
+        b, length = input_ids.shape
+        cache = cache if cache is not None else self.new_cache()
+        past = cache.length
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=input_ids.device).expand(b, length)
+        hidden = self._mask_fill(attention_mask, b, length, past, input_ids.device)
+        rope = self.rope[position_ids.reshape(-1)][:, None] * self.rope_scale        # [b*L, heads + kv, d/2]
+        cache.reserve(b, length)
+        x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
+        for i, layer in enumerate(self.layers):
+            x = self._block(i, layer, x, b, length, past, rope, cache, hidden)
+        cache.length = past + length
+        x = x.view(b, length, -1)
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[:, logits_to_keep]
+        elif logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        h = _rms_norm(x, self.norm, self.eps)
+        return LeanOutput(self.head(h.reshape(-1, h.shape[-1])).view(b, h.shape[1], -1))
+
+    def _mask_fill(self, mask, b, length, past, device):
+        """Where the scores must be -inf, [b, 1, L * group, past + L] (rows in the grouped-query order), or None
+        when every query may see every key (one position after a cache without holes)."""
+        if mask is None:
+            if length == 1:
+                return None
+            mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None, None]
+        group = self.heads // self.kv_heads
+        return (~mask).expand(b, 1, length, past + length).repeat_interleave(group, dim=2)
+
+    def _block(self, i, layer, x, b, length, past, rope, cache, hidden):
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        h = _rms_norm(x, layer.norm_in, self.eps)
+        qkv = layer.qkv(h)
+        qk = qkv[:, : (heads + kv) * d]
+        if qk.dtype != torch.float32:   # complex RoPE needs fp32; bf16 formats round back
+            qk = qk.float()
+        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b * length, heads + kv, d // 2, 2)) * rope)
+        qk = qk.reshape(b, length, heads + kv, d)
+        end = past + length
+        cache.k[i, :, :, past:end] = qk[:, :, heads:].transpose(1, 2)
+        cache.v[i, :, :, past:end] = qkv[:, (heads + kv) * d:].reshape(b, length, kv, d).transpose(1, 2)
+        att = self._attend(qk[:, :, :heads], cache.k[i, :, :, :end], cache.v[i, :, :, :end], hidden)
+        x = x + layer.o(att.to(x.dtype))
+        h = _rms_norm(x, layer.norm_post, self.eps)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
+
+    def _attend(self, q, k, v, hidden):
+        """Grouped-query attention of q [b, L, heads, d] (already scaled) over the cache's k, v [b, kv, T, d], in
+        the cache's dtype; the query rows of one KV head are batched as [L * group] rows of one product."""
+        b, length, heads, d = q.shape
+        kv = self.kv_heads
+        q = q.to(k.dtype).reshape(b, length, kv, heads // kv, d).transpose(1, 2).reshape(b, kv, -1, d)
+        scores = q @ k.transpose(-1, -2)                                              # [b, kv, L*group, T]
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v                                       # [b, kv, L*group, d]
+        return out.view(b, kv, length, heads // kv, d).transpose(1, 2).reshape(b * length, heads * d)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (statistics in fp32), spelled out: torch's F.rms_norm measured slower on few CPU rows."""
+    if x.dtype != torch.float32:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

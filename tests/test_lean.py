@@ -1,0 +1,191 @@
+"""The lean forward (mars_core/lean.py) against the transformers model it is built from, and the w8a8 format.
+
+fp32: the lean logits equal transformers' to 1e-4 for a prompt, a cached chunk, a chunk with hole columns, after
+a crop and after a row selection (tiny Llama and Qwen2 here, SmolLM2 in test_smollm2_mars.py's style below). The
+decoder equivalences on the lean backend run in test_decoding.py / test_verify.py through the `tiny_lm` fixture.
+w8a8: each output row of a product is bitwise independent of the other rows, so in that format one-token mode,
+lossless decoding and greedy AR give the same tokens, batched or alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from mars_core import DecodeConfig, generate, load_model
+from mars_core.decoding import step_attention
+from mars_core.lean import GROW, LeanCache, LeanLM, unsupported
+from mars_core.loading import pick_backend, wrap_model
+from mars_core.w8a8 import W8A8Linear, w8a8_supported
+from tests.conftest import PROMPTS
+from tests.tiny_fixtures import make_model, tiny_causal_lm
+
+TOL = 1e-4
+
+
+class Pair:
+    """The same calls on the transformers model (DynamicCache) and on its lean forward (LeanCache)."""
+
+    def __init__(self, model):
+        self.hf, self.lean = model, LeanLM(model)
+        self.hf_cache, self.lean_cache = DynamicCache(config=model.config), self.lean.new_cache()
+        self.kv_valid = None
+
+    def step(self, ids, valid=None, keep=None):
+        """Feed `ids` [b, L] after the cache; `valid` marks real (non-hole) columns. Returns the max logit gap."""
+        b, length = ids.shape
+        valid = torch.ones(b, length, dtype=torch.bool) if valid is None else valid
+        past = self.hf_cache.get_seq_length()
+        assert self.lean_cache.get_seq_length() == past
+        kv = self.kv_valid if self.kv_valid is not None else torch.zeros(b, 0, dtype=torch.bool)
+        mask = step_attention(kv, valid)
+        # holes take no position, as in the decoder's chunk
+        pos = torch.where(valid, valid.long().cumsum(1) - 1 + kv.long().sum(1, keepdim=True), torch.zeros_like(ids))
+        kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                  logits_to_keep=keep if keep is not None else 0)
+        with torch.inference_mode():
+            want = self.hf(cache=self.hf_cache, **kw).logits
+            got = self.lean(cache=self.lean_cache, **kw).logits
+        self.kv_valid = torch.cat([kv, valid], dim=1)
+        real = valid if keep is None else valid[:, keep]
+        return (want - got)[real].abs().max().item()
+
+    def crop(self, n):
+        self.hf_cache.crop(-n)
+        self.lean_cache.crop(-n)
+        self.kv_valid = self.kv_valid[:, :-n]
+
+    def select(self, rows):
+        index = torch.tensor(rows)
+        self.hf_cache.batch_select_indices(index)
+        self.lean_cache.batch_select_indices(index)
+        self.kv_valid = self.kv_valid[index]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_logits_equal_transformers_for_prompt_chunk_holes_crop_and_row_selection(arch, tokenizer):
+    model = make_model(arch, len(tokenizer))
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda b, n: torch.randint(5, len(tokenizer), (b, n), generator=gen)
+    with torch.inference_mode():   # a prompt, no cache, no mask: plain causal
+        ids = rand(1, 11)
+        assert (model(input_ids=ids).logits - LeanLM(model)(input_ids=ids).logits).abs().max() <= TOL
+    pair = Pair(model)
+    holes = torch.tensor([[True] * 9, [False] * 3 + [True] * 6, [False] * 5 + [True] * 4])
+    assert pair.step(rand(3, 9), holes) <= TOL                        # prompts of 9, 6, 4 tokens, right-aligned
+    assert pair.step(rand(3, 5), keep=torch.arange(1, 5)) <= TOL      # a cached chunk, the head on 4 columns
+    pair.crop(3)                                                       # the masks leave
+    assert pair.step(rand(3, 1)) <= TOL                                # one position, as an AR step
+    ragged = torch.tensor([[True] * 4, [False, False, True, True], [False, True, True, True]])
+    assert pair.step(rand(3, 4), ragged) <= TOL                        # verify-style holes inside the chunk
+    pair.select([0, 2])                                                # a row finished
+    assert pair.step(rand(2, 7), keep=torch.arange(3, 7)) <= TOL
+    pair.crop(2)
+    assert pair.step(rand(2, 1)) <= TOL
+
+
+def test_lean_cache_keeps_its_columns_when_it_grows():
+    cache = LeanCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", limit=10_000)
+    cache.reserve(batch=2, columns=5)
+    first = cache.k.shape[3]
+    cache.k[:, :, :, :5] = torch.arange(2 * 2 * 5 * 4, dtype=torch.float32).reshape(2, 2, 1, 5, 4)
+    before = cache.k[:, :, :, :5].clone()
+    cache.length = 5
+    cache.reserve(batch=2, columns=first)                              # past the first allocation
+    assert cache.k.shape[3] >= 5 + first and torch.equal(cache.k[:, :, :, :5], before)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3
+    cache.crop(10)
+    assert cache.get_seq_length() == 3                                 # crop(n >= 0) keeps at most n columns
+
+
+def test_a_generation_longer_than_the_first_cache_allocation_equals_transformers(tokenizer):
+    model = tiny_causal_lm(len(tokenizer), "llama", context=1024, head_scale=60.0, eos_token_id=2, pad_token_id=0)
+    hf, lean = wrap_model(model, tokenizer), wrap_model(model, tokenizer, backend="lean")
+    ids = [hf.encode(PROMPTS[0])]
+    cfg = DecodeConfig(mode="ar", max_new_tokens=GROW + 60)
+    want, got = generate(hf, ids, cfg)[0], generate(lean, ids, cfg)[0]
+    assert len(got.token_ids) > GROW and got.token_ids == want.token_ids
+
+
+def test_backend_choice_and_its_errors(tokenizer):
+    model = make_model("llama", len(tokenizer))
+    assert pick_backend("auto", model, torch.device("cpu")) == "lean"
+    assert pick_backend("hf", model, torch.device("cpu")) == "hf"
+    with pytest.raises(ValueError, match="backend='turbo' is unknown: use auto, hf or lean"):
+        pick_backend("turbo", model, torch.device("cpu"))
+    model.config.model_type = "gpt2"
+    assert "architecture 'gpt2'" in unsupported(model)
+    assert pick_backend("auto", model, torch.device("cpu")) == "hf"   # falls back to the transformers model
+    with pytest.raises(ValueError, match="backend='lean' cannot run this model: .*use backend='hf'"):
+        pick_backend("lean", model, torch.device("cpu"))
+
+
+def test_tiny_mars_loads_on_the_lean_backend_by_default_on_a_cpu():
+    lm = load_model("tiny-mars", device="cpu")
+    assert lm.backend == "lean" and isinstance(lm.net, LeanLM) and lm.weight_format == "float32"
+    assert load_model("tiny-mars", device="cpu", backend="hf").backend == "hf"
+
+
+# ----------------------------------------------------------------------------- w8a8
+
+def test_this_torch_has_the_w8a8_kernel():
+    """A canary: if a torch release drops fbgemm's dynamic int8 linear, this fails first and says so."""
+    assert w8a8_supported(), (f"torch {torch.__version__} has no torch.ops.quantized.linear_dynamic/linear_prepack "
+                              "with an fbgemm or x86 engine: dtype='w8a8' cannot run; mars_core/w8a8.py needs "
+                              "another int8 kernel")
+
+
+def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
+    import mars_core.w8a8 as w8a8
+
+    monkeypatch.setattr(w8a8, "w8a8_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"dtype='w8a8' needs fbgemm's dynamic int8 linear .*use dtype='int8'"):
+        load_model("tiny-mars", device="cpu", dtype="w8a8")
+
+
+def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32():
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(96, 80, generator=gen) * 0.05, torch.randn(96, generator=gen)
+    lin = W8A8Linear(weight, bias)
+    x = torch.randn(7, 80, generator=gen) * torch.tensor([1, 30, 0.01, 1, 5, 1, 200.0])[:, None]
+    with torch.inference_mode():
+        together = lin(x)
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(7)])
+        exact = x @ weight.t() + bias
+    assert torch.equal(together, alone)
+    rel = ((together - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
+    assert rel < 0.02, rel
+
+
+@pytest.fixture(scope="module")
+def tiny_mars_w8a8():
+    return load_model("tiny-mars", device="cpu", dtype="w8a8")
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_mars_w8a8):
+    from finetune.tasks import make_examples
+
+    return [tiny_mars_w8a8.encode(e["messages"][0]["content"]) for e in make_examples("heldout", 8, seed=321)]
+
+
+def test_w8a8_one_token_mode_and_lossless_equal_ar_in_that_format(tiny_mars_w8a8, suite):
+    lm = tiny_mars_w8a8
+    assert lm.backend == "lean" and lm.weight_format == "w8a8"
+    ar = [r.token_ids for r in generate(lm, suite, DecodeConfig(mode="ar", max_new_tokens=40))]
+    one = generate(lm, suite, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=40))
+    assert [r.token_ids for r in one] == ar
+    for tau in (0.5, 0.9):
+        lossless = generate(lm, suite, DecodeConfig(mode="verify", tau=tau, max_new_tokens=40))
+        assert [r.token_ids for r in lossless] == ar
+        assert max(r.tokens_per_forward for r in lossless) > 1.5     # drafts really were confirmed
+        for p, row in zip(suite[:3], lossless[:3]):
+            assert generate(lm, [p], DecodeConfig(mode="verify", tau=tau, max_new_tokens=40))[0].steps == row.steps
+
+
+def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
+    cfg = DecodeConfig(mode="mars", tau=0.8, max_new_tokens=40)
+    together = generate(tiny_mars_w8a8, suite, cfg)
+    for p, row in zip(suite, together):
+        assert generate(tiny_mars_w8a8, [p], cfg)[0].steps == row.steps
+    assert len({len(s) for r in together for s in r.steps}) > 1
