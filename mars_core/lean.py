@@ -137,7 +137,7 @@ class LeanCache:
 class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
-    def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32):
+    def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True):
         super().__init__()
         reason = unsupported(model)
         if reason is not None:
@@ -162,6 +162,14 @@ class LeanLM(torch.nn.Module):
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
         # number of positions fed; float64 scores and sums make those last-bit differences vanish in fp32
         self.attention_dtype = torch.float64 if fmt == "w8a8" else torch.float32
+        self.scripted = None   # w8a8: the same layer loop compiled by TorchScript (mars_core/lean_script.py)
+        if fmt == "w8a8" and script:
+            from mars_core.lean_script import scripted_layers
+
+            self.scripted = scripted_layers()
+            lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+            self._script_weights = ([m._packed for m in lins], [m.bias for m in lins],
+                                    [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)])
 
     def _layer(self, layer, fmt, dtype) -> torch.nn.Module:
         a, m, d = layer.self_attn, layer.mlp, self.head_dim
@@ -203,8 +211,12 @@ class LeanLM(torch.nn.Module):
         rope = self.rope[position_ids.reshape(-1)][:, None] * self.rope_scale        # [b*L, heads + kv, d/2]
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
-        for i, layer in enumerate(self.layers):
-            x = self._block(i, layer, x, b, length, past, rope, cache, hidden)
+        if self.scripted is not None:
+            x = self.scripted(x, *self._script_weights, cache.k, cache.v, past, b, length, self.heads, self.kv_heads,
+                              self.head_dim, rope, hidden, self.eps, self.layers[0].qkv.rails)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self._block(i, layer, x, b, length, past, rope, cache, hidden)
         cache.length = past + length
         x = x.view(b, length, -1)
         if isinstance(logits_to_keep, torch.Tensor):

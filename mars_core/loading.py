@@ -66,6 +66,10 @@ MARS_HUB_PREFIX = "Xalphinions/MARS-"
 
 MASK_TOKEN = "<|mask|>"
 
+# dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
+# seed against the float model and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
+W8A8_KEEPS_QUALITY = ("smollm2-mars",)
+
 
 def cache_dir() -> Path:
     """Where converted checkpoints live (`MARS_CACHE_DIR`, else ~/.cache/mars-playground)."""
@@ -84,7 +88,8 @@ class LoadedModel:
     mask_source: str = "tokenizer"  # how mask_id was found: tokenizer | spare-row | reused:<token>
     context_length: int = field(default=0)
     # What the decoder runs: `model` itself (backend "hf") or a mars_core.lean.LeanLM built from it ("lean").
-    # `model` stays the transformers model for generate(), training and export.
+    # `model` stays the transformers model for generate(), training and export (in dtype="int8"/"w8a8" its linear
+    # layers are quantized the same way, so that generate() runs the same format).
     net: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -678,12 +683,12 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     quantized = dtype in ("int8", "w8a8")   # weights rounded once, from fp32
     model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
+    lean, net = pick_backend(backend, model, dev) == "lean", None
     if dev.type == "cpu" and dtype == "auto":
-        from mars_core.dtype_probe import choose_cpu_dtype   # fp32 or bf16, whichever decodes faster here
-
-        torch_dtype = choose_cpu_dtype(model, str(where))
-        model.to(torch_dtype)
-    net = _lean_net(model, dtype, torch_dtype) if pick_backend(backend, model, dev) == "lean" else None
+        dtype, net = _auto_cpu_format(model, name_or_path, str(where), lean)
+        torch_dtype = pick_dtype(dtype, dev)
+    if lean and net is None:
+        net = _lean_net(model, dtype, torch_dtype)
     if dtype == "int8":   # the transformers model in the same format, for generate() and backend="hf"
         from mars_core.int8 import quantize_int8
 
@@ -704,6 +709,21 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
         context_length=getattr(config, "max_position_embeddings", 2048), net=net,
     )
+
+
+def _auto_cpu_format(model, name: str | None, where: str, lean: bool):
+    """("float32" or "w8a8", its lean forward if one was built): w8a8 only where this model keeps its quality in
+    it (W8A8_KEEPS_QUALITY) and w8a8 decodes faster here (dtype_probe); both are exact formats."""
+    from mars_core.dtype_probe import choose_cpu_format
+    from mars_core.w8a8 import w8a8_supported
+
+    if not (lean and (name or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY and w8a8_supported()):
+        return "float32", None
+    from mars_core.lean import LeanLM
+
+    nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": LeanLM(model, "w8a8")}
+    choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))
+    return choice, nets[choice]
 
 
 def _lean_net(model, dtype: str, torch_dtype: torch.dtype):

@@ -1,5 +1,6 @@
-"""dtype="auto" on a CPU: fp32 for small models; otherwise the dtype whose one-token forward is faster (a tie
-within 3% goes to the cheaper 7-row forward), measured once and cached per model file and CPU."""
+"""dtype="auto" on a CPU: the fastest exact format. float32 for every model, except that a model cleared for w8a8
+(its quality measured and kept) gets whichever of the two has the faster one-token forward (a tie within 3% goes
+to the cheaper 7-row forward), measured once and cached per model file and CPU; bf16 is never chosen."""
 import json
 
 import pytest
@@ -11,7 +12,6 @@ from mars_core import dtype_probe
 @pytest.fixture
 def probe(monkeypatch, tmp_path):
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(dtype_probe, "cpu_has_native_bf16", lambda: True)
     calls = []
 
     def fake(models, timings):
@@ -22,37 +22,50 @@ def probe(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("timings, want", [
-    ({("float32", 1): 60.0, ("float32", 7): 120.0, ("bfloat16", 1): 50.0, ("bfloat16", 7): 55.0}, torch.bfloat16),
-    ({("float32", 1): 50.0, ("float32", 7): 120.0, ("bfloat16", 1): 60.0, ("bfloat16", 7): 62.0}, torch.float32),
-    ({("float32", 1): 60.0, ("float32", 7): 120.0, ("bfloat16", 1): 61.0, ("bfloat16", 7): 65.0}, torch.bfloat16),
-    ({("float32", 1): 61.0, ("float32", 7): 64.0, ("bfloat16", 1): 60.0, ("bfloat16", 7): 65.0}, torch.float32),
+    ({("float32", 1): 60.0, ("float32", 7): 120.0, ("w8a8", 1): 50.0, ("w8a8", 7): 55.0}, "w8a8"),
+    ({("float32", 1): 50.0, ("float32", 7): 120.0, ("w8a8", 1): 60.0, ("w8a8", 7): 62.0}, "float32"),
+    ({("float32", 1): 60.0, ("float32", 7): 120.0, ("w8a8", 1): 61.0, ("w8a8", 7): 65.0}, "w8a8"),
+    ({("float32", 1): 61.0, ("float32", 7): 64.0, ("w8a8", 1): 60.0, ("w8a8", 7): 65.0}, "float32"),
 ])
 def test_the_faster_one_token_forward_decides_and_a_tie_goes_to_the_cheaper_step(probe, monkeypatch, tmp_path,
                                                                                   timings, want):
     cache, calls, fake = probe
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
-    model = torch.nn.Linear(4, 4)
-    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
-    assert dtype_probe.choose_cpu_dtype(model, str(tmp_path)) == want
-    assert model.weight.dtype == torch.float32                       # the probe leaves the model as it found it
+    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
+    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == want
     saved = json.loads((cache / "dtype-probe.json").read_text())
-    assert [v["dtype"] for v in saved.values()] == [str(want).replace("torch.", "")]
+    assert [v["dtype"] for v in saved.values()] == [want]
     # measured once: the second call reads the cache
-    assert dtype_probe.choose_cpu_dtype(model, str(tmp_path)) == want and len(calls) == 1
+    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == want and len(calls) == 1
 
 
-def test_small_models_and_cpus_without_bf16_stay_fp32_without_probing(probe, monkeypatch, tmp_path):
+def test_small_models_and_single_candidates_are_chosen_without_probing(probe, monkeypatch, tmp_path):
     cache, calls, fake = probe
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, {}))
-    assert dtype_probe.choose_cpu_dtype(torch.nn.Linear(4, 4), str(tmp_path)) == torch.float32   # < MIN_PARAMS
-    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
-    monkeypatch.setattr(dtype_probe, "cpu_has_native_bf16", lambda: False)
-    assert dtype_probe.choose_cpu_dtype(torch.nn.Linear(4, 4), str(tmp_path)) == torch.float32
+    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
+    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=16) == "float32"     # < MIN_PARAMS
+    assert dtype_probe.choose_cpu_format({"float32": nets["float32"]}, str(tmp_path), n_params=10**9) == "float32"
     assert calls == [] and not (cache / "dtype-probe.json").exists()
 
 
+def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch, tmp_path):
+    from mars_core import load_model, loading
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
+    lm = load_model("tiny-mars", device="cpu")
+    assert lm.weight_format == "float32" and lm.backend == "lean"
+    monkeypatch.setattr(loading, "W8A8_KEEPS_QUALITY", ("tiny-mars",))
+    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
+    timed = {}
+    monkeypatch.setattr(dtype_probe, "forward_ms", lambda nets: timed.update(nets) or {
+        ("float32", 1): 2.0, ("float32", 7): 3.0, ("w8a8", 1): 1.0, ("w8a8", 7): 1.5})
+    cleared = load_model("tiny-mars", device="cpu")
+    assert cleared.weight_format == "w8a8" and cleared.net is timed["w8a8"]   # the probed forward is the one served
+    assert load_model("tiny-mars", device="cpu", backend="hf").weight_format == "float32"   # w8a8 exactness is lean's
+
+
 def test_forward_ms_times_every_model_and_row_count(tiny_lm):
-    ms = dtype_probe.forward_ms({"a": tiny_lm.model}, rows=(1, 3), rounds=2, context=8)
+    ms = dtype_probe.forward_ms({"a": tiny_lm.net}, rows=(1, 3), rounds=2, context=8)   # either backend
     assert set(ms) == {("a", 1), ("a", 3)} and all(v > 0 for v in ms.values())
 
 
@@ -96,16 +109,15 @@ def test_cli_generate_warns_on_stderr_when_forwards_run_far_slower_than_the_prob
 
 def test_the_probe_cache_forgets_models_whose_folder_is_gone(probe, monkeypatch, tmp_path):
     cache, calls, fake = probe
-    timings = {("float32", 1): 60.0, ("float32", 7): 120.0, ("bfloat16", 1): 50.0, ("bfloat16", 7): 55.0}
+    timings = {("float32", 1): 60.0, ("float32", 7): 120.0, ("w8a8", 1): 50.0, ("w8a8", 7): 55.0}
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
-    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
+    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
     gone, kept, new = (tmp_path / name for name in ("gone", "kept", "new"))
     for folder in (gone, kept, new):
         folder.mkdir()
-    model = torch.nn.Linear(4, 4)
-    dtype_probe.choose_cpu_dtype(model, str(gone))
-    dtype_probe.choose_cpu_dtype(model, str(kept))
+    dtype_probe.choose_cpu_format(nets, str(gone), n_params=10**9)
+    dtype_probe.choose_cpu_format(nets, str(kept), n_params=10**9)
     gone.rmdir()                                     # e.g. a test's temporary checkpoint, deleted
-    dtype_probe.choose_cpu_dtype(model, str(new))
+    dtype_probe.choose_cpu_format(nets, str(new), n_params=10**9)
     folders = {k.split("|", 1)[0] for k in json.loads((cache / "dtype-probe.json").read_text())}
     assert folders == {str(kept.resolve()), str(new.resolve())}

@@ -189,3 +189,26 @@ def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
     for p, row in zip(suite, together):
         assert generate(tiny_mars_w8a8, [p], cfg)[0].steps == row.steps
     assert len({len(s) for r in together for s in r.steps}) > 1
+
+
+def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(tiny_mars_w8a8, suite):
+    """TorchScript runs the same ops in the same order: the logits are the eager loop's, bit for bit. Fails first,
+    and says so, if a torch release can no longer script the loop (LeanLM would then run it eagerly)."""
+    from mars_core.lean_script import scripted_layers
+
+    assert scripted_layers() is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py"
+    net = tiny_mars_w8a8.net
+    eager = LeanLM(tiny_mars_w8a8_fp32(), "w8a8", script=False)
+    assert net.scripted is not None and eager.scripted is None
+    ids = torch.tensor([suite[0]])
+    with torch.inference_mode():
+        a, b = net.new_cache(), eager.new_cache()
+        assert torch.equal(net(input_ids=ids, cache=a).logits, eager(input_ids=ids, cache=b).logits)
+        step = torch.tensor([[5, 6, 7]])
+        mask = step_attention(torch.ones(1, ids.shape[1], dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool))
+        assert torch.equal(net(input_ids=step, attention_mask=mask, cache=a).logits,
+                           eager(input_ids=step, attention_mask=mask, cache=b).logits)
+
+
+def tiny_mars_w8a8_fp32():
+    return load_model("tiny-mars", device="cpu", dtype="float32", backend="hf").model
