@@ -71,8 +71,10 @@ class FloatLinear(torch.nn.Module):
         return F.linear(x, self.w, self.b)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> torch.nn.Module:
-    """One weight matrix (out, in) in the chosen format; `dtype` is the activations' dtype."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
+                role: str = "head") -> torch.nn.Module:
+    """One weight matrix (out, in) in the chosen format; `dtype` is the activations' dtype, `role` which product
+    of a layer it is (qkv, o, gate_up, down) or "head"."""
     if fmt == "float":
         return FloatLinear(weight, bias, dtype)
     if fmt == "int8":
@@ -80,9 +82,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
 
         return Int8Linear(weight, bias, dtype)
     if fmt == "w8a8":
-        from mars_core.w8a8 import W8A8Linear
+        from mars_core.w8a8 import TWO_PASS, W8A8Linear
 
-        return W8A8Linear(weight, bias)
+        return W8A8Linear(weight, bias, passes=2 if role in TWO_PASS else 1)
     raise ValueError(f"weight format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
 
 
@@ -137,7 +139,9 @@ class LeanCache:
 class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
-    def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True):
+    def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,
+                 ranges: list[dict] | None = None):
+        """`ranges` (w8a8 only): mars_core.w8a8.activation_ranges of `model`, to smooth the products with."""
         super().__init__()
         reason = unsupported(model)
         if reason is not None:
@@ -149,9 +153,16 @@ class LeanLM(torch.nn.Module):
         self.eps, self.context = cfg.rms_norm_eps, cfg.max_position_embeddings
         self.scale = self.head_dim ** -0.5
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
-        self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype) for layer in model.model.layers)
-        self.norm = model.model.norm.weight.detach().to(self.dtype)
-        self.head = make_linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), fmt, dtype)
+        self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype, None if ranges is None else ranges["layers"][i])
+                                          for i, layer in enumerate(model.model.layers))
+        norm, head = model.model.norm.weight.detach().float(), model.lm_head.weight.detach().float()
+        if ranges is not None:   # the head's input is the final norm's output: fold 1/s into that norm
+            from mars_core.w8a8 import smoothing
+
+            s = smoothing(ranges["head"], head.abs().amax(dim=0))
+            norm, head = norm / s, head * s
+        self.norm = norm.to(self.dtype)
+        self.head = make_linear(head, getattr(model.lm_head, "bias", None), fmt, dtype)
         rotary = model.model.rotary_emb
         angles = torch.outer(torch.arange(self.context, dtype=torch.float32), rotary.inv_freq.float().cpu())
         table = torch.polar(torch.full_like(angles, float(rotary.attention_scaling)), angles)
@@ -168,28 +179,61 @@ class LeanLM(torch.nn.Module):
 
             self.scripted = scripted_layers()
             lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
-            self._script_weights = ([m._packed for m in lins], [m.bias for m in lins],
+            self._script_weights = ([m._packed for m in lins], [m.bias for m in lins], [m.passes == 2 for m in lins],
                                     [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)])
 
-    def _layer(self, layer, fmt, dtype) -> torch.nn.Module:
-        a, m, d = layer.self_attn, layer.mlp, self.head_dim
-        bias = lambda lin: None if getattr(lin, "bias", None) is None else lin.bias.detach().float()
-        qkv_w = torch.cat([_interleave_rows(a.q_proj.weight.detach().float(), d),
-                           _interleave_rows(a.k_proj.weight.detach().float(), d), a.v_proj.weight.detach().float()])
-        qkv_b = None
-        if bias(a.q_proj) is not None:
-            qkv_b = torch.cat([_interleave_rows(bias(a.q_proj), d), _interleave_rows(bias(a.k_proj), d), bias(a.v_proj)])
-        gate_up_b = None
-        if bias(m.gate_proj) is not None:
-            gate_up_b = torch.cat([bias(m.gate_proj), bias(m.up_proj)])
+    def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
+        w = self._float_weights(layer)
+        if ranges is not None:
+            self._smooth(w, ranges)
         out = torch.nn.Module()
-        out.qkv = make_linear(qkv_w, qkv_b, fmt, dtype)
-        out.o = make_linear(a.o_proj.weight, a.o_proj.bias, fmt, dtype)
-        out.gate_up = make_linear(torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()]), gate_up_b, fmt, dtype)
-        out.down = make_linear(m.down_proj.weight, m.down_proj.bias, fmt, dtype)
-        out.register_buffer("norm_in", layer.input_layernorm.weight.detach().to(self.dtype))
-        out.register_buffer("norm_post", layer.post_attention_layernorm.weight.detach().to(self.dtype))
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(out, name, make_linear(w[name], w.get(name + "_b"), fmt, dtype, name))
+        out.register_buffer("norm_in", w["norm_in"].to(self.dtype))
+        out.register_buffer("norm_post", w["norm_post"].to(self.dtype))
         return out
+
+    def _float_weights(self, layer) -> dict:
+        """One layer's fused fp32 weights (q and k rows interleaved for the complex RoPE), biases, norm weights."""
+        a, m, d = layer.self_attn, layer.mlp, self.head_dim
+        f = lambda t: None if t is None else t.detach().float()
+        w = {"qkv": torch.cat([_interleave_rows(f(a.q_proj.weight), d), _interleave_rows(f(a.k_proj.weight), d),
+                               f(a.v_proj.weight)]),
+             "o": f(a.o_proj.weight), "gate_up": torch.cat([f(m.gate_proj.weight), f(m.up_proj.weight)]),
+             "down": f(m.down_proj.weight), "o_b": f(getattr(a.o_proj, "bias", None)),
+             "down_b": f(getattr(m.down_proj, "bias", None)),
+             "norm_in": f(layer.input_layernorm.weight), "norm_post": f(layer.post_attention_layernorm.weight)}
+        if getattr(a.q_proj, "bias", None) is not None:
+            w["qkv_b"] = torch.cat([_interleave_rows(f(a.q_proj.bias), d), _interleave_rows(f(a.k_proj.bias), d),
+                                    f(a.v_proj.bias)])
+        if getattr(m.gate_proj, "bias", None) is not None:
+            w["gate_up_b"] = torch.cat([f(m.gate_proj.bias), f(m.up_proj.bias)])
+        return w
+
+    def _smooth(self, w: dict, ranges: dict) -> None:
+        """SmoothQuant's migration (mars_core.w8a8.smoothing), folded into the weights that feed each product."""
+        from mars_core.w8a8 import smoothing
+
+        col = lambda weight: weight.abs().amax(dim=0)
+        for norm, name in (("norm_in", "qkv"), ("norm_post", "gate_up")):
+            s = smoothing(ranges[name], col(w[name]))
+            w[name], w[norm] = w[name] * s, w[norm] / s
+        # o's input is attention's output, linear in v: one scale per v channel, shared by the heads that read it
+        group, d = self.heads // self.kv_heads, self.head_dim
+        x_range = ranges["o"].view(self.kv_heads, group, d).amax(dim=1)
+        w_range = col(w["o"]).view(self.kv_heads, group, d).amax(dim=1)
+        s = smoothing(x_range.reshape(-1), w_range.reshape(-1)).view(self.kv_heads, 1, d)
+        w["o"] = w["o"] * s.expand(self.kv_heads, group, d).reshape(-1)
+        v = slice((self.heads + self.kv_heads) * d, None)
+        w["qkv"][v] = w["qkv"][v] / s.reshape(-1, 1)
+        if "qkv_b" in w:
+            w["qkv_b"][v] = w["qkv_b"][v] / s.reshape(-1)
+        # down's input is silu(gate) * up, linear in up
+        s = smoothing(ranges["down"], col(w["down"]))
+        half = w["gate_up"].shape[0] // 2
+        w["down"], w["gate_up"][half:] = w["down"] * s, w["gate_up"][half:] / s[:, None]
+        if "gate_up_b" in w:
+            w["gate_up_b"][half:] = w["gate_up_b"][half:] / s
 
     def get_input_embeddings(self):
         return torch.nn.Embedding.from_pretrained(self.embed)

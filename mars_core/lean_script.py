@@ -14,15 +14,24 @@ from typing import List, Optional
 
 import torch
 
+from mars_core.w8a8 import _INVERSE, _STEP
+
 _SCRIPTED = []   # [function or None], built once per process
+_STEP_F = float(_STEP)
 
 
 def _railed(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, rails: torch.Tensor,
-            bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """mars_core.w8a8.W8A8Linear.forward on a 2D fp32 input, op for op."""
+            bias: Optional[torch.Tensor], two: bool, inverse: float = _INVERSE, step: float = _STEP_F) -> torch.Tensor:
+    """mars_core.w8a8.W8A8Linear.forward on a 2D fp32 input, op for op (`two`: its passes == 2)."""
     magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-    railed = torch.cat([x / magnitude, rails.expand(x.shape[0], 2)], dim=1)
-    y = torch.ops.quantized.linear_dynamic(railed, packed) * magnitude
+    u = x / magnitude
+    y = torch.ops.quantized.linear_dynamic(torch.cat([u, rails.expand(x.shape[0], 2)], dim=1), packed)
+    if two:
+        r = u - torch.round(u * inverse).clamp(-128.0, 127.0) * step
+        r_magnitude = r.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        railed = torch.cat([r / r_magnitude, rails.expand(x.shape[0], 2)], dim=1)
+        y = y + torch.ops.quantized.linear_dynamic(railed, packed) * r_magnitude
+    y = y * magnitude
     if bias is not None:
         y = y + bias
     return y
@@ -33,7 +42,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _layers(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPackedParamsBase],
-            biases: List[Optional[torch.Tensor]], norms: List[torch.Tensor], k_cache: torch.Tensor,
+            biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor], k_cache: torch.Tensor,
             v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
             hidden: Optional[torch.Tensor], eps: float, rails: torch.Tensor) -> torch.Tensor:
     """LeanLM._block for every layer (weights in order qkv, o, gate_up, down per layer; norms in, post)."""
@@ -41,7 +50,7 @@ def _layers(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPackedPar
     group = heads // kv
     for i in range(len(norms) // 2):
         h = _rms(x, norms[2 * i], eps)
-        qkv = _railed(h, packs[4 * i], rails, biases[4 * i])
+        qkv = _railed(h, packs[4 * i], rails, biases[4 * i], two[4 * i])
         qk = qkv[:, : (heads + kv) * d]
         qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b * length, heads + kv, d // 2, 2)) * rope)
         qk = qk.reshape(b, length, heads + kv, d)
@@ -55,10 +64,10 @@ def _layers(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPackedPar
             scores = scores.masked_fill(hidden, float("-inf"))
         att = (torch.softmax(scores, dim=-1) @ v).view(b, kv, length, group, d).transpose(1, 2)
         att = att.reshape(b * length, heads * d)
-        x = x + _railed(att.to(x.dtype), packs[4 * i + 1], rails, biases[4 * i + 1])
+        x = x + _railed(att.to(x.dtype), packs[4 * i + 1], rails, biases[4 * i + 1], two[4 * i + 1])
         h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = _railed(h, packs[4 * i + 2], rails, biases[4 * i + 2]).chunk(2, dim=-1)
-        x = x + _railed(torch.nn.functional.silu(gate) * up, packs[4 * i + 3], rails, biases[4 * i + 3])
+        gate, up = _railed(h, packs[4 * i + 2], rails, biases[4 * i + 2], two[4 * i + 2]).chunk(2, dim=-1)
+        x = x + _railed(torch.nn.functional.silu(gate) * up, packs[4 * i + 3], rails, biases[4 * i + 3], two[4 * i + 3])
     return x
 
 

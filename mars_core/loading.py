@@ -68,7 +68,7 @@ MASK_TOKEN = "<|mask|>"
 
 # dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
 # seed against the float model and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
-W8A8_KEEPS_QUALITY = ("smollm2-mars",)
+W8A8_KEEPS_QUALITY: tuple[str, ...] = ()
 
 
 def cache_dir() -> Path:
@@ -685,10 +685,10 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     model.to(dev).eval()
     lean, net = pick_backend(backend, model, dev) == "lean", None
     if dev.type == "cpu" and dtype == "auto":
-        dtype, net = _auto_cpu_format(model, name_or_path, str(where), lean)
+        dtype, net = _auto_cpu_format(model, tokenizer, name_or_path, str(where), lean)
         torch_dtype = pick_dtype(dtype, dev)
     if lean and net is None:
-        net = _lean_net(model, dtype, torch_dtype)
+        net = _lean_net(model, dtype, torch_dtype, tokenizer)
     if dtype == "int8":   # the transformers model in the same format, for generate() and backend="hf"
         from mars_core.int8 import quantize_int8
 
@@ -711,7 +711,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     )
 
 
-def _auto_cpu_format(model, name: str | None, where: str, lean: bool):
+def _auto_cpu_format(model, tokenizer, name: str | None, where: str, lean: bool):
     """("float32" or "w8a8", its lean forward if one was built): w8a8 only where this model keeps its quality in
     it (W8A8_KEEPS_QUALITY) and w8a8 decodes faster here (dtype_probe); both are exact formats."""
     from mars_core.dtype_probe import choose_cpu_format
@@ -721,15 +721,21 @@ def _auto_cpu_format(model, name: str | None, where: str, lean: bool):
         return "float32", None
     from mars_core.lean import LeanLM
 
-    nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": LeanLM(model, "w8a8")}
+    nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": _lean_net(model, "w8a8", torch.float32, tokenizer)}
     choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))
     return choice, nets[choice]
 
 
-def _lean_net(model, dtype: str, torch_dtype: torch.dtype):
+def _lean_net(model, dtype: str, torch_dtype: torch.dtype, tokenizer=None):
+    """The lean forward in this format; w8a8 is smoothed with activation ranges measured through `tokenizer`."""
     from mars_core.lean import LeanLM
 
-    return LeanLM(model, dtype if dtype in ("int8", "w8a8") else "float", torch_dtype)
+    ranges = None
+    if dtype == "w8a8" and tokenizer is not None:
+        from mars_core.w8a8 import calibration_ranges
+
+        ranges = calibration_ranges(model, tokenizer)
+    return LeanLM(model, dtype if dtype in ("int8", "w8a8") else "float", torch_dtype, ranges=ranges)
 
 
 def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None,

@@ -45,9 +45,10 @@ def check_w8a8() -> None:
 class W8A8Linear(torch.nn.Module):
     """Inference-only stand-in for `nn.Linear` on fp32 activations: int8 weight, per-row int8 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 1):
         super().__init__()
         check_w8a8()
+        self.passes = passes   # 2: the input's rounding error goes through a second product (see on_grid)
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         padded = torch.cat([w, w.new_zeros(self.out_features, RAILS)], dim=1)
@@ -64,11 +65,37 @@ class W8A8Linear(torch.nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        railed = torch.cat([x / magnitude, self.rails.expand(x.shape[0], RAILS)], dim=1)
-        y = torch.ops.quantized.linear_dynamic(railed, self._packed) * magnitude
+        u = x / magnitude
+        y = torch.ops.quantized.linear_dynamic(torch.cat([u, self.rails.expand(x.shape[0], RAILS)], dim=1),
+                                               self._packed)
+        if self.passes == 2:
+            r = u - on_grid(u)
+            r_magnitude = r.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+            railed = torch.cat([r / r_magnitude, self.rails.expand(x.shape[0], RAILS)], dim=1)
+            y = y + torch.ops.quantized.linear_dynamic(railed, self._packed) * r_magnitude
+        y = y * magnitude
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+_STEP = torch.tensor(2 / 255, dtype=torch.float32)   # fbgemm's scale for the range [-1, 1], in fp32
+_INVERSE = float(1 / _STEP)                            # 127.49999..., so +-1 round to +-127, not 128
+
+
+def on_grid(u: torch.Tensor) -> torch.Tensor:
+    """u in [-1, 1] rounded as fbgemm rounds it once the rails fix its range (scale 2/255 in fp32, zero point
+    128); tests/test_lean.py checks this against fbgemm itself.
+
+    Two passes: the products whose inputs lose most to that rounding (TWO_PASS) multiply the weight by the
+    rounded input and, in a second call, by what the rounding left out (itself rounded, 255 times finer); the
+    input then keeps ~16 bits, and each row stays independent, since both calls are."""
+    return torch.round(u * _INVERSE).clamp(-128.0, 127.0) * float(_STEP)
+
+
+# Which of a layer's products take two passes: the inputs of q/k/v (a norm's output, with outlier channels) and
+# of down lost most to one rounding on development prompts (docs/experiments.md, "w8a8 quality").
+TWO_PASS = ("qkv", "down")
 
 
 def quantize_w8a8(model: torch.nn.Module) -> None:
@@ -78,3 +105,62 @@ def quantize_w8a8(model: torch.nn.Module) -> None:
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(module, name, W8A8Linear(child.weight, child.bias))
+
+
+# ----------------------------------------------------------------------------- smoothing (SmoothQuant)
+# One scale per row leaves the small channels of a row with few levels when a few channels carry outliers. As in
+# SmoothQuant (Xiao et al., arXiv 2211.10438), each input channel j of a product is divided by
+# s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) and the weight's column multiplied by it: the product is unchanged,
+# the outliers move into the weights. LeanLM folds 1/s into the RMSNorm weight (q/k/v and gate/up inputs), the v
+# rows (o's input) and the up rows (down's input), so it costs nothing per step. max|x_j| comes from a prefill of
+# these prompts through the float model when the model is loaded.
+SMOOTH_ALPHA = 0.5
+CALIBRATION_PROMPTS = (
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "What is 37 times 43? Show your working.",
+    "Summarise the causes of the French Revolution in three sentences.",
+    "Translate into German: The train leaves at seven and arrives before noon.",
+    "List five words that rhyme with light, then use two of them in a short poem.",
+    "A shop sells pens at 3 for 2 euros. How much do 12 pens cost?",
+    "Describe the difference between a list and a tuple in Python.",
+)
+
+
+@torch.inference_mode()
+def activation_ranges(model, prompt_ids: list[list[int]]) -> dict:
+    """max |x| per input channel of every product over the prompts' tokens, from a prefill of each prompt through
+    `model` (a float transformers Llama-family model): {"layers": [{qkv, o, gate_up, down}, ...], "head": ...}."""
+    ranges = [dict() for _ in model.model.layers] + [dict()]
+    hooks = []
+    watched = [(i, name, module) for i, layer in enumerate(model.model.layers)
+               for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
+                                    ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj))]
+    for i, name, module in watched + [(len(ranges) - 1, "head", model.lm_head)]:
+        def keep(_module, args, i=i, name=name):
+            seen = args[0].detach().float().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            ranges[i][name] = torch.maximum(ranges[i].get(name, seen), seen)
+        hooks.append(module.register_forward_pre_hook(keep))
+    try:
+        for ids in prompt_ids:
+            model(input_ids=torch.tensor([ids], device=model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"layers": ranges[:-1], "head": ranges[-1]["head"]}
+
+
+def smoothing(x_range: torch.Tensor, w_range: torch.Tensor, alpha: float | None = None) -> torch.Tensor:
+    """s per input channel, for activations whose channels reach `x_range` and weight columns reaching `w_range`."""
+    alpha = SMOOTH_ALPHA if alpha is None else alpha
+    s = x_range.clamp(min=1e-5).pow(alpha) / w_range.clamp(min=1e-5).pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+def calibration_ranges(model, tokenizer) -> dict:
+    """activation_ranges over CALIBRATION_PROMPTS, each through the tokenizer's chat template."""
+    from mars_core.loading import encode_chat
+
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True)
+           for p in CALIBRATION_PROMPTS]
+    return activation_ranges(model, ids)

@@ -143,18 +143,24 @@ def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
         load_model("tiny-mars", device="cpu", dtype="w8a8")
 
 
-def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes):
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 80, generator=gen) * 0.05, torch.randn(96, generator=gen)
-    lin = W8A8Linear(weight, bias)
     x = torch.randn(7, 80, generator=gen) * torch.tensor([1, 30, 0.01, 1, 5, 1, 200.0])[:, None]
+    x[:, 3] *= 40                                                        # an outlier channel, as after a norm
+    lin = W8A8Linear(weight, bias, passes=passes)
     with torch.inference_mode():
         together = lin(x)
         alone = torch.cat([lin(x[i:i + 1]) for i in range(7)])
         exact = x @ weight.t() + bias
+        weight_only = x @ W8A8Linear(weight, passes=passes)._packed.unpack()[0].dequantize()[:, :80].t() + bias
     assert torch.equal(together, alone)
     rel = ((together - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
-    assert rel < 0.02, rel
+    assert rel < 0.05, rel
+    # two passes leave only the weights' rounding: the activations' own error is ~255 times smaller
+    act_error = ((together - weight_only).norm(dim=1) / exact.norm(dim=1)).max().item()
+    assert act_error < (0.002 if passes == 2 else 0.05) and (passes == 2 or act_error > 0.002), act_error
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +203,10 @@ def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(ti
     from mars_core.lean_script import scripted_layers
 
     assert scripted_layers() is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py"
-    net = tiny_mars_w8a8.net
-    eager = LeanLM(tiny_mars_w8a8_fp32(), "w8a8", script=False)
+    from mars_core.w8a8 import calibration_ranges
+
+    net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
+    eager = LeanLM(fp32, "w8a8", script=False, ranges=calibration_ranges(fp32, tiny_mars_w8a8.tokenizer))
     assert net.scripted is not None and eager.scripted is None
     ids = torch.tensor([suite[0]])
     with torch.inference_mode():
@@ -212,3 +220,34 @@ def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(ti
 
 def tiny_mars_w8a8_fp32():
     return load_model("tiny-mars", device="cpu", dtype="float32", backend="hf").model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_smoothing_moves_scale_between_activations_and_weights_without_changing_the_function(arch, tokenizer):
+    """SmoothQuant's folding (into the norms, the v rows and the up rows) leaves the float model's logits as they
+    were; in w8a8 it only changes which values get rounded."""
+    from mars_core.w8a8 import activation_ranges
+
+    model = make_model(arch, len(tokenizer))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, len(tokenizer), (1, 12), generator=gen)
+    ranges = activation_ranges(model, [ids[0].tolist()[:7], ids[0].tolist()[3:]])
+    smoothed = LeanLM(model, "float", ranges=ranges)
+    assert not torch.equal(smoothed.layers[0].norm_in, LeanLM(model).layers[0].norm_in)   # it did move scale
+    with torch.inference_mode():
+        assert (model(input_ids=ids).logits - smoothed(input_ids=ids).logits).abs().max() <= TOL
+
+
+def test_on_grid_rounds_as_fbgemm_does():
+    """The two-pass products take what fbgemm's rounding left out; that needs fbgemm's own grid, read off a product
+    with the identity matrix."""
+    from mars_core.w8a8 import RAILS, on_grid
+
+    gen = torch.Generator().manual_seed(2)
+    u = torch.rand(64, 256, generator=gen) * 2 - 1
+    u = u / u.abs().amax(dim=1, keepdim=True)
+    u[0, :2] = torch.tensor([1.0, -1.0])
+    rails = torch.tensor([[1.0, -1.0]]).expand(64, RAILS)
+    with torch.inference_mode():
+        seen = torch.ops.quantized.linear_dynamic(torch.cat([u, rails], dim=1), W8A8Linear(torch.eye(256))._packed)
+    assert (seen - on_grid(u)).abs().max() < 1e-6
