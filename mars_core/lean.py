@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mars_core.lean_script import _rms, layers
+
 ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
 FORMATS = ("float", "int8", "w8a8")
@@ -173,14 +175,16 @@ class LeanLM(torch.nn.Module):
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
         # number of positions fed; float64 scores and sums make those last-bit differences vanish in fp32
         self.attention_dtype = torch.float64 if fmt == "w8a8" else torch.float32
-        self.scripted = None   # w8a8: the same layer loop compiled by TorchScript (mars_core/lean_script.py)
-        if fmt == "w8a8" and script:
-            from mars_core.lean_script import scripted_layers
+        self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
+        if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
+            from mars_core.lean_script import scripted
 
-            self.scripted = scripted_layers()
+            self.scripted = scripted("w8a8" if fmt == "w8a8" else "fp32")
             lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
-            self._script_weights = ([m._packed for m in lins], [m.bias for m in lins], [m.passes == 2 for m in lins],
-                                    [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)])
+            norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
+            self._script_weights = (([m._packed for m in lins], [m.bias for m in lins], [m.passes == 2 for m in lins],
+                                     self.layers[0].qkv.rails, norms) if fmt == "w8a8" else
+                                    ([m.w for m in lins], [m.b for m in lins], norms))
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
         w = self._float_weights(layer)
@@ -255,19 +259,18 @@ class LeanLM(torch.nn.Module):
         rope = self.rope[position_ids.reshape(-1)][:, None] * self.rope_scale        # [b*L, heads + kv, d/2]
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
+        shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
         if self.scripted is not None:
-            x = self.scripted(x, *self._script_weights, cache.k, cache.v, past, b, length, self.heads, self.kv_heads,
-                              self.head_dim, rope, hidden, self.eps, self.layers[0].qkv.rails)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = self._block(i, layer, x, b, length, past, rope, cache, hidden)
+            x = self.scripted(x, *self._script_weights, *shape)
+        else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
+            x = layers(x, self.layers, *shape)
         cache.length = past + length
         x = x.view(b, length, -1)
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[:, logits_to_keep]
         elif logits_to_keep:
             x = x[:, -logits_to_keep:]
-        h = _rms_norm(x, self.norm, self.eps)
+        h = _rms(x, self.norm, self.eps)
         return LeanOutput(self.head(h.reshape(-1, h.shape[-1])).view(b, h.shape[1], -1))
 
     def _mask_fill(self, mask, b, length, past, device):
@@ -279,41 +282,3 @@ class LeanLM(torch.nn.Module):
             mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None, None]
         group = self.heads // self.kv_heads
         return (~mask).expand(b, 1, length, past + length).repeat_interleave(group, dim=2)
-
-    def _block(self, i, layer, x, b, length, past, rope, cache, hidden):
-        heads, kv, d = self.heads, self.kv_heads, self.head_dim
-        h = _rms_norm(x, layer.norm_in, self.eps)
-        qkv = layer.qkv(h)
-        qk = qkv[:, : (heads + kv) * d]
-        if qk.dtype != torch.float32:   # complex RoPE needs fp32; bf16 formats round back
-            qk = qk.float()
-        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b * length, heads + kv, d // 2, 2)) * rope)
-        qk = qk.reshape(b, length, heads + kv, d)
-        end = past + length
-        cache.k[i, :, :, past:end] = qk[:, :, heads:].transpose(1, 2)
-        cache.v[i, :, :, past:end] = qkv[:, (heads + kv) * d:].reshape(b, length, kv, d).transpose(1, 2)
-        att = self._attend(qk[:, :, :heads], cache.k[i, :, :, :end], cache.v[i, :, :, :end], hidden)
-        x = x + layer.o(att.to(x.dtype))
-        h = _rms_norm(x, layer.norm_post, self.eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
-
-    def _attend(self, q, k, v, hidden):
-        """Grouped-query attention of q [b, L, heads, d] (already scaled) over the cache's k, v [b, kv, T, d], in
-        the cache's dtype; the query rows of one KV head are batched as [L * group] rows of one product."""
-        b, length, heads, d = q.shape
-        kv = self.kv_heads
-        q = q.to(k.dtype).reshape(b, length, kv, heads // kv, d).transpose(1, 2).reshape(b, kv, -1, d)
-        scores = q @ k.transpose(-1, -2)                                              # [b, kv, L*group, T]
-        if hidden is not None:
-            scores = scores.masked_fill(hidden, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v                                       # [b, kv, L*group, d]
-        return out.view(b, kv, length, heads // kv, d).transpose(1, 2).reshape(b * length, heads * d)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (statistics in fp32), spelled out: torch's F.rms_norm measured slower on few CPU rows."""
-    if x.dtype != torch.float32:
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

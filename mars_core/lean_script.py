@@ -1,11 +1,12 @@
-"""The w8a8 layer stack of `mars_core.lean.LeanLM` as one TorchScript function.
+"""The layer stack of `mars_core.lean.LeanLM`: one loop per weight format, two of them compiled by TorchScript.
 
 On one CPU thread a SmolLM2 forward is ~1,300 small ops besides its 121 matrix products, and Python's share of
-each op is what the eager loop pays most for (docs/experiments.md, "lean forward"). TorchScript runs the same ops
+each op is what an eager loop pays most for (docs/experiments.md, "lean forward"). TorchScript runs the same ops
 in the same order from its C++ interpreter, so the logits are bitwise the eager loop's (tests/test_lean.py
-checks it) at about two thirds of the time. `torch.jit.script` is deprecated in favour of torch.compile, which
-compiled this forward for minutes and did not run it faster; if a torch release drops it, `scripted_layers()`
-returns None and LeanLM runs its eager loop.
+checks it) at about two thirds of the time. The w8a8 and fp32 loops are scripted; bf16 and int8 run `layers`,
+the same arithmetic through the modules' own forward. `torch.jit.script` is deprecated in favour of
+torch.compile, which compiled this forward for minutes and did not run it faster; if a torch release drops it,
+`scripted()` returns None and LeanLM runs the plain Python functions below, which give the same numbers.
 """
 from __future__ import annotations
 
@@ -16,12 +17,44 @@ import torch
 
 from mars_core.w8a8 import _INVERSE, _STEP
 
-_SCRIPTED = []   # [function or None], built once per process
 _STEP_F = float(_STEP)
+_COMPILED: dict = {}   # loop name -> compiled function (or None), built once per process
 
 
-def _railed(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, rails: torch.Tensor,
-            bias: Optional[torch.Tensor], two: bool, inverse: float = _INVERSE, step: float = _STEP_F) -> torch.Tensor:
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (statistics in fp32), spelled out: torch's F.rms_norm measured slower on few rows."""
+    if x.dtype != torch.float32:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _attention(i: int, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
+               length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor]):
+    """Layer i's attention from its fused q/k/v rows [b*L, (heads + 2 kv) d]: RoPE as one complex multiply (q rows
+    also carry 1/sqrt(d)), the chunk's k and v written into the cache, and grouped-query attention over the cache
+    in its dtype (float64 for w8a8), the query rows of one KV head batched as L * group rows of one product."""
+    end = past + length
+    group = heads // kv
+    qk = qkv[:, : (heads + kv) * d]
+    if qk.dtype != torch.float32:   # complex RoPE needs fp32; bf16 formats round back below
+        qk = qk.float()
+    qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b * length, heads + kv, d // 2, 2)) * rope)
+    qk = qk.reshape(b, length, heads + kv, d)
+    k_cache[i, :, :, past:end] = qk[:, :, heads:].transpose(1, 2)
+    v_cache[i, :, :, past:end] = qkv[:, (heads + kv) * d:].reshape(b, length, kv, d).transpose(1, 2)
+    k = k_cache[i, :, :, :end]
+    v = v_cache[i, :, :, :end]
+    q = qk[:, :, :heads].to(k.dtype).reshape(b, length, kv, group, d).transpose(1, 2).reshape(b, kv, -1, d)
+    scores = q @ k.transpose(-1, -2)                                               # [b, kv, L*group, T]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    att = (torch.softmax(scores, dim=-1) @ v).view(b, kv, length, group, d).transpose(1, 2)
+    return att.reshape(b * length, heads * d).to(qkv.dtype)
+
+
+def _w8a8(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, rails: torch.Tensor,
+          bias: Optional[torch.Tensor], two: bool, inverse: float = _INVERSE, step: float = _STEP_F) -> torch.Tensor:
     """mars_core.w8a8.W8A8Linear.forward on a 2D fp32 input, op for op (`two`: its passes == 2)."""
     magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
     u = x / magnitude
@@ -37,47 +70,59 @@ def _railed(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsB
     return y
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _layers(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPackedParamsBase],
-            biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor], k_cache: torch.Tensor,
-            v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
-            hidden: Optional[torch.Tensor], eps: float, rails: torch.Tensor) -> torch.Tensor:
-    """LeanLM._block for every layer (weights in order qkv, o, gate_up, down per layer; norms in, post)."""
-    end = past + length
-    group = heads // kv
+def layers_w8a8(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPackedParamsBase],
+                biases: List[Optional[torch.Tensor]], two: List[bool], rails: torch.Tensor, norms: List[torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
+                d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Every layer in w8a8 (products in order qkv, o, gate_up, down per layer; norms in, post)."""
     for i in range(len(norms) // 2):
-        h = _rms(x, norms[2 * i], eps)
-        qkv = _railed(h, packs[4 * i], rails, biases[4 * i], two[4 * i])
-        qk = qkv[:, : (heads + kv) * d]
-        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b * length, heads + kv, d // 2, 2)) * rope)
-        qk = qk.reshape(b, length, heads + kv, d)
-        k_cache[i, :, :, past:end] = qk[:, :, heads:].transpose(1, 2)
-        v_cache[i, :, :, past:end] = qkv[:, (heads + kv) * d:].reshape(b, length, kv, d).transpose(1, 2)
-        k = k_cache[i, :, :, :end]
-        v = v_cache[i, :, :, :end]
-        q = qk[:, :, :heads].to(k.dtype).reshape(b, length, kv, group, d).transpose(1, 2).reshape(b, kv, -1, d)
-        scores = q @ k.transpose(-1, -2)
-        if hidden is not None:
-            scores = scores.masked_fill(hidden, float("-inf"))
-        att = (torch.softmax(scores, dim=-1) @ v).view(b, kv, length, group, d).transpose(1, 2)
-        att = att.reshape(b * length, heads * d)
-        x = x + _railed(att.to(x.dtype), packs[4 * i + 1], rails, biases[4 * i + 1], two[4 * i + 1])
-        h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = _railed(h, packs[4 * i + 2], rails, biases[4 * i + 2], two[4 * i + 2]).chunk(2, dim=-1)
-        x = x + _railed(torch.nn.functional.silu(gate) * up, packs[4 * i + 3], rails, biases[4 * i + 3], two[4 * i + 3])
+        j = 4 * i
+        qkv = _w8a8(_rms(x, norms[2 * i], eps), packs[j], rails, biases[j], two[j])
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + _w8a8(att, packs[j + 1], rails, biases[j + 1], two[j + 1])
+        gate, up = _w8a8(_rms(x, norms[2 * i + 1], eps), packs[j + 2], rails, biases[j + 2], two[j + 2]).chunk(2, -1)
+        x = x + _w8a8(torch.nn.functional.silu(gate) * up, packs[j + 3], rails, biases[j + 3], two[j + 3])
     return x
 
 
-def scripted_layers():
-    """The TorchScript-compiled `_layers`, or None where torch cannot script it (then LeanLM stays eager)."""
-    if not _SCRIPTED:
+def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """mars_core.lean.FloatLinear.forward in fp32 (W^T row-major), op for op."""
+    return x @ w if bias is None else torch.addmm(bias, x, w)
+
+
+def layers_fp32(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
+                norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
+                length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor],
+                eps: float) -> torch.Tensor:
+    """Every layer in fp32, as layers_w8a8 with plain products."""
+    for i in range(len(norms) // 2):
+        j = 4 * i
+        qkv = _fp32(_rms(x, norms[2 * i], eps), weights[j], biases[j])
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + _fp32(att, weights[j + 1], biases[j + 1])
+        gate, up = _fp32(_rms(x, norms[2 * i + 1], eps), weights[j + 2], biases[j + 2]).chunk(2, -1)
+        x = x + _fp32(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3])
+    return x
+
+
+def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden, eps):
+    """Every layer through its modules' own products (any format; what bf16 and int8 run)."""
+    for i, layer in enumerate(modules):
+        qkv = layer.qkv(_rms(x, layer.norm_in, eps))
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + layer.o(att)
+        gate, up = layer.gate_up(_rms(x, layer.norm_post, eps)).chunk(2, -1)
+        x = x + layer.down(torch.nn.functional.silu(gate) * up)
+    return x
+
+
+def scripted(name: str):
+    """The TorchScript-compiled "w8a8" or "fp32" loop, or None where torch cannot script it."""
+    if name not in _COMPILED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
-                _SCRIPTED.append(torch.jit.script(_layers))
-        except Exception:   # any failure to compile means "run eagerly", never a wrong result
-            _SCRIPTED.append(None)
-    return _SCRIPTED[0]
+                _COMPILED[name] = torch.jit.script({"w8a8": layers_w8a8, "fp32": layers_fp32}[name])
+        except Exception:   # any failure to compile means "run the Python function", never a wrong result
+            _COMPILED[name] = None
+    return _COMPILED[name]

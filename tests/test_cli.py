@@ -71,7 +71,7 @@ def test_bench_prints_table_and_json(model_dir, tmp_path):
     assert lines[1].startswith("batch | transformers s | AR s | MARS s | tok/fwd")
     data = json.loads(lines[-1])
     assert [r["batch_size"] for r in data["rows"]] == [1, 2] and data["criterion"] == "margin"
-    assert data["layout"] == "row-major" and data["device"] == "cpu"    # the CPU decoding layout is the default
+    assert data["backend"] == "lean" and data["layout"] == "lean (fused)" and data["device"] == "cpu"   # CPU default
     for row in data["rows"]:
         assert row["speedup"] == pytest.approx(row["ar_time"] / row["mars_time"])
         assert row["forward_cost"] > 0 and row["reference_time"] > 0 and row["tokens_per_forward"] >= 1
@@ -166,3 +166,25 @@ def test_finetune_commands_turn_bad_input_into_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as done:
         run_main(main)
     assert done.value.code == 2 and capsys.readouterr().err == "error: --n -3 must be >= 1\n"
+
+
+def test_bench_times_both_backends_side_by_side(model_dir):
+    out = run_cli("bench", "--model", str(model_dir), "--batch-sizes", "1", "--n-prompts", "2", "--max-new-tokens", "6",
+                  "--repeats", "1", "--no-reference", "--backend", "lean", "--ar-backend", "hf", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    row = data["rows"][0]
+    assert data["backend"] == "lean" and row["other_ar_label"] == "ours, float32, hf" and row["other_ar_time"] > 0
+    assert row["other_ar_agreement"] == 1                     # fp32: both backends write the same tokens
+    assert set(row["ms_per_token"]) >= {"ar", "mars", "verify", "transformers", "other_ar"}
+    assert row["per_token_speedup"][row["fastest_ar_per_token"]] == pytest.approx(1.0)
+
+
+def test_bench_llamacpp_without_the_package_is_one_clear_line(monkeypatch, capsys):
+    import mars_core.llamacpp as llamacpp
+    from mars_core.cli import main
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    assert main(["bench", "--model", "tiny-mars", "--llamacpp", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err

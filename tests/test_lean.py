@@ -200,9 +200,9 @@ def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
 def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(tiny_mars_w8a8, suite):
     """TorchScript runs the same ops in the same order: the logits are the eager loop's, bit for bit. Fails first,
     and says so, if a torch release can no longer script the loop (LeanLM would then run it eagerly)."""
-    from mars_core.lean_script import scripted_layers
+    from mars_core.lean_script import scripted
 
-    assert scripted_layers() is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py"
+    assert scripted("w8a8") is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py"
     from mars_core.w8a8 import calibration_ranges
 
     net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
@@ -251,3 +251,13 @@ def test_on_grid_rounds_as_fbgemm_does():
     with torch.inference_mode():
         seen = torch.ops.quantized.linear_dynamic(torch.cat([u, rails], dim=1), W8A8Linear(torch.eye(256))._packed)
     assert (seen - on_grid(u)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_scripted_fp32_layers_equal_the_module_loop_bitwise(arch, tokenizer):
+    model = make_model(arch, len(tokenizer))
+    fast, plain = LeanLM(model), LeanLM(model, script=False)
+    assert fast.scripted is not None and plain.scripted is None
+    ids = torch.randint(5, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert torch.equal(fast(input_ids=ids).logits, plain(input_ids=ids).logits)
