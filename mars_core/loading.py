@@ -67,8 +67,8 @@ MARS_HUB_PREFIX = "Xalphinions/MARS-"
 MASK_TOKEN = "<|mask|>"
 
 # dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
-# seed against the float model and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
-W8A8_KEEPS_QUALITY: tuple[str, ...] = ()
+# seed against its bf16 numbers and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
+W8A8_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
 
 
 def cache_dir() -> Path:
