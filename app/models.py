@@ -153,7 +153,7 @@ def load_with_timing(name: str):
 
 
 def describe(lm) -> str:
-    n_params = sum(p.numel() for p in lm.model.parameters())
+    n_params = getattr(lm, "n_params", 0) or sum(p.numel() for p in lm.model.parameters())
     fmt = getattr(lm, "weight_format", None)
     runs = "" if fmt is None else f" · {fmt}, {'lean forward' if lm.backend == 'lean' else 'transformers forward'}"
     return (f"**{lm.name}** · {n_params / 1e6:.1f} M parameters · device {lm.device}{runs} · "

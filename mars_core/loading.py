@@ -91,10 +91,13 @@ class LoadedModel:
     # `model` stays the transformers model for generate(), training and export (in dtype="int8"/"w8a8" its linear
     # layers are quantized the same way, so that generate() runs the same format).
     net: object = field(default=None, repr=False)
+    n_params: int = 0   # the float model's parameter count (quantized layers hide theirs inside packed weights)
 
     def __post_init__(self):
         if self.net is None:
             self.net = self.model
+        if not self.n_params:
+            self.n_params = sum(p.numel() for p in self.model.parameters())
 
     @property
     def backend(self) -> str:
@@ -684,6 +687,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
     lean, net = pick_backend(backend, model, dev) == "lean", None
+    n_params = sum(p.numel() for p in model.parameters())
     if dev.type == "cpu" and dtype == "auto":
         dtype, net = _auto_cpu_format(model, tokenizer, name_or_path, str(where), lean)
         torch_dtype = pick_dtype(dtype, dev)
@@ -707,7 +711,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     return LoadedModel(
         model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
         path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
-        context_length=getattr(config, "max_position_embeddings", 2048), net=net,
+        context_length=getattr(config, "max_position_embeddings", 2048), net=net, n_params=n_params,
     )
 
 
@@ -722,7 +726,7 @@ def _auto_cpu_format(model, tokenizer, name: str | None, where: str, lean: bool)
     from mars_core.lean import LeanLM
 
     nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": _lean_net(model, "w8a8", torch.float32, tokenizer)}
-    choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))
+    choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))   # before quantizing
     return choice, nets[choice]
 
 

@@ -261,3 +261,9 @@ def test_the_scripted_fp32_layers_equal_the_module_loop_bitwise(arch, tokenizer)
     ids = torch.randint(5, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         assert torch.equal(fast(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_a_quantized_load_still_counts_the_models_parameters(tiny_mars_w8a8):
+    float_count = sum(p.numel() for p in load_model("tiny-mars", device="cpu", dtype="float32").model.parameters())
+    assert tiny_mars_w8a8.n_params == float_count                     # the packed int8 weights hide theirs
+    assert sum(p.numel() for p in tiny_mars_w8a8.model.parameters()) < float_count
