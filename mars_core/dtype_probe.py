@@ -4,7 +4,7 @@
 float32, and w8a8 (int8 products whose rows are independent, mars_core/w8a8.py). bf16 is not offered: its
 multi-position forwards round differently from one-position ones, so its lossless answer drifts from its AR
 answer. w8a8 rounds the model, so it is a candidate only for a model whose quality in w8a8 was measured and kept
-(`mars_core.loading.W8A8_KEEPS_QUALITY`); every other model decodes in float32 without a probe.
+(`mars_core.formats.W8A8_KEEPS_QUALITY`); every other model decodes in float32 without a probe.
 
 With more than one candidate the probe times each format's decoding forward (the backend the decoder will run)
 and AR's one-row forward decides, so the AR baseline runs in its own fastest configuration and MARS in the same

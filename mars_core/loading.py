@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
 from mars_core.adapter import merge_adapter, read_adapter_config
 from mars_core.cpu_layout import RowMajorLinear, cpu_decoding_layout  # noqa: F401  (also imported from here)
+from mars_core.formats import BACKENDS, auto_cpu_format, lean_net, pick_backend, pick_dtype  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,11 +66,6 @@ CUSTOM_TYPE_TO_STOCK = {"a2d-qwen2": "qwen2", "a2d_qwen2": "qwen2"}
 MARS_HUB_PREFIX = "Xalphinions/MARS-"
 
 MASK_TOKEN = "<|mask|>"
-
-# dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
-# seed against its bf16 numbers and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
-W8A8_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
-
 
 def cache_dir() -> Path:
     """Where converted checkpoints live (`MARS_CACHE_DIR`, else ~/.cache/mars-playground)."""
@@ -298,33 +294,6 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
         if not (hasattr(backend, "is_available") and backend.is_available()):
             raise ValueError(f"device={device!r} is not available on this machine: use auto, cpu or cuda")
     return dev
-
-
-def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of activations (and of weights, except for "int8", whose weights are int8)."""
-    if dtype == "auto":   # on a CPU, load_model then measures whether bf16 decodes faster (dtype_probe)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype in ("int8", "w8a8"):
-        if device.type != "cpu":
-            raise ValueError(f"dtype={dtype!r} is a CPU weight format, not one for device {device.type!r}: "
-                             "use bfloat16 there, or --device cpu")
-        if dtype == "w8a8":
-            from mars_core.w8a8 import check_w8a8
-
-            check_w8a8()
-            return torch.float32
-        from mars_core.dtype_probe import cpu_has_native_bf16
-
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype} is not a floating-point type: use torch.float32, bfloat16 or float16")
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype={dtype!r} is unknown: use auto, float32, bfloat16, float16, int8 or w8a8 (CPU)")
-    return table[dtype]
 
 
 # ----------------------------------------------------------------------------- sources
@@ -638,23 +607,6 @@ def is_prepared(name_or_path: str | None = None) -> bool:
         return False
 
 
-BACKENDS = ("auto", "hf", "lean")
-
-
-def pick_backend(backend: str, model, device: torch.device) -> str:
-    """"lean" or "hf". auto: the lean forward on a CPU wherever it supports the architecture."""
-    from mars_core.lean import unsupported
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
-    reason = unsupported(model)
-    if backend == "lean" and reason is not None:
-        raise ValueError(f"backend='lean' cannot run this model: {reason}; use backend='hf' (or auto)")
-    if backend == "auto":
-        return "lean" if device.type == "cpu" and reason is None else "hf"
-    return backend
-
-
 def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: str = "auto",
                mask_token: str | None = None, cpu_layout: bool = True, backend: str = "auto") -> LoadedModel:
     """Load a model for decoding. `None` loads the embedded default (tiny-mars).
@@ -689,10 +641,10 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     lean, net = pick_backend(backend, model, dev) == "lean", None
     n_params = sum(p.numel() for p in model.parameters())
     if dev.type == "cpu" and dtype == "auto":
-        dtype, net = _auto_cpu_format(model, tokenizer, name_or_path, str(where), lean)
+        dtype, net = auto_cpu_format(model, tokenizer, name_or_path or DEFAULT_MODEL, str(where), lean)
         torch_dtype = pick_dtype(dtype, dev)
     if lean and net is None:
-        net = _lean_net(model, dtype, torch_dtype, tokenizer)
+        net = lean_net(model, dtype, torch_dtype, tokenizer)
     if dtype == "int8":   # the transformers model in the same format, for generate() and backend="hf"
         from mars_core.int8 import quantize_int8
 
@@ -715,40 +667,13 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     )
 
 
-def _auto_cpu_format(model, tokenizer, name: str | None, where: str, lean: bool):
-    """("float32" or "w8a8", its lean forward if one was built): w8a8 only where this model keeps its quality in
-    it (W8A8_KEEPS_QUALITY) and w8a8 decodes faster here (dtype_probe); both are exact formats."""
-    from mars_core.dtype_probe import choose_cpu_format
-    from mars_core.w8a8 import w8a8_supported
-
-    if not (lean and (name or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY and w8a8_supported()):
-        return "float32", None
-    from mars_core.lean import LeanLM
-
-    nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": _lean_net(model, "w8a8", torch.float32, tokenizer)}
-    choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))   # before quantizing
-    return choice, nets[choice]
-
-
-def _lean_net(model, dtype: str, torch_dtype: torch.dtype, tokenizer=None):
-    """The lean forward in this format; w8a8 is smoothed with activation ranges measured through `tokenizer`."""
-    from mars_core.lean import LeanLM
-
-    ranges = None
-    if dtype == "w8a8" and tokenizer is not None:
-        from mars_core.w8a8 import calibration_ranges
-
-        ranges = calibration_ranges(model, tokenizer)
-    return LeanLM(model, dtype if dtype in ("int8", "w8a8") else "float", torch_dtype, ranges=ranges)
-
-
 def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None,
                backend: str = "hf") -> LoadedModel:
     """A LoadedModel around objects already in memory (tests, training evaluation); `backend="lean"` decodes
     through a LeanLM built from `model` in its own dtype."""
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
     device = next(model.parameters()).device
-    net = _lean_net(model, "float", model.dtype) if pick_backend(backend, model, device) == "lean" else None
+    net = lean_net(model, "float", model.dtype) if pick_backend(backend, model, device) == "lean" else None
     return LoadedModel(
         model=model.eval(), tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
         path="", name=name, device=device, mask_source=source,

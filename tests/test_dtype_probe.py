@@ -49,12 +49,12 @@ def test_small_models_and_single_candidates_are_chosen_without_probing(probe, mo
 
 
 def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch, tmp_path):
-    from mars_core import load_model, loading
+    from mars_core import formats, load_model
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
     lm = load_model("tiny-mars", device="cpu")
     assert lm.weight_format == "float32" and lm.backend == "lean"
-    monkeypatch.setattr(loading, "W8A8_KEEPS_QUALITY", ("tiny-mars",))
+    monkeypatch.setattr(formats, "W8A8_KEEPS_QUALITY", ("tiny-mars",))
     monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
     timed = {}
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda nets: timed.update(nets) or {

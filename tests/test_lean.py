@@ -14,7 +14,8 @@ from transformers import DynamicCache
 from mars_core import DecodeConfig, generate, load_model
 from mars_core.decoding import step_attention
 from mars_core.lean import GROW, LeanCache, LeanLM, unsupported
-from mars_core.loading import pick_backend, wrap_model
+from mars_core.formats import pick_backend
+from mars_core.loading import wrap_model
 from mars_core.w8a8 import W8A8Linear, w8a8_supported
 from tests.conftest import PROMPTS
 from tests.tiny_fixtures import make_model, tiny_causal_lm
