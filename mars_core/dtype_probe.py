@@ -95,17 +95,19 @@ def _known() -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def choose_cpu_format(nets: dict, where: str, n_params: int) -> str:
-    """The name of the fastest of `nets` ({format name: the decoding forward in that format}, the first one the
-    default) for the model file at `where`, measured once; a single candidate, or a model of fewer than
-    MIN_PARAMS parameters, is chosen without timing anything."""
-    names = list(nets)
+def choose_cpu_format(builders: dict, where: str, n_params: int) -> tuple[str, object]:
+    """(name, its decoding forward or None) for the fastest of `builders` ({format name: a function that builds
+    the decoding forward in that format}, the first one the default) for the model file at `where`. Measured once
+    and cached; a single candidate, a model of fewer than MIN_PARAMS parameters or a cached choice builds nothing
+    here (None: the caller builds the one it needs)."""
+    names = list(builders)
     if len(names) == 1 or n_params < MIN_PARAMS:
-        return names[0]
+        return names[0], None
     path, key = _cache_file(), _key(where)
     known = _known()
     if key in known and known[key].get("dtype") in names:
-        return known[key]["dtype"]
+        return known[key]["dtype"], None
+    nets = {name: build() for name, build in builders.items()}
     ms = forward_ms(nets)
     one = {n: ms[(n, 1)] for n in names}
     best = min(one.values())
@@ -120,7 +122,7 @@ def choose_cpu_format(nets: dict, where: str, n_params: int) -> str:
         os.replace(tmp, path)
     except OSError:
         pass   # a read-only cache only costs the probe again next time
-    return choice
+    return choice, nets[choice]
 
 
 def slow_decoding_warning(lm, step_seconds: list[float], block_size: int = 4) -> str | None:

@@ -55,8 +55,8 @@ def pick_backend(backend: str, model, device: torch.device) -> str:
 
 
 def auto_cpu_format(model, tokenizer, name: str, where: str, lean: bool):
-    """("float32" or "w8a8", its lean forward if one was built): w8a8 only where this model keeps its quality in
-    it (W8A8_KEEPS_QUALITY) and w8a8 decodes faster here (dtype_probe); both are exact formats."""
+    """("float32" or "w8a8", its lean forward if the probe built one, else None): w8a8 only where this model keeps
+    its quality in it (W8A8_KEEPS_QUALITY) and w8a8 decodes faster here (dtype_probe); both are exact formats."""
     from mars_core.dtype_probe import choose_cpu_format
     from mars_core.w8a8 import w8a8_supported
 
@@ -64,9 +64,9 @@ def auto_cpu_format(model, tokenizer, name: str, where: str, lean: bool):
         return "float32", None
     from mars_core.lean import LeanLM
 
-    nets = {"float32": LeanLM(model, "float", torch.float32), "w8a8": lean_net(model, "w8a8", torch.float32, tokenizer)}
-    choice = choose_cpu_format(nets, where, sum(p.numel() for p in model.parameters()))   # before quantizing
-    return choice, nets[choice]
+    builders = {"float32": lambda: LeanLM(model, "float", torch.float32),
+                "w8a8": lambda: lean_net(model, "w8a8", torch.float32, tokenizer)}
+    return choose_cpu_format(builders, where, sum(p.numel() for p in model.parameters()))   # before quantizing
 
 
 def lean_net(model, dtype: str, torch_dtype: torch.dtype, tokenizer=None):

@@ -31,20 +31,24 @@ def test_the_faster_one_token_forward_decides_and_a_tie_goes_to_the_cheaper_step
                                                                                   timings, want):
     cache, calls, fake = probe
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
-    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
-    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == want
+    built = []
+    nets = {name: (lambda name=name: built.append(name) or torch.nn.Linear(4, 4)) for name in ("float32", "w8a8")}
+    choice, net = dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9)
+    assert choice == want and isinstance(net, torch.nn.Linear) and built == ["float32", "w8a8"]
     saved = json.loads((cache / "dtype-probe.json").read_text())
     assert [v["dtype"] for v in saved.values()] == [want]
-    # measured once: the second call reads the cache
-    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == want and len(calls) == 1
+    # measured once: the second call reads the cache and builds nothing
+    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == (want, None)
+    assert len(calls) == 1 and len(built) == 2
 
 
 def test_small_models_and_single_candidates_are_chosen_without_probing(probe, monkeypatch, tmp_path):
     cache, calls, fake = probe
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, {}))
-    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
-    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=16) == "float32"     # < MIN_PARAMS
-    assert dtype_probe.choose_cpu_format({"float32": nets["float32"]}, str(tmp_path), n_params=10**9) == "float32"
+    nets = {"float32": lambda: torch.nn.Linear(4, 4), "w8a8": lambda: torch.nn.Linear(4, 4)}
+    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=16) == ("float32", None)     # < MIN_PARAMS
+    one = {"float32": nets["float32"]}
+    assert dtype_probe.choose_cpu_format(one, str(tmp_path), n_params=10**9) == ("float32", None)
     assert calls == [] and not (cache / "dtype-probe.json").exists()
 
 
@@ -61,6 +65,8 @@ def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch
         ("float32", 1): 2.0, ("float32", 7): 3.0, ("w8a8", 1): 1.0, ("w8a8", 7): 1.5})
     cleared = load_model("tiny-mars", device="cpu")
     assert cleared.weight_format == "w8a8" and cleared.net is timed["w8a8"]   # the probed forward is the one served
+    again = load_model("tiny-mars", device="cpu")                           # the cached choice: only w8a8 is built
+    assert again.weight_format == "w8a8" and again.net is not timed["w8a8"] and again.net.format == "w8a8"
     assert load_model("tiny-mars", device="cpu", backend="hf").weight_format == "float32"   # w8a8 exactness is lean's
 
 
@@ -111,7 +117,7 @@ def test_the_probe_cache_forgets_models_whose_folder_is_gone(probe, monkeypatch,
     cache, calls, fake = probe
     timings = {("float32", 1): 60.0, ("float32", 7): 120.0, ("w8a8", 1): 50.0, ("w8a8", 7): 55.0}
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
-    nets = {"float32": torch.nn.Linear(4, 4), "w8a8": torch.nn.Linear(4, 4)}
+    nets = {"float32": lambda: torch.nn.Linear(4, 4), "w8a8": lambda: torch.nn.Linear(4, 4)}
     gone, kept, new = (tmp_path / name for name in ("gone", "kept", "new"))
     for folder in (gone, kept, new):
         folder.mkdir()
