@@ -51,9 +51,13 @@ def main(argv=None):
             preloaded.set()
 
     threading.Thread(target=preload, daemon=True).start()   # torch/transformers import beside gradio's
-    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's,
-    # in their own thread; the page polls models.prepare_status() and never waits for it.
-    if models.start_background_prepare(wait_for=preloaded, log=lambda msg: print(f"[app] {msg}", flush=True)):
+    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's and
+    # after the server answers, in their own thread: gradio's launch checks that localhost answers, and a
+    # load running beside that check (the w8a8 calibration and compile) could starve it until launch gave up.
+    # The page polls models.prepare_status() and never waits for it.
+    server_up, go = threading.Event(), threading.Event()
+    threading.Thread(target=lambda: (preloaded.wait(), server_up.wait(), go.set()), daemon=True).start()
+    if models.start_background_prepare(wait_for=go, log=lambda msg: print(f"[app] {msg}", flush=True)):
         print(f"[app] {models.SMOLLM2_MARS} loads in the background ({models.PREPARE_ESTIMATE}; "
               "seconds when built before)", flush=True)
 
@@ -62,5 +66,7 @@ def main(argv=None):
     demo = ui.build_ui(args.model, runs_dir=args.runs_dir or ui.RUNS_DIR)
     demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, share=False, show_error=False, ssr_mode=False,
-        max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, footer_links=[])
+        max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, footer_links=[], prevent_thread_lock=True)
+    server_up.set()
+    demo.block_thread()
 

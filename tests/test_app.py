@@ -702,5 +702,6 @@ def test_app_start_preloads_tiny_mars_then_prepares_smollm2_mars_in_the_backgrou
     assert isinstance(started["wait_for"], threading.Event) and started["wait_for"].wait(10)
     assert loaded == ["tiny-mars"]                   # the page's model first; smollm2-mars waits for it
     assert launched["server_name"] == "127.0.0.1" and launched["share"] is False
+    assert launched["prevent_thread_lock"] is True     # launch returns once the server answers; then smollm2-mars loads
     poll = next(f for f in launched["demo"].fns.values() if getattr(f.fn, "func", None) is generate.poll_default_model)
     assert poll.inputs[2].value is False              # automatic mode: the page may switch free text
