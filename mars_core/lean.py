@@ -118,7 +118,7 @@ class LeanCache:
         if self.k is not None and self.k.shape[3] >= need:
             return
         layers, heads, dim = self.shape
-        cap = min(max(need, self.limit), need + GROW) if self.k is None else need + GROW
+        cap = max(need, min(self.limit, need + GROW))   # GROW spare columns, never past the context
         k = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
         if self.k is not None:
@@ -238,9 +238,6 @@ class LeanLM(torch.nn.Module):
         w["down"], w["gate_up"][half:] = w["down"] * s, w["gate_up"][half:] / s[:, None]
         if "gate_up_b" in w:
             w["gate_up_b"][half:] = w["gate_up_b"][half:] / s
-
-    def get_input_embeddings(self):
-        return torch.nn.Embedding.from_pretrained(self.embed)
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.embed.device,
