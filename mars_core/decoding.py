@@ -20,6 +20,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
+from mars_core.drafts import LAYOUTS, group_attention, lookup_drafts
+
 MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
 CRITERIA = ("prob", "entropy", "margin")
 
@@ -56,6 +58,8 @@ class DecodeConfig:
     criterion: str = "prob"       # confidence: prob = p(t); entropy = exp(-H(q)); margin = p1 - p2
     max_accept: int | None = None  # optional cap on tokens accepted per forward
     stop_strings: tuple[str, ...] = ()  # stop once the decoded text contains one of these
+    draft_layout: str = "linear"  # verify: "linear" (masks after the last draft) or "quadratic" (after every one)
+    prompt_lookup: int = 0        # verify: also draft what followed the last 1..n tokens earlier in the text; 0 = off
 
     def __post_init__(self):
         self.validate()
@@ -87,6 +91,16 @@ class DecodeConfig:
         if not all(isinstance(s, str) for s in self.stop_strings):
             raise ValueError(f"stop_strings={self.stop_strings!r} must be strings")
         self.stop_strings = tuple(s for s in self.stop_strings if s)
+        if self.draft_layout not in LAYOUTS:
+            raise ValueError(f"draft_layout={self.draft_layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
+        if not _is_int(self.prompt_lookup) or self.prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup={self.prompt_lookup!r} must be an integer >= 0 (the longest n-gram to "
+                             "look up; 0 = off, 3 is a good start)")
+        if self.mode != "verify" and (self.draft_layout != "linear" or self.prompt_lookup):
+            what = f"draft_layout={self.draft_layout!r}" if self.draft_layout != "linear" else \
+                f"prompt_lookup={self.prompt_lookup!r}"
+            raise ValueError(f"{what} with mode={self.mode!r}: drafts exist only in lossless MARS, so use "
+                             "mode='verify' (or leave the default)")
 
     @property
     def candidates(self) -> int:
@@ -124,6 +138,7 @@ class RowStep:
     drafts: list[int] = field(default_factory=list)   # the ones kept as drafts, checked by the next forward
     confirmed: int = 0                # how many of the previous step's drafts equal AR's token (now committed)
     rejected: int | None = None       # the first previous draft that did not; accepted_ids[confirmed] replaced it
+    draft_source: str | None = None   # where `drafts` came from: "masks" or "prompt" (prompt lookup)
 
     @property
     def text(self) -> str:
@@ -139,6 +154,7 @@ class StepEvent:
     step_time: float     # seconds of this forward + acceptance
     elapsed: float       # seconds since generation started
     rows: list[RowStep]
+    positions: int = 0   # columns this forward fed per row (holes and masks included): what its cost follows
 
 
 @dataclass
@@ -309,6 +325,7 @@ class _Row:
     index: int                  # its position in the caller's batch
     budget: int                 # new tokens it may write
     pending: list[int]          # tokens not in the cache yet: committed ones, then `n_drafts` unverified drafts
+    prompt: list[int] = field(default_factory=list)
     n_drafts: int = 0
     cached: int = 0             # real tokens in the cache, so also the next free position
     generated: list[int] = field(default_factory=list)
@@ -326,25 +343,36 @@ class _Batch:
         self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
         self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
 
-    def attention(self, chunk_valid: torch.Tensor, width: int):
+    def attention(self, chunk_valid: torch.Tensor, width: int, groups: int = 1, n_masks: int = 0):
         """The step's attention mask, or None for a one-position step with no holes anywhere: that position may
         see every cached one, so no mask is the same mask and the model skips building one (AR steps at batch
         1 got ~14% faster on tiny-mars). Longer chunks keep ours: the model's own causal mask for a chunk
-        after a cache cost more than building this one."""
+        after a cache cost more than building this one. Several mask groups (the quadratic layout) each see
+        only their own prefix (mars_core.drafts)."""
         if chunk_valid.shape[1] == 1 and not self.kv_holes and all(len(r.pending) == width for r in self.rows):
             return None
-        return step_attention(self.kv_valid, chunk_valid)
+        mask = step_attention(self.kv_valid, chunk_valid)
+        return group_attention(mask, width, groups, n_masks) if groups > 1 else mask
 
-    def chunk(self, n_masks: int, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The step's input, right-aligned: [holes | pending | masks] per row -> ids, positions, valid, width.
-        Right alignment puts every row's last pending token and its masks in the same columns."""
+    def chunk(self, n_masks: int, fill: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The step's input, right-aligned: [holes | pending | groups x masks] per row -> ids, positions, valid,
+        width. Right alignment puts every row's last pending token and its masks in the same columns. Group g
+        follows pending column width - groups + g and continues its positions; a group behind a token that is
+        already committed (a row with fewer drafts than others) is a run of holes."""
         width = max(len(r.pending) for r in self.rows)
         ids, pos, valid = [], [], []
         for r in self.rows:
-            holes, real = width - len(r.pending), len(r.pending) + n_masks
-            ids.append([fill] * holes + r.pending + [fill] * n_masks)
-            pos.append([0] * holes + list(range(r.cached, r.cached + real)))   # holes take no position
-            valid.append([False] * holes + [True] * real)
+            holes = width - len(r.pending)
+            p = [0] * holes + list(range(r.cached, r.cached + len(r.pending)))   # holes take no position
+            v = [False] * holes + [True] * len(r.pending)
+            first = width - 1 - r.n_drafts        # the row's last committed token
+            for c in range(width - groups, width):
+                live = c >= first
+                p += list(range(p[c] + 1, p[c] + 1 + n_masks)) if live else [0] * n_masks
+                v += [live] * n_masks
+            ids.append([fill] * holes + r.pending + [fill] * (groups * n_masks))
+            pos.append(p)
+            valid.append(v)
         as_tensor = lambda x, **kw: torch.tensor(x, device=self.device, **kw)
         return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width
 
@@ -384,6 +412,7 @@ class _Settled:
     confirmed: int = 0                         # verify: previous drafts equal to AR's token
     rejected: int | None = None                # verify: the first previous draft that was not
     n_rejected: int = 0                        # verify: previous drafts dropped from the cache
+    source: str | None = None                  # verify: where the drafts came from
 
 
 def _check_finite(logits: torch.Tensor, lm, step: int) -> None:
@@ -435,14 +464,16 @@ def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_S
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
-def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos: set[int]) -> list[_Settled]:
+def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, groups, eos: set[int]) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
-    drafts are kept while equal to them, the first one that differs is replaced by AR's token, and new
-    drafts come from the masks only when every draft was confirmed (else the masks saw a wrong token)."""
+    drafts are kept while equal to them, the first one that differs is replaced by AR's token. New drafts
+    come from the mask group behind the last confirmed token, if the layout put one there (the linear
+    layout has only the group after the last draft: after a rejection its masks saw a wrong token), or
+    from prompt lookup when that offers more."""
     ar = logits[:, : n_verify + 1].argmax(dim=-1).tolist()
-    props, conf = ([[]] * len(rows), [[]] * len(rows))
+    props, conf = [[]] * len(rows), [[]] * len(rows)
     if n_masks:
-        p, c = propose(logits[:, n_verify + 1:], cfg.criterion)
+        p, c = propose(logits[:, n_verify + 1:], cfg.criterion)     # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
     settled = []
     for i, r in enumerate(rows):
@@ -450,11 +481,21 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, eos: set[int]) -> 
         drafts, want = r.pending[len(r.pending) - m:], ar[i][n_verify - m:]
         ok = confirm(drafts, want)
         commit = clip_commit(want[: ok + 1], r.left, eos)
-        new = []
-        if ok == m and len(commit) == ok + 1 and commit[-1] not in eos:
+        g = groups - 1 - (m - ok)          # the group behind the last confirmed token, if there is one
+        cut = slice(max(g, 0) * n_masks, (max(g, 0) + 1) * n_masks)
+        cands, confs = props[i][cut], conf[i][cut]
+        new, source = [], None
+        if len(commit) == ok + 1 and commit[-1] not in eos:
             cap = min(n_masks, r.left - len(commit) - 1, (cfg.max_accept or cfg.candidates) - 1)
-            new = keep_drafts(props[i], conf[i], tau, cap, eos)
-        settled.append(_Settled(commit, props[i], conf[i], new, min(ok, len(commit)), drafts[ok] if ok < m else None, m - ok))
+            if g >= 0:
+                new = keep_drafts(cands, confs, tau, cap, eos)
+                source = "masks" if new else None
+            if cfg.prompt_lookup:
+                looked = lookup_drafts(r.prompt + r.generated + commit, cfg.prompt_lookup, cap, eos)
+                if len(looked) > len(new):
+                    new, source = looked, "prompt"
+        settled.append(_Settled(commit, cands, confs, new, min(ok, len(commit)), drafts[ok] if ok < m else None,
+                                m - ok, source))
     return settled
 
 
@@ -483,24 +524,25 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     budget = [min(cfg.max_new_tokens, lm.context_length - len(p) - 1) for p in prompt_ids]
     if min(budget) < 1:
         raise ValueError(f"a prompt leaves no room in the context of {lm.context_length} tokens: shorten it")
-    batch = _Batch([_Row(i, budget[i], list(p)) for i, p in enumerate(prompt_ids)], new_cache(lm), device)
+    batch = _Batch([_Row(i, budget[i], list(p), list(p)) for i, p in enumerate(prompt_ids)], new_cache(lm), device)
     start, step = time.perf_counter(), 0
     while batch.rows:
         t0 = time.perf_counter()
         tau = 1.0 if cfg.mode == "ar" else (tau_control.value if tau_control is not None else cfg.tau)
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
-        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id)
-        keep = torch.arange(width - 1 - n_verify, width + n_masks, device=device)   # q_0 (and drafts), masks
-        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width), position_ids=pos,
+        groups = n_verify + 1 if cfg.draft_layout == "quadratic" and n_masks else 1
+        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id, groups)
+        keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts), masks
+        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, groups, n_masks), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep)
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
         _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, eos_set)
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, groups, eos_set)
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
-        batch.rollback(n_masks, [s.n_rejected for s in settled], valid[:, :width])
+        batch.rollback(groups * n_masks, [s.n_rejected for s in settled], valid[:, :width])
         step_time = time.perf_counter() - t0
 
         events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in prompt_ids]
@@ -515,10 +557,10 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
             r.pending = (s.commit[-1:] if cfg.mode == "verify" else s.commit) + s.drafts
             r.n_drafts = len(s.drafts)
             events[r.index] = RowStep(s.commit, s.candidates, s.confidences, len(s.commit), reason is not None, True,
-                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected)
+                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected, s.source)
             if reason is None:
                 still.append(i)
-        yield StepEvent(step, tau, step_time, time.perf_counter() - start, events)
+        yield StepEvent(step, tau, step_time, time.perf_counter() - start, events, ids.shape[1])
         step += 1
         batch.select(still)
 
@@ -623,16 +665,32 @@ def _reference_mars_step(lm, cfg, seq, drafts, left, generator):
 
 
 def _reference_verify_step(lm, cfg, seq, drafts, left, generator):
-    """Feed [committed | drafts | masks]; AR's greedy tokens check the drafts; new drafts only after a full match."""
+    """Feed [committed | drafts | masks]; AR's greedy tokens check the drafts; new drafts from the masks behind
+    the last confirmed token (linear: only after a full match), or from prompt lookup when that offers more.
+    The quadratic layout's input comes from the same chunk builder as the cached decoder's, with no cache."""
     n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
-    logits = net(lm)(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
-    ar = logits[len(seq) - 1: len(seq) + len(drafts)].argmax(dim=-1).tolist()
+    m = len(drafts)
+    groups = m + 1 if cfg.draft_layout == "quadratic" and n_masks else 1
+    if groups > 1:
+        batch = _Batch([_Row(0, left, seq + drafts, n_drafts=m)], None, lm.device)
+        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id, groups)
+        mask = batch.attention(valid, width, groups, n_masks)
+        logits = net(lm)(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0]
+    else:
+        logits = net(lm)(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
+    ar = logits[len(seq) - 1: len(seq) + m].argmax(dim=-1).tolist()
     ok = confirm(drafts, ar)
     commit = clip_commit(ar[: ok + 1], left, lm.eos_ids)
     new = []
-    if ok == len(drafts) and len(commit) == ok + 1 and commit[-1] not in lm.eos_ids and n_masks:
-        rows = never_propose_mask(logits[None, len(seq) + len(drafts):], lm.mask_id, first=0)
-        tokens, conf = propose(rows, cfg.criterion)
+    if len(commit) == ok + 1 and commit[-1] not in lm.eos_ids and n_masks:
         cap = min(n_masks, left - len(commit) - 1, (cfg.max_accept or cfg.block_size) - 1)
-        new = keep_drafts(tokens[0].tolist(), conf[0].tolist(), cfg.tau, cap, lm.eos_ids)
+        g = groups - 1 - (m - ok)
+        if g >= 0:
+            first = len(seq) + m + g * n_masks
+            rows = never_propose_mask(logits[None, first: first + n_masks], lm.mask_id, first=0)
+            tokens, conf = propose(rows, cfg.criterion)
+            new = keep_drafts(tokens[0].tolist(), conf[0].tolist(), cfg.tau, cap, lm.eos_ids)
+        if cfg.prompt_lookup:
+            looked = lookup_drafts(seq + commit, cfg.prompt_lookup, cap, lm.eos_ids)
+            new = looked if len(looked) > len(new) else new
     return commit, new
