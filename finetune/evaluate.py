@@ -189,7 +189,11 @@ def curve_label(row: dict) -> str:
     "lossless" for verify-mode rows."""
     criterion = row.get("criterion", "prob")
     label = row["model"] if criterion == "prob" else f"{row['model']} [{criterion}]"
-    return label + " (lossless)" if row.get("mode") == "verify" else label
+    if row.get("mode") != "verify":
+        return label
+    extra = [row["draft_layout"]] if row.get("draft_layout", "linear") not in ("linear", None) else []
+    extra += [f"lookup {row['prompt_lookup']}"] if row.get("prompt_lookup") else []
+    return label + f" (lossless{', ' + ', '.join(extra) if extra else ''})"
 
 
 def _tau_curve(rows: list[dict], x_key: str, y_key: str, name: str, y_label: str, **style):
@@ -278,6 +282,13 @@ def mean_tokens_per_forward(results) -> float | None:
     return sum(r.tokens_per_forward for r in results) / len(results) if results else None
 
 
+def mean_positions_per_forward(results) -> float | None:
+    """Columns fed per forward after the prompt's, mean over sequences (at batch > 1 a forward's columns are the
+    widest row's); None when no sequence took a second forward."""
+    values = [r.positions_per_forward for r in results if r.positions_per_forward is not None]
+    return sum(values) / len(values) if values else None
+
+
 def natural_taus(taus, ar_only: bool = False) -> tuple[list[float], bool]:
     """The τ values to decode, reference first: (taus with 1.0 leading, whether 1.0 had to be added).
 
@@ -316,6 +327,7 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
                   checkable_max_new_tokens: int = CHECKABLE_MAX_NEW_TOKENS, batch_size: int = 16,
                   model_name: str | None = None, criterion: str = "prob", ar_only: bool = False,
                   seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
+                  draft_layout: str = "linear", prompt_lookup: int = 0,
                   progress: Callable[[float, str], None] | None = None) -> list[dict]:
     """One row per τ on natural prompts, checkable `items` (finetune.natural.CheckItem) and HumanEval `problems`.
 
@@ -323,7 +335,8 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
     code) -> bool` replaces it, e.g. a shared finetune.humaneval.RunCache). τ = 1.0 is decoded first and added when
     missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"` sweeps
     lossless MARS instead of lossy (its τ = 1 row is AR as well). Natural prompts and HumanEval
-    get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. Row keys: see NATURAL_ROW_KEYS.
+    get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. `draft_layout` and `prompt_lookup` are
+    DecodeConfig's (verify mode only). Row keys: see NATURAL_ROW_KEYS.
     """
     from finetune.humaneval import RunCache, build_prompt
     from mars_core import DecodeConfig
@@ -342,14 +355,17 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
         t0 = time.perf_counter()
         results, seconds = {}, {}
         for part, ids in encoded.items():
+            drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
             cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=caps[part],
-                               criterion=criterion)
+                               criterion=criterion, **drafts)
             results[part], seconds[part] = _timed_decode(lm, ids, cfg, batch_size)
         passes, test_s = _humaneval_passes(problems, results["humaneval"], runner)
         answers = [r.token_ids for r in results["natural"] + results["checkable"]]
         reference = answers if reference is None else reference   # order puts τ = 1 first
         row = _natural_row(results, passes, answers, reference, items)
         row.update(model=model_name or lm.name, tau=tau, suite="natural", mode=mode, criterion=criterion,
+                   draft_layout=draft_layout if mode == "verify" else None,
+                   prompt_lookup=prompt_lookup if mode == "verify" else None,
                    block_size=block_size, seed=seed, tau_added=added and tau == 1.0, max_new_tokens=max_new_tokens,
                    checkable_max_new_tokens=checkable_max_new_tokens, batch_size=batch_size,
                    decode_s_natural=seconds["natural"], decode_s_checkable=seconds["checkable"],
@@ -368,6 +384,8 @@ def _natural_row(results: dict, passes: list[bool], answers, reference, items) -
     exact, prefix = agreement(answers, reference)
     return {
         "n_natural": len(natural), "tokens_per_forward_natural": mean_tokens_per_forward(natural),
+        "positions_per_forward_natural": mean_positions_per_forward(natural),
+        "positions_per_forward_humaneval": mean_positions_per_forward(humaneval),
         "natural_mean_new_tokens": sum(len(r.token_ids) for r in natural) / len(natural) if natural else None,
         "natural_truncated": sum(r.finish_reason == "length" for r in natural) / len(natural) if natural else None,
         "n_humaneval": len(humaneval), "tokens_per_forward_humaneval": mean_tokens_per_forward(humaneval),
@@ -380,8 +398,8 @@ def _natural_row(results: dict, passes: list[bool], answers, reference, items) -
 
 
 NATURAL_ROW_KEYS = (
-    "model", "tau", "suite", "mode", "criterion", "block_size", "seed", "tau_added",
-    "n_natural", "tokens_per_forward_natural", "natural_mean_new_tokens", "natural_truncated",
+    "model", "tau", "suite", "mode", "criterion", "draft_layout", "prompt_lookup", "block_size", "seed", "tau_added",
+    "n_natural", "tokens_per_forward_natural", "positions_per_forward_natural", "positions_per_forward_humaneval", "natural_mean_new_tokens", "natural_truncated",
     "n_humaneval", "tokens_per_forward_humaneval", "humaneval_pass", "humaneval_pass_at_1",
     "n_checkable", "checkable_accuracy", "per_kind", "tokens_per_forward_checkable",
     "n_agreement", "agreement_exact", "agreement_prefix",
@@ -408,7 +426,8 @@ def _natural_progress(row: dict) -> str:
 def format_natural_table(rows: list[dict]) -> str:
     """A Markdown table for the natural suite: one line per (model, τ), per-kind checkable accuracy last."""
     kinds = sorted({k for r in rows for k in r["per_kind"]})
-    head = ["model", "τ", "mode", "tokens/forward natural", "tokens/forward HumanEval", "HumanEval pass@1",
+    head = ["model", "τ", "mode", "tokens/forward natural", "tokens/forward HumanEval", "positions/forward natural",
+            "HumanEval pass@1",
             "checkable", "agree exact", "agree prefix", "time"] + kinds
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -417,7 +436,8 @@ def format_natural_table(rows: list[dict]) -> str:
             he += f" ({r['humaneval_pass']}/{r['n_humaneval']})"
         tau = f"{r['tau']:g}" + (" (added)" if r.get("tau_added") else "")
         cells = [curve_label(r), tau, r["mode"], _num(r["tokens_per_forward_natural"]),
-                 _num(r["tokens_per_forward_humaneval"]), he, _pct(r["checkable_accuracy"]),
+                 _num(r["tokens_per_forward_humaneval"]), _num(r.get("positions_per_forward_natural")), he,
+                 _pct(r["checkable_accuracy"]),
                  _pct(r["agreement_exact"]), _pct(r["agreement_prefix"]), f"{r['time_s']:.0f}s"]
         cells += [f"{100 * r['per_kind'][k]:.0f}%" if k in r["per_kind"] else "–" for k in kinds]
         lines.append("| " + " | ".join(cells) + " |")
@@ -453,6 +473,7 @@ def natural_pareto_figure(rows: list[dict]):
 
 def _parser() -> argparse.ArgumentParser:
     from mars_core.decoding import CRITERIA
+    from mars_core.drafts import LAYOUTS
 
     ap = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -475,6 +496,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lossless", action="store_true",
                     help="also sweep lossless MARS (mode verify: drafts checked by the next forward, the answer is "
                          "exactly AR's in fp32) beside lossy MARS")
+    ap.add_argument("--draft-layouts", nargs="+", default=["linear"], choices=LAYOUTS, metavar="LAYOUT",
+                    help="natural suite, --lossless: one lossless sweep per draft layout (linear: masks after the last "
+                         "draft; quadratic: after every draft)")
+    ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                    help="natural suite, --lossless: also draft what followed the last 1..N tokens earlier in the "
+                         "text (0: off)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"new-token cap (default: tasks suite {MAX_NEW_TOKENS}; natural suite "
                          f"{NATURAL_MAX_NEW_TOKENS}, for natural prompts and HumanEval)")
@@ -652,15 +679,17 @@ def _main_natural(args, log) -> list[dict]:
     for m, name in zip(models, labels):
         lm = load_model(m, device=args.device or "auto", dtype=args.dtype)
         is_ar = m in ar_only or name in ar_only
-        sweeps = [("prob", "ar")] if is_ar else [(c, m) for c in args.criteria
-                                                for m in (("mars", "verify") if args.lossless else ("mars",))]
-        for criterion, mode in sweeps:
+        sweeps = [("prob", "ar", "linear")] if is_ar else (
+            [(c, "mars", "linear") for c in args.criteria]
+            + [(c, "verify", layout) for c in args.criteria for layout in args.draft_layouts if args.lossless])
+        for criterion, mode, layout in sweeps:
             t0 = time.time()
             rows += natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
                                   max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
                                   checkable_max_new_tokens=args.checkable_max_new_tokens,
                                   batch_size=args.batch_size, model_name=name, criterion=criterion, ar_only=is_ar,
-                                  seed=args.seed, runner=runner, mode=mode,
+                                  seed=args.seed, runner=runner, mode=mode, draft_layout=layout,
+                                  prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
                                   progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
             print(f"{curve_label(rows[-1])}: {'AR only' if is_ar else 'swept τ'} in {time.time() - t0:.0f}s",
                   file=log, flush=True)

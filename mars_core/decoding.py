@@ -168,6 +168,13 @@ class SequenceResult:
     finish_reason: str            # eos | length | stop
     drafted: list[int] = field(default_factory=list)     # verify mode: drafts proposed per forward
     confirmed: list[int] = field(default_factory=list)   # verify mode: previous drafts confirmed per forward
+    positions: list[int] = field(default_factory=list)   # columns fed per forward (StepEvent.positions)
+    sources: list = field(default_factory=list)          # verify mode: where each forward's drafts came from
+
+    @property
+    def positions_per_forward(self) -> float | None:
+        """Mean columns fed by the forwards after the prompt's (what a step's cost follows); None for one forward."""
+        return sum(self.positions[1:]) / (len(self.positions) - 1) if len(self.positions) > 1 else None
 
     @property
     def forwards(self) -> int:
@@ -183,6 +190,7 @@ class SequenceResult:
             "forwards": self.forwards, "tokens_per_forward": self.tokens_per_forward,
             "steps": self.steps, "step_times": self.step_times, "wall_time": self.wall_time,
             "finish_reason": self.finish_reason, "drafted": self.drafted, "confirmed": self.confirmed,
+            "positions": self.positions, "sources": self.sources,
         }
 
 
@@ -587,7 +595,8 @@ def generate(lm, prompts, cfg: DecodeConfig | None = None, tau_control: TauContr
 
 def collect(lm, prompt_ids: list[list[int]], events) -> list[SequenceResult]:
     """Fold a stream of StepEvents into per-sequence results (metrics as docs/algorithm.md defines them)."""
-    rows = [dict(steps=[], times=[], wall=0.0, reason="length", drafted=[], confirmed=[]) for _ in prompt_ids]
+    rows = [dict(steps=[], times=[], wall=0.0, reason="length", drafted=[], confirmed=[], positions=[], sources=[])
+            for _ in prompt_ids]
     for event in events:
         for r, row in enumerate(event.rows):
             if row.active:
@@ -596,13 +605,15 @@ def collect(lm, prompt_ids: list[list[int]], events) -> list[SequenceResult]:
                 acc["times"].append(event.step_time)
                 acc["drafted"].append(len(row.drafts))
                 acc["confirmed"].append(row.confirmed)
+                acc["positions"].append(event.positions)
+                acc["sources"].append(row.draft_source)
                 acc["wall"] = event.elapsed
                 acc["reason"] = row.finish_reason or acc["reason"]
     results = []
     for p, acc in zip(prompt_ids, rows):
         ids = [t for s in acc["steps"] for t in s]
         results.append(SequenceResult(p, ids, lm.decode(ids), acc["steps"], acc["times"], acc["wall"], acc["reason"],
-                                      acc["drafted"], acc["confirmed"]))
+                                      acc["drafted"], acc["confirmed"], acc["positions"], acc["sources"]))
     return results
 
 

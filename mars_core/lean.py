@@ -74,9 +74,9 @@ class FloatLinear(torch.nn.Module):
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype,
-                role: str = "head") -> torch.nn.Module:
+                role: str = "head", kernel: str | None = None) -> torch.nn.Module:
     """One weight matrix (out, in) in the chosen format; `dtype` is the activations' dtype, `role` which product
-    of a layer it is (qkv, o, gate_up, down) or "head"."""
+    of a layer it is (qkv, o, gate_up, down) or "head"; `kernel` w8a8's (default: mars_core.w8a8.pick_kernel)."""
     if fmt == "float":
         return FloatLinear(weight, bias, dtype)
     if fmt == "int8":
@@ -84,9 +84,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype
 
         return Int8Linear(weight, bias, dtype)
     if fmt == "w8a8":
-        from mars_core.w8a8 import TWO_PASS, W8A8Linear
+        from mars_core.w8a8 import TWO_PASS, W8A8Linear, pick_kernel
 
-        return W8A8Linear(weight, bias, passes=2 if role in TWO_PASS else 1)
+        return W8A8Linear(weight, bias, passes=2 if role in TWO_PASS else 1, kernel=kernel or pick_kernel())
     raise ValueError(f"weight format {fmt!r} is unknown: use one of {', '.join(FORMATS)}")
 
 
@@ -142,8 +142,9 @@ class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
     def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,
-                 ranges: list[dict] | None = None):
-        """`ranges` (w8a8 only): mars_core.w8a8.activation_ranges of `model`, to smooth the products with."""
+                 ranges: list[dict] | None = None, kernel: str | None = None):
+        """`ranges` (w8a8 only): mars_core.w8a8.activation_ranges of `model`, to smooth the products with;
+        `kernel` (w8a8 only): one of mars_core.w8a8.KERNELS, by default pick_kernel()'s."""
         super().__init__()
         reason = unsupported(model)
         if reason is not None:
@@ -154,6 +155,11 @@ class LeanLM(torch.nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.context = cfg.rms_norm_eps, cfg.max_position_embeddings
         self.scale = self.head_dim ** -0.5
+        if fmt == "w8a8":
+            from mars_core.w8a8 import pick_kernel
+
+            kernel = kernel or pick_kernel()
+        self.kernel = kernel if fmt == "w8a8" else None
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
         self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype, None if ranges is None else ranges["layers"][i])
                                           for i, layer in enumerate(model.model.layers))
@@ -164,7 +170,7 @@ class LeanLM(torch.nn.Module):
             s = smoothing(ranges["head"], head.abs().amax(dim=0))
             norm, head = norm / s, head * s
         self.norm = norm.to(self.dtype)
-        self.head = make_linear(head, getattr(model.lm_head, "bias", None), fmt, dtype)
+        self.head = make_linear(head, getattr(model.lm_head, "bias", None), fmt, dtype, kernel=self.kernel)
         rotary = model.model.rotary_emb
         angles = torch.outer(torch.arange(self.context, dtype=torch.float32), rotary.inv_freq.float().cpu())
         table = torch.polar(torch.full_like(angles, float(rotary.attention_scaling)), angles)
@@ -179,12 +185,17 @@ class LeanLM(torch.nn.Module):
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             from mars_core.lean_script import scripted
 
-            self.scripted = scripted("w8a8" if fmt == "w8a8" else "fp32")
+            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", None: "fp32"}[self.kernel]
+            self.scripted = scripted(loop)
             lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
             norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
-            self._script_weights = (([m._packed for m in lins], [m.bias for m in lins], [m.passes == 2 for m in lins],
-                                     self.layers[0].qkv.rails, norms) if fmt == "w8a8" else
-                                    ([m.w for m in lins], [m.b for m in lins], norms))
+            two = [m.passes == 2 for m in lins] if fmt == "w8a8" else []
+            self._script_weights = {
+                "w8a8": lambda: ([m._packed for m in lins], [m.bias for m in lins], two, self.layers[0].qkv.rails,
+                                 norms),
+                "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins],
+                                        [m.w_zero for m in lins], [m.bias for m in lins], two, norms),
+                "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
         w = self._float_weights(layer)
@@ -192,7 +203,7 @@ class LeanLM(torch.nn.Module):
             self._smooth(w, ranges)
         out = torch.nn.Module()
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(out, name, make_linear(w[name], w.get(name + "_b"), fmt, dtype, name))
+            setattr(out, name, make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel))
         out.register_buffer("norm_in", w["norm_in"].to(self.dtype))
         out.register_buffer("norm_post", w["norm_post"].to(self.dtype))
         return out

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from mars_core.w8a8 import _INVERSE, _STEP
+from mars_core.w8a8 import _INVERSE, _STEP, onednn_w8a8
 
 _STEP_F = float(_STEP)
 _COMPILED: dict = {}   # loop name -> compiled function (or None), built once per process
@@ -85,6 +85,24 @@ def layers_w8a8(x: torch.Tensor, packs: List[torch.classes.quantized.LinearPacke
     return x
 
 
+def layers_w8a8_onednn(x: torch.Tensor, packs: List[torch.Tensor], w_scales: List[torch.Tensor],
+                       w_zeros: List[torch.Tensor], biases: List[Optional[torch.Tensor]], two: List[bool],
+                       norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
+                       length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor],
+                       eps: float) -> torch.Tensor:
+    """Every layer in w8a8 through oneDNN's kernel (mars_core.w8a8.onednn_w8a8), as layers_w8a8."""
+    for i in range(len(norms) // 2):
+        j = 4 * i
+        qkv = onednn_w8a8(_rms(x, norms[2 * i], eps), packs[j], w_scales[j], w_zeros[j], biases[j], two[j])
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + onednn_w8a8(att, packs[j + 1], w_scales[j + 1], w_zeros[j + 1], biases[j + 1], two[j + 1])
+        h = _rms(x, norms[2 * i + 1], eps)
+        gate, up = onednn_w8a8(h, packs[j + 2], w_scales[j + 2], w_zeros[j + 2], biases[j + 2], two[j + 2]).chunk(2, -1)
+        x = x + onednn_w8a8(torch.nn.functional.silu(gate) * up, packs[j + 3], w_scales[j + 3], w_zeros[j + 3],
+                            biases[j + 3], two[j + 3])
+    return x
+
+
 def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """mars_core.lean.FloatLinear.forward in fp32 (W^T row-major), op for op."""
     return x @ w if bias is None else torch.addmm(bias, x, w)
@@ -117,12 +135,13 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 
 def scripted(name: str):
-    """The TorchScript-compiled "w8a8" or "fp32" loop, or None where torch cannot script it."""
+    """The TorchScript-compiled "w8a8", "w8a8-onednn" or "fp32" loop, or None where torch cannot script it."""
     if name not in _COMPILED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
-                _COMPILED[name] = torch.jit.script({"w8a8": layers_w8a8, "fp32": layers_fp32}[name])
+                _COMPILED[name] = torch.jit.script({"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn,
+                                                    "fp32": layers_fp32}[name])
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None
     return _COMPILED[name]

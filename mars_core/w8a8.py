@@ -15,6 +15,13 @@ the row's magnitude undoes the division. That is per-row symmetric activation qu
 half that of the per-tensor one.
 
 Weights are rounded once, per output channel (symmetric, 1/127 of the row's largest magnitude), from fp32.
+
+Two kernels compute exactly these integer sums (KERNELS): fbgemm's, and oneDNN's quantized linear
+(`torch.ops.onednn.qlinear_pointwise`), which takes int8 activations we round ourselves onto the same grid, so it
+needs no rails. fbgemm is the default; MARS_W8A8_KERNEL=onednn selects oneDNN (for CPUs with AMX, where its cost grows less
+with the rows; measured in docs/experiments.md, "oneDNN"). Both quantize alike, and both keep every row
+independent of the others; their sums and rescaling round differently in the last bits, so their answers may
+differ.
 """
 from __future__ import annotations
 
@@ -23,9 +30,15 @@ import warnings
 import torch
 
 RAILS = 2   # the +1 / -1 columns
+KERNELS = ("fbgemm", "onednn")
 
 
 def w8a8_supported() -> bool:
+    """Whether this torch build has one of the w8a8 kernels."""
+    return fbgemm_supported() or onednn_supported()
+
+
+def fbgemm_supported() -> bool:
     """Whether this torch build has fbgemm's dynamic int8 linear and its prepacking."""
     ops = getattr(torch.ops, "quantized", None)
     try:
@@ -36,21 +49,49 @@ def w8a8_supported() -> bool:
         return False
 
 
+def onednn_supported() -> bool:
+    """Whether this torch build has oneDNN's quantized linear and its prepacking."""
+    ops = getattr(torch.ops, "onednn", None)
+    try:
+        return (torch.backends.mkldnn.is_available() and ops is not None and hasattr(ops, "qlinear_pointwise")
+                and hasattr(ops, "qlinear_prepack"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def check_w8a8() -> None:
     if not w8a8_supported():
-        raise ValueError(f"dtype='w8a8' needs fbgemm's dynamic int8 linear (torch.ops.quantized.linear_dynamic), "
-                         f"which torch {torch.__version__} on this machine lacks: use dtype='int8' or 'float32'")
+        raise ValueError(f"dtype='w8a8' needs fbgemm's dynamic int8 linear (torch.ops.quantized.linear_dynamic) or "
+                         f"oneDNN's (torch.ops.onednn.qlinear_pointwise), which torch {torch.__version__} on this "
+                         "machine lacks: use dtype='int8' or 'float32'")
 
 
 class W8A8Linear(torch.nn.Module):
     """Inference-only stand-in for `nn.Linear` on fp32 activations: int8 weight, per-row int8 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 1):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 1,
+                 kernel: str = "fbgemm"):
         super().__init__()
-        check_w8a8()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r} is unknown: use one of {', '.join(KERNELS)}")
         self.passes = passes   # 2: the input's rounding error goes through a second product (see on_grid)
+        self.kernel = kernel
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
+        self.register_buffer("rails", torch.tensor([[1.0, -1.0]]), persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        if kernel == "onednn":
+            check_onednn()
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            # contiguous: the prepack reads rows as laid out, and a weight may arrive as a transposed view
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self._packed = torch.ops.onednn.qlinear_prepack(q, [1, self.in_features])
+            self.register_buffer("w_scale", scale, persistent=False)
+            self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
+            return
+        if not fbgemm_supported():
+            raise ValueError(f"the w8a8 kernel 'fbgemm' needs torch.ops.quantized.linear_dynamic, which torch "
+                             f"{torch.__version__} on this machine lacks: use MARS_W8A8_KERNEL=onednn")
         padded = torch.cat([w, w.new_zeros(self.out_features, RAILS)], dim=1)
         scale = padded.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         with warnings.catch_warnings():   # quantized tensors are deprecated as a user API; the op itself is not
@@ -58,12 +99,13 @@ class W8A8Linear(torch.nn.Module):
             q = torch.quantize_per_channel(padded, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                            0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self.register_buffer("rails", torch.tensor([[1.0, -1.0]]), persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
+        if self.kernel == "onednn":
+            y = onednn_w8a8(x, self._packed, self.w_scale, self.w_zero, self.bias, self.passes == 2)
+            return y.reshape(*shape[:-1], self.out_features)
         magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         u = x / magnitude
         y = torch.ops.quantized.linear_dynamic(torch.cat([u, self.rails.expand(x.shape[0], RAILS)], dim=1),
@@ -81,6 +123,55 @@ class W8A8Linear(torch.nn.Module):
 
 _STEP = torch.tensor(2 / 255, dtype=torch.float32)   # fbgemm's scale for the range [-1, 1], in fp32
 _INVERSE = float(1 / _STEP)                            # 127.49999..., so +-1 round to +-127, not 128
+
+
+def check_onednn() -> None:
+    if not onednn_supported():
+        raise ValueError(f"the w8a8 kernel 'onednn' needs torch.ops.onednn.qlinear_pointwise, which torch "
+                         f"{torch.__version__} on this machine lacks: use MARS_W8A8_KERNEL=fbgemm")
+
+
+def onednn_w8a8(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor,
+                bias: torch.Tensor | None, two: bool, inverse: float = _INVERSE, step: float = float(_STEP)):
+    """W8A8Linear's product through oneDNN on a 2D fp32 input: each row scaled to [-1, 1] and rounded onto
+    fbgemm's grid (on_grid) as int8; with `two`, the rounding's remainder, scaled and rounded the same way, goes
+    through the same call as extra rows (rows cost little there), and its result is added back.
+
+    oneDNN is asked for the bare int32 sums (unit scales; an integer converts to fp32 the same way whatever the
+    call), and the scales are applied here: its own rescaling took a different path for one row than for several
+    on small shapes, which broke row independence in the last bit."""
+    magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    u = x / magnitude
+    q = torch.round(u * inverse).clamp(-128.0, 127.0)
+    rows = x.shape[0]
+    r_magnitude = magnitude   # set below when `two`
+    if two:
+        r = u - q * step
+        r_magnitude = r.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        q = torch.cat([q, torch.round(r / r_magnitude * inverse).clamp(-128.0, 127.0)])
+    units = torch.ones_like(w_scale)
+    y = torch.ops.onednn.qlinear_pointwise(q.to(torch.int8), 1.0, 0, packed, units, w_zero, None, 1.0, 0,
+                                           torch.float32, "none", [], "") * (w_scale * step)
+    if two:
+        y = y[:rows] + y[rows:] * r_magnitude
+    y = y * magnitude
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def pick_kernel() -> str:
+    """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else fbgemm (oneDNN where fbgemm is missing).
+    Not chosen by timing: the two round the rescale differently in the last bit, and a choice that followed a
+    noisy clock could change a model's answers from one run to the next (docs/experiments.md, "oneDNN")."""
+    import os
+
+    named = os.environ.get("MARS_W8A8_KERNEL")
+    if named:
+        if named not in KERNELS:
+            raise ValueError(f"MARS_W8A8_KERNEL={named!r} is unknown: use one of {', '.join(KERNELS)}")
+        return named
+    return "fbgemm" if fbgemm_supported() or not onednn_supported() else "onednn"
 
 
 def on_grid(u: torch.Tensor) -> torch.Tensor:
@@ -101,10 +192,11 @@ TWO_PASS = ("qkv", "down")
 def quantize_w8a8(model: torch.nn.Module) -> None:
     """Replace every `nn.Linear` (a tied LM head included) by a `W8A8Linear`, in place; fp32 model, CPU only."""
     check_w8a8()
+    kernel = pick_kernel()
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(module, name, W8A8Linear(child.weight, child.bias))
+                setattr(module, name, W8A8Linear(child.weight, child.bias, kernel=kernel))
 
 
 # ----------------------------------------------------------------------------- smoothing (SmoothQuant)

@@ -233,17 +233,21 @@ def test_natural_sweep_rows(tiny_lm, problems):
     assert 0.0 <= low["agreement_prefix"] < 1.0
 
 
-def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm):
-    # verify mode's answers are AR's (fp32): every row agrees with the τ = 1 reference and scores the same
+@pytest.mark.parametrize("layout,lookup,label", [("linear", 0, "(lossless)"), ("quadratic", 3, "(lossless, quadratic, lookup 3)")])
+def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup, label):
+    # verify mode's answers are AR's (fp32) in every draft layout: every row agrees with the τ = 1 reference
     from finetune.evaluate import curve_label, natural_sweep
     from finetune.natural import checkable_set, natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
-                         taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify")
+                         taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify",
+                         draft_layout=layout, prompt_lookup=lookup)
     assert [(r["tau"], r["mode"]) for r in rows] == [(1.0, "verify"), (0.005, "verify"), (0.5, "verify")]
     for r in rows:
         assert r["agreement_exact"] == 1.0 and r["checkable_accuracy"] == rows[0]["checkable_accuracy"]
-        assert curve_label(r).endswith("(lossless)")
+        assert curve_label(r).endswith(label) and (r["draft_layout"], r["prompt_lookup"]) == (layout, lookup)
+    assert rows[0]["positions_per_forward_natural"] == 1.0          # τ = 1: one column per forward
+    assert rows[1]["positions_per_forward_natural"] > 1.0
 
 
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
@@ -265,6 +269,7 @@ def test_natural_table_and_figure():
     base = {"suite": "natural", "criterion": "prob", "seed": 5, "n_humaneval": 4, "time_s": 3.0,
             "per_kind": {"capital": 0.5}, "tau_added": False}
     rows = [dict(base, model="m", tau=1.0, mode="mars", tokens_per_forward_natural=1.0, checkable_accuracy=0.5,
+                 positions_per_forward_natural=1.0,
                  tokens_per_forward_humaneval=1.0, humaneval_pass=2, humaneval_pass_at_1=0.5, agreement_exact=1.0,
                  agreement_prefix=1.0, tau_added=True),
             dict(base, model="m", tau=0.8, mode="mars", tokens_per_forward_natural=2.5, checkable_accuracy=0.25,
@@ -274,8 +279,8 @@ def test_natural_table_and_figure():
                  tokens_per_forward_humaneval=1.0, humaneval_pass=3, humaneval_pass_at_1=0.75, agreement_exact=1.0,
                  agreement_prefix=1.0)]
     table = format_natural_table(rows)
-    assert "| m | 1 (added) | mars | 1.00 | 1.00 | 50.0% (2/4) | 50.0% | 100.0% | 100.0% | 3s | 50% |" in table
-    assert "| m | 0.8 | mars | 2.50 | 3.00 | 25.0% (1/4) | 25.0% | 40.0% | 70.0% | 3s | 50% |" in table
+    assert "| m | 1 (added) | mars | 1.00 | 1.00 | 1.00 | 50.0% (2/4) | 50.0% | 100.0% | 100.0% | 3s | 50% |" in table
+    assert "| m | 0.8 | mars | 2.50 | 3.00 | – | 25.0% (1/4) | 25.0% | 40.0% | 70.0% | 3s | 50% |" in table
     fig = natural_pareto_figure(rows)
     assert [(t.name, t.xaxis) for t in fig.data] == [("m", "x"), ("m", "x2"), ("b", "x"), ("b", "x2")]
     assert list(fig.data[0].x) == [1.0, 2.5] and list(fig.data[0].y) == [50.0, 25.0]

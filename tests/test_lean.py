@@ -136,6 +136,17 @@ def test_this_torch_has_the_w8a8_kernel():
                               "another int8 kernel")
 
 
+def test_this_torch_has_the_onednn_w8a8_kernel_and_an_unknown_kernel_is_refused(monkeypatch):
+    from mars_core.w8a8 import onednn_supported, pick_kernel
+
+    assert onednn_supported(), f"torch {torch.__version__} has no torch.ops.onednn.qlinear_pointwise/qlinear_prepack"
+    monkeypatch.setenv("MARS_W8A8_KERNEL", "vnni")
+    with pytest.raises(ValueError, match="MARS_W8A8_KERNEL='vnni' is unknown: use one of fbgemm, onednn"):
+        pick_kernel()
+    with pytest.raises(ValueError, match="kernel='x' is unknown"):
+        W8A8Linear(torch.ones(2, 2), kernel="x")
+
+
 def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
     import mars_core.w8a8 as w8a8
 
@@ -144,18 +155,20 @@ def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
         load_model("tiny-mars", device="cpu", dtype="w8a8")
 
 
+@pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
 @pytest.mark.parametrize("passes", [1, 2])
-def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes):
+def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes, kernel):
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 80, generator=gen) * 0.05, torch.randn(96, generator=gen)
     x = torch.randn(7, 80, generator=gen) * torch.tensor([1, 30, 0.01, 1, 5, 1, 200.0])[:, None]
     x[:, 3] *= 40                                                        # an outlier channel, as after a norm
-    lin = W8A8Linear(weight, bias, passes=passes)
+    lin = W8A8Linear(weight, bias, passes=passes, kernel=kernel)
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
     with torch.inference_mode():
         together = lin(x)
         alone = torch.cat([lin(x[i:i + 1]) for i in range(7)])
         exact = x @ weight.t() + bias
-        weight_only = x @ W8A8Linear(weight, passes=passes)._packed.unpack()[0].dequantize()[:, :80].t() + bias
+        weight_only = x @ (torch.round(weight / scale) * scale).t() + bias      # what both kernels multiply by
     assert torch.equal(together, alone)
     rel = ((together - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
     assert rel < 0.05, rel
@@ -164,9 +177,14 @@ def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes
     assert act_error < (0.002 if passes == 2 else 0.05) and (passes == 2 or act_error > 0.002), act_error
 
 
-@pytest.fixture(scope="module")
-def tiny_mars_w8a8():
-    return load_model("tiny-mars", device="cpu", dtype="w8a8")
+@pytest.fixture(scope="module", params=["fbgemm", "onednn"])
+def tiny_mars_w8a8(request):
+    """tiny-mars in w8a8 with each kernel (MARS_W8A8_KERNEL, read when the model is built)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MARS_W8A8_KERNEL", request.param)
+        lm = load_model("tiny-mars", device="cpu", dtype="w8a8")
+    assert lm.net.kernel == request.param
+    return lm
 
 
 @pytest.fixture(scope="module")
@@ -203,11 +221,13 @@ def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(ti
     and says so, if a torch release can no longer script the loop (LeanLM would then run it eagerly)."""
     from mars_core.lean_script import scripted
 
-    assert scripted("w8a8") is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py"
+    net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
+    loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn"}[net.kernel]
+    assert scripted(loop) is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py's {loop}"
     from mars_core.w8a8 import calibration_ranges
 
-    net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
-    eager = LeanLM(fp32, "w8a8", script=False, ranges=calibration_ranges(fp32, tiny_mars_w8a8.tokenizer))
+    eager = LeanLM(fp32, "w8a8", script=False, ranges=calibration_ranges(fp32, tiny_mars_w8a8.tokenizer),
+                   kernel=net.kernel)
     assert net.scripted is not None and eager.scripted is None
     ids = torch.tensor([suite[0]])
     with torch.inference_mode():
