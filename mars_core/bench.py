@@ -75,6 +75,8 @@ class BenchRow:
     verify_speedup: float | None = None       # fastest AR time / verify time
     verify_equals_ar: bool | None = None      # token for token (guaranteed in fp32)
     draft_acceptance: list | None = None      # verify: share of drafts confirmed, per mask slot 1 .. B-1
+    verify_positions_per_forward: float | None = None   # columns fed per forward after the prompt's (the layout's)
+    verify_forward_cost: float | None = None  # verify ms per forward / AR ms per forward: what those columns cost
     mars_agreement: float = 0.0    # share of sequences whose MARS answer equals AR's
     time_ranges: dict = field(default_factory=dict)   # side -> [min, max] seconds over the repeats
     overhead_ms: dict = field(default_factory=dict)   # side -> ms per forward spent outside the model's forward
@@ -196,13 +198,15 @@ def peak_memory_mb(device) -> float:
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
           criterion: str = "prob", transformers: bool = True, verify: bool = True,
-          clock: str = "auto", other_ar=None, llamacpp=None) -> list[BenchRow]:
+          clock: str = "auto", other_ar=None, llamacpp=None, draft_layout: str = "linear",
+          prompt_lookup: int = 0) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
     `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
     loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
     choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
     the row says by how much. `llamacpp` (a mars_core.llamacpp.LlamaCppAR) joins at batch size 1 as a speed
-    reference: its weights and answers differ, so it is compared by time per token only."""
+    reference: its weights and answers differ, so it is compared by time per token only. `draft_layout` and
+    `prompt_lookup` are lossless MARS's (DecodeConfig)."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
@@ -218,7 +222,7 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
                                  criterion=criterion)}
     if verify:
         cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      criterion=criterion)
+                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup)
     if transformers:
         cfgs["transformers"] = HFGreedy(max_new_tokens)
     models = {side: lm for side in cfgs}
@@ -304,7 +308,10 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
         row.other_ar_label, row.other_ar_time = other, med["other_ar"]
         row.other_ar_agreement = statistics.mean(r.token_ids == a for r, a in zip(runs["other_ar"][1], ar_tokens))
     if "verify" in med:
-        v_res = runs["verify"][1]
+        v_fwd, v_res = runs["verify"]
+        row.verify_forward_cost = 1000 * med["verify"] / v_fwd / ar_ms
+        positions = [r.positions_per_forward for r in v_res if r.positions_per_forward is not None]
+        row.verify_positions_per_forward = statistics.mean(positions) if positions else None
         row.verify_time, row.verify_speedup = med["verify"], base / med["verify"]
         row.verify_tokens_per_forward = statistics.mean(r.tokens_per_forward for r in v_res)
         row.verify_equals_ar = [r.token_ids for r in v_res] == ar_tokens
@@ -314,7 +321,7 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
 
 def format_table(rows: list[BenchRow]) -> str:
     head = ("batch", "transformers s", "AR s", "MARS s", "tok/fwd", "speedup", "same as AR", "lossless s",
-            "lossless tok/fwd", "lossless speedup", "AR ms/fwd", "MARS ms/fwd", "fwd cost", "MARS overhead",
+            "lossless tok/fwd", "lossless speedup", "lossless pos/fwd", "lossless fwd cost", "AR ms/fwd", "MARS ms/fwd", "fwd cost", "MARS overhead",
             "no-cache s", "peak MB")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     opt = lambda v, f: "-" if v is None else format(v, f)
@@ -325,6 +332,7 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{r.mars_time:.2f}" + _spread(r, "mars"), f"{r.tokens_per_forward:.2f}", f"{r.mars_speedup:.2f}",
             f"{r.mars_agreement:.0%}", opt(r.verify_time, ".2f") + _spread(r, "verify"),
             opt(r.verify_tokens_per_forward, ".2f"), opt(r.verify_speedup, ".2f"),
+            opt(r.verify_positions_per_forward, ".1f"), opt(r.verify_forward_cost, ".2f"),
             f"{r.ar_forward_ms:.1f}", f"{r.mars_forward_ms:.1f}", f"{r.forward_cost:.2f}",
             f"{r.overhead_ms.get('mars', 0):.2f} ms ({r.overhead_share.get('mars', 0):.0%})",
             opt(r.reference_time, ".2f"), f"{r.peak_memory_mb:.0f}",

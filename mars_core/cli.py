@@ -18,6 +18,7 @@ from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
 from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
+from mars_core.drafts import LAYOUTS
 from mars_core.threads import parse_threads, set_threads
 from mars_core.loading import DEFAULT_MODEL, load_model, pick_device, pick_dtype
 
@@ -36,6 +37,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
                    help="what the decoder runs: lean (mars_core/lean.py, the Llama family: fewer ops per layer, its "
                         "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
+    p.add_argument("--draft-layout", choices=LAYOUTS, default="linear",
+                   help="lossless MARS (--mode verify; bench: its lane): linear = masks after the last draft, "
+                        "quadratic = a mask group after every draft, so a rejection still leaves drafts")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="lossless MARS: also draft what followed the last 1..N tokens earlier in the prompt or "
+                        "answer (0: off; 3 suits rewrites, code edits, summaries)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads: auto (1 on <= 2 cores, else the idle cores) or a number")
@@ -123,7 +130,8 @@ def cmd_generate(args) -> int:
     _check_device(args)
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
-                       max_accept=args.max_accept, stop_strings=tuple(args.stop))
+                       max_accept=args.max_accept, stop_strings=tuple(args.stop), draft_layout=args.draft_layout,
+                       prompt_lookup=args.prompt_lookup)
     set_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     _check_block_size(lm, args.block_size)
@@ -177,8 +185,10 @@ def cmd_bench(args) -> int:
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, llamacpp=llamacpp)
-    meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion,
+                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, llamacpp=llamacpp,
+                 draft_layout=args.draft_layout, prompt_lookup=args.prompt_lookup)
+    meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion, "draft_layout": args.draft_layout,
+            "prompt_lookup": args.prompt_lookup,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
@@ -223,6 +233,8 @@ def check_bench_args(args) -> None:
     if bad:
         raise ValueError(f"--batch-sizes {bad[0]} must be >= 1: give positive batch sizes such as 1 4")
     parse_threads(args.threads)
+    if args.prompt_lookup < 0:
+        raise ValueError(f"--prompt-lookup {args.prompt_lookup} must be >= 0 (0: off; 3 is a good start)")
     if getattr(args, "llamacpp", None) is not None:
         from mars_core.llamacpp import HINT, available
 

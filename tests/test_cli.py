@@ -52,6 +52,32 @@ def test_generate_plain_text_marks_forward_boundaries(model_dir):
     assert out.stdout.count("|") == 5 and "5 forwards, 5 tokens, 1.00 tokens/forward" in out.stdout
 
 
+def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys):
+    from mars_core import cli
+
+    def answer(*extra):
+        assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "What is 17 + 25?", "--max-new-tokens", "40",
+                         "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ar = answer("--mode", "ar")
+    for extra in (("--draft-layout", "quadratic"), ("--prompt-lookup", "3"),
+                  ("--draft-layout", "quadratic", "--prompt-lookup", "3")):
+        lossless = answer("--mode", "verify", "--tau", "0.3", *extra)
+        assert lossless["token_ids"] == ar["token_ids"] and lossless["forwards"] < ar["forwards"], extra
+        assert len(lossless["positions"]) == lossless["forwards"]
+
+
+def test_draft_options_outside_lossless_mode_exit_2_naming_the_value(capsys):
+    from mars_core import cli
+
+    assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "hi", "--mode", "mars",
+                     "--draft-layout", "quadratic"]) == 2
+    assert "draft_layout='quadratic' with mode='mars'" in capsys.readouterr().err
+    assert cli.main(["bench", "--model", "tiny-mars", "--prompt-lookup", "-1"]) == 2
+    assert "--prompt-lookup -1 must be >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_errors_name_the_value(model_dir):
     out = run_cli("generate", "--model", str(model_dir), "--prompt", "hi", "--tau", "nan")
@@ -103,6 +129,26 @@ def test_bench_decodes_with_the_chosen_criterion():
         assert row.tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
         tpf[criterion] = row.tokens_per_forward
     assert tpf["prob"] != pytest.approx(tpf["margin"])
+
+
+def test_bench_times_lossless_in_the_chosen_draft_layout():
+    # the lossless side decodes with the layout asked for: AR's tokens, generate()'s tokens/forward, and the
+    # quadratic layout feeds more columns per forward than the linear one
+    from mars_core import DecodeConfig, generate, load_model
+    from mars_core.bench import bench
+
+    lm = load_model("tiny-mars", device="cpu")
+    prompts = ["What is 17 + 25?", "Sort: pear fig apple", "Reverse the word: planet"]
+    rows = {}
+    for layout in ("linear", "quadratic"):
+        (row,) = bench(lm, prompts, batch_sizes=(1,), tau=0.3, max_new_tokens=24, repeats=1, reference=False,
+                       transformers=False, draft_layout=layout)
+        want = generate(lm, prompts, DecodeConfig(mode="verify", tau=0.3, max_new_tokens=24, draft_layout=layout))
+        assert row.verify_equals_ar
+        assert row.verify_tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
+        assert row.verify_forward_cost > 0
+        rows[layout] = row
+    assert rows["quadratic"].verify_positions_per_forward > rows["linear"].verify_positions_per_forward
 
 
 @pytest.mark.slow
