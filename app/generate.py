@@ -18,6 +18,7 @@ from app.race import LANE_LABELS, LANES, SideRecord, race, render_chunks, render
 from app.timing import ReplayTau
 from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
 from mars_core.decoding import CRITERIA
+from mars_core.drafts import LAYOUTS
 
 TAU_MIN, TAU_MAX = 0.5, 1.0
 MAX_PROMPT_CHARS = 4000
@@ -29,6 +30,9 @@ SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 
 # What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA, labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
+# The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
+LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic")]
+LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.
 _tau_controls: dict[str, list[TauControl]] = {}
@@ -277,19 +281,25 @@ class RaceSettings:
     slow_motion: int = 1
     measure_after: bool = True
     notes: list[str] = field(default_factory=list)
+    draft_layout: str = "linear"     # the lossless lane's (mars_core.drafts)
+    prompt_lookup: int = 0
 
     @classmethod
     def from_inputs(cls, prompt, tau, tau_off, block_size, max_new_tokens, temperature, slow_motion=1,
-                    criterion="prob", seed=0, measure_after=True, session: str = "default") -> RaceSettings:
+                    criterion="prob", seed=0, measure_after=True, session: str = "default",
+                    draft_layout="linear", copy_drafts=False) -> RaceSettings:
         """The Generate tab's values, made runnable (see check_inputs); ValueError for what cannot run."""
         prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
             prompt, tau, tau_off, block_size, max_new_tokens, temperature)
         seed = _seed(seed, temperature, notes)
         if not tau_off:
             _repeat_tau_note(session, tau, notes)
+        if draft_layout not in LAYOUTS:
+            raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of {', '.join(LAYOUTS)}")
         return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
                    slow_motion=_check_slow_motion(slow_motion), criterion=check_criterion(criterion),
-                   measure_after=bool(measure_after), notes=notes)
+                   measure_after=bool(measure_after), notes=notes, draft_layout=draft_layout,
+                   prompt_lookup=LOOKUP_N if copy_drafts else 0)
 
     @property
     def lanes(self) -> list[str]:
@@ -301,7 +311,8 @@ class RaceSettings:
         if lane == "ar":
             return DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
         if lane == "verify":
-            return DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion, **common)
+            return DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion, draft_layout=self.draft_layout,
+                                prompt_lookup=self.prompt_lookup, **common)
         return DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
                             criterion=self.criterion, **common)
 
@@ -337,13 +348,14 @@ def choose_models(choice, free_text, ar_choice, jobs=None) -> tuple[str, str]:
 
 def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
              slow_motion=1, criterion="prob", seed=0, measure_after=True, request: gr.Request | None = None,
-             jobs=None):
+             jobs=None, draft_layout="linear", copy_drafts=False):
     """The Race button, its inputs in the page's order: stream AR, lossless MARS and MARS side by side, then time
     the decoders again for a speedup you can quote. A generator of `_outputs` tuples."""
     session = _session(request)
     try:
         settings = RaceSettings.from_inputs(prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-                                            slow_motion, criterion, seed, measure_after, session)
+                                            slow_motion, criterion, seed, measure_after, session, draft_layout,
+                                            copy_drafts)
         name, ar_name = choose_models(choice, free_text, ar_choice, jobs)
     except Exception as exc:
         yield _Page(empty_sides()).show(f"⚠ {models.friendly_error(exc)}")
@@ -355,6 +367,7 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
     """The race once its inputs are checked: load the models, stream the lanes, time them again."""
     page = _Page(empty_sides(), _notes_text(settings, name, jobs))
     page.sides["ar"].label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
+    page.sides["verify"].layout = settings.draft_layout
     try:
         lm, ar_lm = yield from _load_models(page, name, ar_name)
     except Exception as exc:

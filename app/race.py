@@ -82,6 +82,8 @@ class StepRecord:
     rejected: str | None = None
     rejected_id: int | None = None
     confirmed_text: str = ""   # decoded confirmed drafts (the start of `text`)
+    draft_source: str | None = None   # where `drafts` came from: "masks", or "prompt" (prompt lookup)
+    positions: int = 0         # columns this forward fed (StepEvent.positions; 0 when unknown)
 
 
 @dataclass
@@ -92,6 +94,7 @@ class SideRecord:
     steps: list[StepRecord] = field(default_factory=list)
     finished: bool = False
     note: str = ""             # why the lane did not run (e.g. verify mode is greedy only)
+    layout: str = "linear"     # verify: the draft layout (mars_core.drafts)
 
     def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]
@@ -113,7 +116,8 @@ class SideRecord:
             text=row.text, done=bool(row.done), finish_reason=getattr(row, "finish_reason", None),
             drafts=[token_text(t) for t in drafts], draft_ids=drafts, confirmed=confirmed,
             rejected=None if rejected is None else token_text(rejected), rejected_id=rejected,
-            confirmed_text=confirmed_text))
+            confirmed_text=confirmed_text, draft_source=getattr(row, "draft_source", None),
+            positions=int(getattr(event, "positions", 0) or 0)))
         self.finished = self.finished or bool(row.done)
 
     # Measurements (definitions in STAT_DEFINITIONS, from docs/algorithm.md, "Metrics").
@@ -162,12 +166,15 @@ class SideRecord:
     def positions_fed(self) -> list[int]:
         """New positions each pass after the first fed to its forward (what its cost depends on).
 
-        mars: the tokens the previous pass accepted + the masks (candidates - 1); verify: AR's last token +
-        the previous drafts + the masks (= the proposals); ar: 1. The first pass feeds the prompt.
+        What the decoder reports (StepEvent.positions), else: mars: the tokens the previous pass accepted + the
+        masks (candidates - 1); verify: AR's last token + the previous drafts + the masks (= the proposals);
+        ar: 1. The first pass feeds the prompt.
         """
         fed = []
         for prev, s in zip(self.steps, self.steps[1:]):
-            if self.mode == "verify":
+            if s.positions:
+                fed.append(s.positions)
+            elif self.mode == "verify":
                 fed.append(1 + len(prev.draft_ids) + len(s.candidate_ids))
             elif self.mode == "mars":
                 fed.append(len(prev.token_ids) + max(0, len(s.candidate_ids) - 1))
@@ -267,10 +274,12 @@ def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
     c = s.confirmed
     tips = [f"step {s.step} · τ={_tau_text(s.tau)} · {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} committed"]
     parts = []
+    copied = prev is not None and prev.draft_source == "prompt"
     if c:
-        tips.append(f"  {c} draft{'s' if c != 1 else ''} of step {s.step - 1} confirmed = AR's own tokens: "
-                    + " ".join(_visible(t) for t in s.tokens[:c]))
-        parts.append(f'<span class="verified">{_esc(s.confirmed_text)}</span>')
+        tips.append(f"  {c} draft{'s' if c != 1 else ''} of step {s.step - 1}"
+                    + (" (copied from earlier text: prompt lookup)" if copied else "")
+                    + " confirmed = AR's own tokens: " + " ".join(_visible(t) for t in s.tokens[:c]))
+        parts.append(f'<span class="verified{" from-prompt" if copied else ""}">{_esc(s.confirmed_text)}</span>')
     rest_text = s.text[len(s.confirmed_text):] if s.text.startswith(s.confirmed_text) else s.text
     if prev is not None and s.rejected is not None:
         dropped = prev.drafts[c:]
@@ -284,7 +293,8 @@ def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
         tips.append(f"  AR's token: {_visible(s.tokens[-1]) if s.tokens else '∅'}")
         parts.append(f'<span class="ar-tok">{_esc(rest_text)}</span>')
     if s.drafts:
-        tips.append(f"  new drafts (checked next step): " + " ".join(_visible(t) for t in s.drafts))
+        tips.append(f"  new drafts{' copied from earlier text' if s.draft_source == 'prompt' else ''} (checked next "
+                    "step): " + " ".join(_visible(t) for t in s.drafts))
     return (f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" data-n="{s.n_accepted}" '
             f'data-confirmed="{c}" data-rejected="{0 if s.rejected is None else 1}" '
             f'style="background:{chunk_colour(max(1, s.n_accepted))}" '
@@ -324,7 +334,11 @@ def render_chunks(side: SideRecord, placeholder: str = "") -> str:
     if running and side.mode == "verify" and side.steps[-1].drafts:
         cursor += (f'<span class="pending-drafts" title="drafts awaiting the next forward\'s check">'
                    f'{_esc("".join(side.steps[-1].drafts))}</span>')
-    return f'<div class="race-text" data-side="{side.mode}">{body}{cursor}</div>'
+    key = ""
+    if side.mode == "verify" and any(s.draft_source == "prompt" for s in side.steps):
+        key = ('<div class="lane-key"><span class="verified from-prompt">copied</span> = drafts copied from earlier '
+               'text (prompt lookup), confirmed by the next forward</div>')
+    return f'<div class="race-text" data-side="{side.mode}">{body}{cursor}</div>{key}'
 
 
 # ----------------------------------------------------------------------------- stats
@@ -479,9 +493,12 @@ def _verify_ledger(side: SideRecord, k: int) -> str:
                     if rows else "<div class='why'>No drafts to check at this step.</div>")
     props = []
     stopped = False
+    copied = s.draft_source == "prompt"
     for j, (tok, conf) in enumerate(zip(s.candidates, s.confidences)):
-        if s.rejected is not None:
+        if s.rejected is not None and side.layout == "linear" and not copied:
             verdict, cls = "not drafted: a draft was rejected, so the masks saw a wrong token", "skip"
+        elif copied:
+            verdict, cls = "not drafted: the text so far offered a longer run (below)", "skip"
         elif j < len(s.draft_ids):
             verdict, cls = "kept as a draft: conf ≥ τ — checked by the next forward", "acc"
         elif not stopped and conf < s.tau:
@@ -495,6 +512,14 @@ def _verify_ledger(side: SideRecord, k: int) -> str:
     props_html = (f"<table class='proposals'><thead><tr><th>slot</th><th>proposal</th><th>confidence (| = τ)</th>"
                   f"<th>verdict</th></tr></thead><tbody>{''.join(props)}</tbody></table>" if props
                   else "<div class='why'>No masks at this step (τ off, or no room left).</div>")
+    if side.layout == "quadratic" and props:
+        props_html = (f"<div class='why'>Quadratic layout: a group of masks followed the last committed token and "
+                      f"every draft; these are the proposals of the group behind the last token this pass "
+                      f"committed.</div>{props_html}")
+    if copied:
+        props_html += (f"<div class='why'>Prompt lookup: the last tokens occurred earlier in the text, so what followed "
+                       f"them there is drafted instead: <b class='tok from-prompt'>"
+                       f"{_esc(' '.join(_visible(t) for t in s.drafts))}</b></div>")
     why = (f"Lossless: a token is committed only when it equals AR's greedy token at its position, so the text is "
            f"exactly AR's; this pass committed {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} "
            f"({s.confirmed} confirmed draft{'s' if s.confirmed != 1 else ''} + AR's token).")
@@ -537,12 +562,15 @@ def render_ledger(side: SideRecord, step: int) -> str:
             f"<div class='why'>Why: {_esc(stop_reason(s))}</div></div>")
 
 
-def legend_html(block_size: int = 4) -> str:
+def legend_html(block_size: int = 4, copied: bool = False) -> str:
+    """The race's legend; `copied`: some lossless draft came from prompt lookup, so its mark is explained too."""
     items = "".join(f'<span class="chunk" style="background:{chunk_colour(n)}">{n} token{"s" if n > 1 else ""}</span> '
                     for n in range(1, max(2, block_size) + 1))
+    lookup = (' <span class="verified from-prompt">copied draft</span> = a draft copied from earlier text (prompt '
+              'lookup) that the next forward confirmed,' if copied else '')
     return (f'<div class="legend">One highlighted chunk = one forward pass, coloured by how many tokens it '
             f'committed: {items} <span class="tau-mark">τ→x</span> = τ moved here. Lossless lane: '
-            f'<span class="verified">verified draft</span> = a mask guess the next forward confirmed, '
+            f'<span class="verified">verified draft</span> = a mask guess the next forward confirmed,{lookup} '
             f'<del class="rejected">draft</del><span class="replacement">AR</span> = a rejected draft and AR\'s '
             f'replacement, <span class="pending-drafts">grey</span> = drafts awaiting their check. Hover a chunk for '
             f'its step and each token\'s confidence.</div>')

@@ -57,6 +57,8 @@ table.stats thead th {background: #f9fafb;}
 .learn-step .maskcell {background: #fef3c7; border-color: #f59e0b;}
 .learn-step .accepted {background: #dcfce7; border-color: #22c55e;}
 .race-text .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
+.race-text .verified.from-prompt, .lane-key .from-prompt, .ledger .from-prompt {text-decoration: underline 2px dashed #059669; text-underline-offset: 3px;}
+.lane-key {font-size: 12px; color: #4b5563; margin-top: 4px;}
 .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
 del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; background: #fee2e2; border-radius: 3px;}
 .replacement {color: #1d4ed8; font-weight: 600;}
@@ -173,6 +175,12 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
                                           elem_id="slow-motion", container=False)
             gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
                                             elem_id="measure-after", container=False)
+            gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value="linear", label="lossless drafts",
+                                           scale=2, elem_id="draft-layout",
+                                           info="after every draft: a rejection no longer leaves the next pass "
+                                                "without drafts, at more positions per pass")
+            gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1, elem_id="copy-drafts",
+                                          info="prompt lookup: draft what followed the same tokens earlier")
             gen.tau_status = gr.Markdown("", elem_id="tau-status")
         gen.notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
         with gr.Row():
@@ -346,15 +354,16 @@ def _wire_race(bar, gen, jobs) -> None:
     assert len(outputs) == generate.N_OUTPUTS
 
     def race_fn(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-                slow_motion, criterion, seed, measure_after, request: gr.Request):
+                slow_motion, criterion, seed, measure_after, draft_layout, copy_drafts, request: gr.Request):
         # a plain function, not functools.partial: Gradio passes the session (τ is steered per session) only to
         # a parameter it can see typed as gr.Request
         yield from generate.run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size,
                                      max_new_tokens, temperature, slow_motion, criterion, seed, measure_after,
-                                     request, jobs)
+                                     request, jobs, draft_layout, copy_drafts)
 
     inputs = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size, gen.max_new,
-              gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after]
+              gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after, gen.draft_layout,
+              gen.copy_drafts]
     for trigger in (gen.go_btn.click, gen.prompt.submit):
         # at once: the waiting line (replaced by the race's first message when the machine is free), then
         # the race in the shared queue, its queue position shown on the status line

@@ -277,6 +277,30 @@ def test_race_outputs_equal_mars_core_generate(tiny_dir):
     assert "forwards" in stats
 
 
+def test_the_lossless_lane_races_in_the_chosen_draft_layout_and_marks_copied_drafts(tiny_dir):
+    # quadratic layout + prompt lookup: the lane is still exactly AR's answer, the decoder's own run, and drafts
+    # that came from the text so far are marked in the pane (with a key) and explained in the ledger
+    from app.race import render_ledger
+    from mars_core import DecodeConfig, generate as core_generate
+    prompt = "Hello there, tell me a long story about cats."
+    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.9, False, 8, 48, 0.0,
+                                  measure_after=False, draft_layout="quadratic", copy_drafts=True))
+    status, _, _, verify_html, *_rest, state = _final(outs)
+    assert status.startswith("✓"), status
+    verify, ar = state["verify"], state["ar"]
+    assert verify.token_ids == ar.token_ids and verify.layout == "quadratic"
+    lm = models.get_model(tiny_dir)
+    want = core_generate(lm, [prompt], DecodeConfig(mode="verify", tau=0.9, block_size=8, max_new_tokens=48,
+                                                    draft_layout="quadratic", prompt_lookup=generate.LOOKUP_N))[0]
+    assert verify.forwards == want.forwards < ar.forwards
+    copied = [k for k, s in enumerate(verify.steps) if s.draft_source == "prompt"]
+    assert copied and 'class="verified from-prompt"' in verify_html and "prompt lookup" in verify_html
+    assert "Prompt lookup: the last tokens occurred earlier" in render_ledger(verify, copied[0])
+    assert verify.positions_fed() == [s.positions for s in verify.steps[1:]]
+    with pytest.raises(ValueError, match="draft layout 'tree' is unknown"):
+        generate.RaceSettings.from_inputs(prompt, 0.9, False, 4, 8, 0.0, draft_layout="tree")
+
+
 def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     # A race, the Learn step and a sweep pass the page's choice on: the confidences shown are the decoder's
     # own for that criterion (they differ between criteria).
