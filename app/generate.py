@@ -31,7 +31,8 @@ SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 # The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
-LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic")]
+LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
+                  ("a tree: after every draft, and runner-up tokens", "tree")]
 LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.

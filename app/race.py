@@ -83,6 +83,8 @@ class StepRecord:
     rejected_id: int | None = None
     confirmed_text: str = ""   # decoded confirmed drafts (the start of `text`)
     draft_source: str | None = None   # where `drafts` came from: "masks", or "prompt" (prompt lookup)
+    leaves: list[str] = field(default_factory=list)   # tree layout: alternatives to the drafts, checked next pass
+    leaf_confirmed: bool = False      # tree layout: an alternative held AR's token where a draft did not
     positions: int = 0         # columns this forward fed (StepEvent.positions; 0 when unknown)
 
 
@@ -117,6 +119,8 @@ class SideRecord:
             drafts=[token_text(t) for t in drafts], draft_ids=drafts, confirmed=confirmed,
             rejected=None if rejected is None else token_text(rejected), rejected_id=rejected,
             confirmed_text=confirmed_text, draft_source=getattr(row, "draft_source", None),
+            leaves=[token_text(t) for t in getattr(row, "leaves", []) or []],
+            leaf_confirmed=bool(getattr(row, "leaf_confirmed", False)),
             positions=int(getattr(event, "positions", 0) or 0)))
         self.finished = self.finished or bool(row.done)
 
@@ -282,7 +286,11 @@ def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
         parts.append(f'<span class="verified{" from-prompt" if copied else ""}">{_esc(s.confirmed_text)}</span>')
     rest_text = s.text[len(s.confirmed_text):] if s.text.startswith(s.confirmed_text) else s.text
     if prev is not None and s.rejected is not None:
-        dropped = prev.drafts[c:]
+        chain = c - 1 if s.leaf_confirmed else c     # drafts of the chain confirmed before the rejection
+        dropped = prev.drafts[chain:]
+        if s.leaf_confirmed:
+            tips.append(f"  draft {_visible(s.rejected)} rejected, but an alternative at its depth, "
+                        f"{_visible(s.tokens[chain])}, is AR's token: confirmed, and AR's token after it too")
         tips.append(f"  draft {_visible(s.rejected)} rejected: AR's token there is "
                     f"{_visible(s.tokens[c]) if c < len(s.tokens) else '∅'}"
                     + (f"; {len(dropped) - 1} later draft(s) dropped with it" if len(dropped) > 1 else ""))
@@ -491,6 +499,16 @@ def _verify_ledger(side: SideRecord, k: int) -> str:
     checked_html = (f"<table class='checked'><thead><tr><th>checked</th><th>draft (step {s.step - 1})</th>"
                     f"<th>AR's token</th><th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
                     if rows else "<div class='why'>No drafts to check at this step.</div>")
+    leaf_rows = []
+    for leaf in (prev.leaves if prev is not None else []):
+        took = s.leaf_confirmed and leaf == s.tokens[s.confirmed - 1]
+        leaf_rows.append(f"<tr class='{'acc' if took else 'skip'}'><td>alternative</td><td class='tok'>"
+                         f"{_esc(_visible(leaf))}</td><td></td><td>"
+                         f"{'confirmed: AR’s token where the draft was rejected' if took else 'not AR’s token there'}"
+                         f"</td></tr>")
+    if leaf_rows:
+        checked_html += (f"<div class='ledger-sub'>Tree: the runner-up tokens checked beside the drafts</div>"
+                         f"<table class='checked'><tbody>{''.join(leaf_rows)}</tbody></table>")
     props = []
     stopped = False
     copied = s.draft_source == "prompt"

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from mars_core.drafts import LAYOUTS, group_attention, lookup_drafts
+from mars_core.drafts import LAYOUTS, block_attention, choose_leaves, lookup_drafts
 
 MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
 CRITERIA = ("prob", "entropy", "margin")
@@ -58,7 +58,8 @@ class DecodeConfig:
     criterion: str = "prob"       # confidence: prob = p(t); entropy = exp(-H(q)); margin = p1 - p2
     max_accept: int | None = None  # optional cap on tokens accepted per forward
     stop_strings: tuple[str, ...] = ()  # stop once the decoded text contains one of these
-    draft_layout: str = "linear"  # verify: "linear" (masks after the last draft) or "quadratic" (after every one)
+    draft_layout: str = "linear"  # verify: "linear" (masks after the last draft), "quadratic" (after every one), "tree"
+    tree_width: int = 2           # tree layout: candidates tried per draft slot (the draft and tree_width - 1 more)
     prompt_lookup: int = 0        # verify: also draft what followed the last 1..n tokens earlier in the text; 0 = off
 
     def __post_init__(self):
@@ -93,6 +94,9 @@ class DecodeConfig:
         self.stop_strings = tuple(s for s in self.stop_strings if s)
         if self.draft_layout not in LAYOUTS:
             raise ValueError(f"draft_layout={self.draft_layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
+        if not _is_int(self.tree_width) or self.tree_width < 1:
+            raise ValueError(f"tree_width={self.tree_width!r} must be an integer >= 1 (candidates tried per slot; "
+                             "1 = no alternatives)")
         if not _is_int(self.prompt_lookup) or self.prompt_lookup < 0:
             raise ValueError(f"prompt_lookup={self.prompt_lookup!r} must be an integer >= 0 (the longest n-gram to "
                              "look up; 0 = off, 3 is a good start)")
@@ -139,6 +143,9 @@ class RowStep:
     confirmed: int = 0                # how many of the previous step's drafts equal AR's token (now committed)
     rejected: int | None = None       # the first previous draft that did not; accepted_ids[confirmed] replaced it
     draft_source: str | None = None   # where `drafts` came from: "masks" or "prompt" (prompt lookup)
+    leaves: list[int] = field(default_factory=list)   # tree layout: alternatives to the drafts, checked next forward
+    leaf_confirmed: bool = False      # tree layout: a previous leaf held AR's token where `rejected` did not (it is
+                                      # the last of the `confirmed`, and AR's token after it is committed too)
 
     @property
     def text(self) -> str:
@@ -335,6 +342,7 @@ class _Row:
     pending: list[int]          # tokens not in the cache yet: committed ones, then `n_drafts` unverified drafts
     prompt: list[int] = field(default_factory=list)
     n_drafts: int = 0
+    leaves: list = field(default_factory=list)   # tree layout: (depth, token) alternatives to the drafts
     cached: int = 0             # real tokens in the cache, so also the next free position
     generated: list[int] = field(default_factory=list)
 
@@ -351,53 +359,77 @@ class _Batch:
         self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
         self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
 
-    def attention(self, chunk_valid: torch.Tensor, width: int, groups: int = 1, n_masks: int = 0):
+    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None):
         """The step's attention mask, or None for a one-position step with no holes anywhere: that position may
         see every cached one, so no mask is the same mask and the model skips building one (AR steps at batch
         1 got ~14% faster on tiny-mars). Longer chunks keep ours: the model's own causal mask for a chunk
-        after a cache cost more than building this one. Several mask groups (the quadratic layout) each see
-        only their own prefix (mars_core.drafts)."""
+        after a cache cost more than building this one. `blocks` (chunk's): the columns after the uncached
+        tokens see only their own prefix (mars_core.drafts.block_attention)."""
         if chunk_valid.shape[1] == 1 and not self.kv_holes and all(len(r.pending) == width for r in self.rows):
             return None
         mask = step_attention(self.kv_valid, chunk_valid)
-        return group_attention(mask, width, groups, n_masks) if groups > 1 else mask
+        return block_attention(mask, width, *blocks) if blocks is not None else mask
 
-    def chunk(self, n_masks: int, fill: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The step's input, right-aligned: [holes | pending | groups x masks] per row -> ids, positions, valid,
-        width. Right alignment puts every row's last pending token and its masks in the same columns. Group g
-        follows pending column width - groups + g and continues its positions; a group behind a token that is
-        already committed (a row with fewer drafts than others) is a run of holes."""
+    def chunk(self, n_masks: int, fill: int, groups: int = 1, n_leaves: int = 0, leaf_groups: bool = False):
+        """The step's input, right-aligned: [holes | pending | leaves | groups x masks] per row -> ids, positions,
+        valid, width, blocks. Right alignment puts every row's last pending token and its masks in the same
+        columns. Leaf slot j holds the row's j-th (depth, token) alternative, which follows the draft before its
+        depth; group g follows pending column width - groups + g; with `leaf_groups` one more group follows
+        each leaf slot. All continue the positions of what they follow; a slot the row does not use, or a group
+        behind a token already committed, is a hole. `blocks` is None for the plain layout (one group after the
+        last token: the causal mask), else per trailing column the pending column up to which it sees, the
+        first column of its block, and the leaf column it also sees (-1: none), [b, trailing] each."""
         width = max(len(r.pending) for r in self.rows)
-        ids, pos, valid = [], [], []
+        ids, pos, valid, follows, starts, sees = [], [], [], [], [], []
         for r in self.rows:
             holes = width - len(r.pending)
+            t = [fill] * holes + r.pending
             p = [0] * holes + list(range(r.cached, r.cached + len(r.pending)))   # holes take no position
             v = [False] * holes + [True] * len(r.pending)
             first = width - 1 - r.n_drafts        # the row's last committed token
-            for c in range(width - groups, width):
-                live = c >= first
-                p += list(range(p[c] + 1, p[c] + 1 + n_masks)) if live else [0] * n_masks
+            f, st = [], []
+            for slot in range(n_leaves):
+                depth, token = r.leaves[slot] if slot < len(r.leaves) else (0, None)
+                parent = first + depth - 1
+                live = token is not None
+                t.append(token if live else fill)
+                p.append(p[parent] + 1 if live else 0)
+                v.append(live)
+                f.append(parent if live else first)
+                st.append(width + slot)
+            se = [-1] * len(f)
+            # the groups: behind each pending column from width - groups on, then behind each leaf slot
+            behind = [(c, -1, c >= first) for c in range(width - groups, width)]
+            behind += [(f[slot], width + slot, v[width + slot]) for slot in range(n_leaves)] if leaf_groups else []
+            for c, leaf, live in behind:
+                start, at = len(t), c if leaf < 0 else leaf
+                t += [fill] * n_masks
+                p += list(range(p[at] + 1, p[at] + 1 + n_masks)) if live else [0] * n_masks
                 v += [live] * n_masks
-            ids.append([fill] * holes + r.pending + [fill] * (groups * n_masks))
+                f += [c] * n_masks
+                st += [start] * n_masks
+                se += [leaf] * n_masks
+            ids.append(t)
             pos.append(p)
             valid.append(v)
+            follows.append(f)
+            starts.append(st)
+            sees.append(se)
         as_tensor = lambda x, **kw: torch.tensor(x, device=self.device, **kw)
-        return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width
+        blocks = None if groups == 1 and not n_leaves else (as_tensor(follows), as_tensor(starts), as_tensor(sees))
+        return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width, blocks
 
-    def rollback(self, n_masks: int, rejected: list[int], chunk_valid: torch.Tensor) -> None:
-        """The one place the cache shrinks: the masks always leave; so do rejected drafts (verify mode).
-        Columns every row rejects are cropped; a row's further rejected drafts become holes."""
-        common = min(rejected)
-        if n_masks + common:
-            self.cache.crop(-(n_masks + common))
-        width = chunk_valid.shape[1]
-        kept = chunk_valid[:, : width - common].clone()
-        for i, n in enumerate(rejected):
-            if n > common:
-                kept[i, width - n: width - common] = False
+    def rollback(self, n_masks: int, kept: torch.Tensor) -> None:
+        """The one place the cache shrinks: the masks always leave; so do rejected drafts and leaves (verify
+        mode). `kept` [b, C] marks the chunk's non-mask columns each row keeps; columns no row keeps at the end
+        are cropped with the masks, a row's other dropped columns become holes."""
+        used = kept.any(dim=0).nonzero()
+        last = int(used.max()) + 1 if used.numel() else 0
+        if n_masks + kept.shape[1] - last:
+            self.cache.crop(-(n_masks + kept.shape[1] - last))
+        kept = kept[:, :last]
         self.kv_valid = torch.cat([self.kv_valid, kept], dim=1)
-        self.kv_holes = self.kv_holes or any(n > common for n in rejected) or any(
-            len(r.pending) != width for r in self.rows)
+        self.kv_holes = self.kv_holes or not bool(kept.all())
 
     def select(self, keep: list[int]) -> None:
         """Keep only these batch rows (finished rows leave the batch and the cache)."""
@@ -419,8 +451,10 @@ class _Settled:
     drafts: list[int] = field(default_factory=list)   # verify: fed next step, unverified
     confirmed: int = 0                         # verify: previous drafts equal to AR's token
     rejected: int | None = None                # verify: the first previous draft that was not
-    n_rejected: int = 0                        # verify: previous drafts dropped from the cache
+    kept: list[int] | None = None              # verify: chunk columns of this row to keep cached (None: all pending)
     source: str | None = None                  # verify: where the drafts came from
+    leaves: list = field(default_factory=list)   # tree layout: (depth, token) alternatives fed next step
+    leaf_confirmed: bool = False
 
 
 def _check_finite(logits: torch.Tensor, lm, step: int) -> None:
@@ -472,38 +506,49 @@ def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_S
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
-def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, groups, eos: set[int]) -> list[_Settled]:
+def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, groups, width, eos: set[int]) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
-    drafts are kept while equal to them, the first one that differs is replaced by AR's token. New drafts
-    come from the mask group behind the last confirmed token, if the layout put one there (the linear
-    layout has only the group after the last draft: after a rejection its masks saw a wrong token), or
-    from prompt lookup when that offers more."""
-    ar = logits[:, : n_verify + 1].argmax(dim=-1).tolist()
-    props, conf = [[]] * len(rows), [[]] * len(rows)
+    drafts are kept while equal to them, the first one that differs is replaced by AR's token, unless a leaf
+    of the tree layout at that depth holds AR's token: then the leaf is confirmed and AR's token after it is
+    committed too. New drafts come from the mask group behind the last confirmed draft, if the layout put one
+    there (the linear layout has only the group after the last draft: after a rejection its masks saw a wrong
+    token), or from prompt lookup when that offers more."""
+    n_out = n_verify + 1 + n_leaves
+    ar = logits[:, :n_out].argmax(dim=-1).tolist()
+    props, conf, probs = [[]] * len(rows), [[]] * len(rows), None
     if n_masks:
-        p, c = propose(logits[:, n_verify + 1:], cfg.criterion)     # [b, groups x n_masks]
+        p, c = propose(logits[:, n_out:], cfg.criterion)     # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
+        if cfg.draft_layout == "tree":
+            probs = torch.softmax(logits[:, n_out:].float(), dim=-1)
     settled = []
     for i, r in enumerate(rows):
         m = r.n_drafts
-        drafts, want = r.pending[len(r.pending) - m:], ar[i][n_verify - m:]
+        drafts, want = r.pending[len(r.pending) - m:], ar[i][n_verify - m: n_verify + 1]
         ok = confirm(drafts, want)
-        commit = clip_commit(want[: ok + 1], r.left, eos)
-        g = groups - 1 - (m - ok)          # the group behind the last confirmed token, if there is one
+        leaf = next((j for j, (depth, t) in enumerate(r.leaves) if depth == ok + 1 and t == want[ok]), None)
+        extra = [ar[i][n_verify + 1 + leaf]] if leaf is not None else []
+        commit = clip_commit(want[: ok + 1] + extra, r.left, eos)
+        leaf = leaf if len(commit) == ok + 2 else None    # clipped: the row ends on the leaf's token anyway
+        kept = list(range(width - len(r.pending), width - m + ok)) + ([width + leaf] if leaf is not None else [])
+        # the group behind the last confirmed draft or leaf, if the layout put one there
+        g = groups - 1 - (m - ok) if leaf is None else groups + leaf
         cut = slice(max(g, 0) * n_masks, (max(g, 0) + 1) * n_masks)
         cands, confs = props[i][cut], conf[i][cut]
-        new, source = [], None
-        if len(commit) == ok + 1 and commit[-1] not in eos:
+        new, source, leaves = [], None, []
+        if commit[-1] not in eos and len(commit) == ok + 1 + (leaf is not None):
             cap = min(n_masks, r.left - len(commit) - 1, (cfg.max_accept or cfg.candidates) - 1)
             if g >= 0:
                 new = keep_drafts(cands, confs, tau, cap, eos)
                 source = "masks" if new else None
+                if probs is not None:
+                    leaves = choose_leaves(probs[i, cut], new, cfg.tree_width, cap)
             if cfg.prompt_lookup:
                 looked = lookup_drafts(r.prompt + r.generated + commit, cfg.prompt_lookup, cap, eos)
                 if len(looked) > len(new):
-                    new, source = looked, "prompt"
-        settled.append(_Settled(commit, cands, confs, new, min(ok, len(commit)), drafts[ok] if ok < m else None,
-                                m - ok, source))
+                    new, source, leaves = looked, "prompt", []
+        settled.append(_Settled(commit, cands, confs, new, min(ok + (leaf is not None), len(commit)),
+                                drafts[ok] if ok < m else None, kept, source, leaves, leaf is not None))
     return settled
 
 
@@ -539,33 +584,40 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         tau = 1.0 if cfg.mode == "ar" else (tau_control.value if tau_control is not None else cfg.tau)
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
-        groups = n_verify + 1 if cfg.draft_layout == "quadratic" and n_masks else 1
-        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id, groups)
-        keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts), masks
-        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, groups, n_masks), position_ids=pos,
+        n_leaves = max(len(r.leaves) for r in batch.rows)
+        groups = n_verify + 1 if cfg.draft_layout != "linear" and n_masks else 1
+        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, groups, n_leaves, bool(n_masks))
+        keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
+        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep)
-        logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1)
+        logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
         _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, groups, eos_set)
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, groups, width, eos_set)
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
-        batch.rollback(groups * n_masks, [s.n_rejected for s in settled], valid[:, :width])
+        kept = valid[:, : width + n_leaves].clone()
+        for i, st in enumerate(settled):
+            if st.kept is not None:
+                kept[i] = False
+                kept[i, st.kept] = True
+        batch.rollback((groups + n_leaves) * n_masks, kept)
         step_time = time.perf_counter() - t0
 
         events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in prompt_ids]
         still = []
         for i, (r, s) in enumerate(zip(batch.rows, settled)):
-            r.cached += len(r.pending) - s.n_rejected
+            r.cached += len(r.pending) if s.kept is None else len(s.kept)
             r.generated.extend(s.commit)
             reason = "eos" if s.commit[-1] in lm.eos_ids else "length" if r.left <= 0 else None
             if cfg.stop_strings and reason is None and _trim_at_stop(lm, r.generated, s.commit, cfg.stop_strings):
                 reason = "stop"
             # Next input: what is not cached yet. Verify mode caches confirmed drafts; AR's token comes next.
             r.pending = (s.commit[-1:] if cfg.mode == "verify" else s.commit) + s.drafts
-            r.n_drafts = len(s.drafts)
+            r.n_drafts, r.leaves = len(s.drafts), s.leaves
             events[r.index] = RowStep(s.commit, s.candidates, s.confidences, len(s.commit), reason is not None, True,
-                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected, s.source)
+                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected, s.source,
+                                      [t for _, t in s.leaves], s.leaf_confirmed)
             if reason is None:
                 still.append(i)
         yield StepEvent(step, tau, step_time, time.perf_counter() - start, events, ids.shape[1])
@@ -675,33 +727,41 @@ def _reference_mars_step(lm, cfg, seq, drafts, left, generator):
     return tokens[0, :n].tolist(), []
 
 
-def _reference_verify_step(lm, cfg, seq, drafts, left, generator):
+def _reference_verify_step(lm, cfg, seq, state, left, generator):
     """Feed [committed | drafts | masks]; AR's greedy tokens check the drafts; new drafts from the masks behind
     the last confirmed token (linear: only after a full match), or from prompt lookup when that offers more.
-    The quadratic layout's input comes from the same chunk builder as the cached decoder's, with no cache."""
+    `state` is (drafts, leaves) from the previous step ([] at the first). The quadratic and tree layouts' input
+    comes from the same chunk builder as the cached decoder's, with no cache."""
+    drafts, leaves = state if state else ([], [])
     n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
     m = len(drafts)
-    groups = m + 1 if cfg.draft_layout == "quadratic" and n_masks else 1
-    if groups > 1:
-        batch = _Batch([_Row(0, left, seq + drafts, n_drafts=m)], None, lm.device)
-        ids, pos, valid, width = batch.chunk(n_masks, lm.mask_id, groups)
-        mask = batch.attention(valid, width, groups, n_masks)
+    groups = m + 1 if cfg.draft_layout != "linear" and n_masks else 1
+    if groups > 1 or leaves:
+        batch = _Batch([_Row(0, left, seq + drafts, n_drafts=m, leaves=leaves)], None, lm.device)
+        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, groups, len(leaves), bool(n_masks))
+        mask = batch.attention(valid, width, blocks)
         logits = net(lm)(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0]
     else:
         logits = net(lm)(input_ids=torch.tensor([seq + drafts + [lm.mask_id] * n_masks], device=lm.device)).logits[0]
     ar = logits[len(seq) - 1: len(seq) + m].argmax(dim=-1).tolist()
     ok = confirm(drafts, ar)
-    commit = clip_commit(ar[: ok + 1], left, lm.eos_ids)
-    new = []
-    if len(commit) == ok + 1 and commit[-1] not in lm.eos_ids and n_masks:
+    leaf = next((j for j, (depth, t) in enumerate(leaves) if depth == ok + 1 and t == ar[ok]), None)
+    extra = [int(logits[len(seq) + m + leaf].argmax())] if leaf is not None else []
+    commit = clip_commit(ar[: ok + 1] + extra, left, lm.eos_ids)
+    leaf = leaf if len(commit) == ok + 2 else None
+    new, new_leaves = [], []
+    if commit[-1] not in lm.eos_ids and len(commit) == ok + 1 + (leaf is not None) and n_masks:
         cap = min(n_masks, left - len(commit) - 1, (cfg.max_accept or cfg.block_size) - 1)
-        g = groups - 1 - (m - ok)
+        g = groups - 1 - (m - ok) if leaf is None else groups + leaf
         if g >= 0:
-            first = len(seq) + m + g * n_masks
+            first = len(seq) + m + len(leaves) + g * n_masks
             rows = never_propose_mask(logits[None, first: first + n_masks], lm.mask_id, first=0)
             tokens, conf = propose(rows, cfg.criterion)
             new = keep_drafts(tokens[0].tolist(), conf[0].tolist(), cfg.tau, cap, lm.eos_ids)
+            if cfg.draft_layout == "tree":
+                new_leaves = choose_leaves(torch.softmax(rows[0].float(), dim=-1), new, cfg.tree_width, cap)
         if cfg.prompt_lookup:
             looked = lookup_drafts(seq + commit, cfg.prompt_lookup, cap, lm.eos_ids)
-            new = looked if len(looked) > len(new) else new
-    return commit, new
+            if len(looked) > len(new):
+                new, new_leaves = looked, []
+    return commit, (new, new_leaves)

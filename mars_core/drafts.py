@@ -1,12 +1,18 @@
 """Where lossless MARS's drafts come from and how a step lays them out (docs/algorithm.md, "Draft layouts").
 
-Two layouts of one verify step, both fed as [holes | uncached tokens, drafts last | mask groups]:
+Three layouts of one verify step, fed as [holes | uncached tokens, drafts last | leaves | mask groups]:
   linear     one group of B-1 masks after the last draft. When a draft is rejected those masks saw a wrong
              token, so the next step has no mask drafts.
   quadratic  one group after the last committed token and after every draft; group j sees the prefix up to
              draft j and its own masks only. Whichever prefix of the drafts is confirmed, the group behind it
              has already proposed the next drafts, so no step waits for drafts. It costs (drafts + 1) x (B-1)
              mask positions instead of B-1.
+  tree       the quadratic layout plus leaves: at each draft's depth (and the one after the last draft) the
+             next likeliest tokens of that mask, each seeing only the drafts before its depth. When a draft is
+             rejected and a leaf at its depth holds AR's token, the leaf is confirmed and AR's token after it is
+             committed too (one token more), and the mask group behind that leaf drafts the next step. Costs
+             one position per leaf and a group of B-1 masks behind each. A rejected draft or leaf before a kept
+             column stays in the cache as a hole (hidden, never seen again).
 The masks always come after every real token, so the cache keeps only real tokens and drops the masks by
 cropping its last columns, as in the linear layout.
 
@@ -18,22 +24,41 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("linear", "quadratic")
+LAYOUTS = ("linear", "quadratic", "tree")
 SOURCES = ("masks", "prompt")
+LEAF_MIN_PROB = 0.1   # tree layout: an alternative below this probability is not worth its position
 
 
-def group_attention(base: torch.Tensor, width: int, groups: int, n_masks: int) -> torch.Tensor:
-    """The step's 4D mask with mask groups: `base` is the causal mask over [cache | chunk] (step_attention);
-    group g belongs to chunk column width - groups + g and may see the chunk only up to that column, then the
-    masks of its own group before it. Every query still sees itself."""
-    length = width + groups * n_masks
-    allowed = torch.ones(length, length, dtype=torch.bool, device=base.device).tril()
-    for g in range(groups):
-        first = width + g * n_masks
-        allowed[first: first + n_masks, width - groups + g + 1: first] = False   # later tokens, earlier groups
-    past = base.shape[-1] - length
-    keys = torch.cat([torch.ones(length, past, dtype=torch.bool, device=base.device), allowed], dim=1)
-    return base & keys
+def block_attention(base: torch.Tensor, width: int, follows: torch.Tensor, starts: torch.Tensor,
+                    sees: torch.Tensor) -> torch.Tensor:
+    """The step's 4D mask with blocks after the uncached tokens: `base` is the causal mask over [cache | chunk]
+    (step_attention); trailing column t of row b sees the chunk up to column follows[b, t] (the prefix of what
+    it extends: with drafts last, exactly its ancestors), the leaf column sees[b, t] if >= 0 (a group behind a
+    leaf), and the columns of its own block from starts[b, t] up to itself. Every query still sees itself."""
+    length = base.shape[2]
+    past = base.shape[3] - length
+    k = torch.arange(length, device=base.device)[None, None, :]
+    q = torch.arange(width, length, device=base.device)[None, :, None]
+    rows = (k <= follows[:, :, None]) | ((k >= starts[:, :, None]) & (k <= q)) | (k == sees[:, :, None])
+    mask = base.clone()
+    mask[:, 0, width:, past:] &= rows
+    return mask
+
+
+def choose_leaves(probs: torch.Tensor, drafts: list[int], tree_width: int, cap: int,
+                  min_prob: float = LEAF_MIN_PROB) -> list[tuple[int, int]]:
+    """Tree layout: (depth, token) alternatives to the drafts from the masks' distributions `probs` [n_masks, V]
+    (mask j predicts depth j + 1): at every draft's depth and the one after the last draft, up to
+    tree_width - 1 of the likeliest other tokens whose probability reaches `min_prob`, at depths <= cap."""
+    leaves = []
+    if tree_width < 2:
+        return leaves
+    for depth in range(1, min(len(drafts) + 1, cap, probs.shape[0]) + 1):
+        top = probs[depth - 1].topk(tree_width)
+        chosen = [t for p, t in zip(top.values.tolist(), top.indices.tolist())
+                  if p >= min_prob and (depth > len(drafts) or t != drafts[depth - 1])]
+        leaves += [(depth, t) for t in chosen[: tree_width - 1]]
+    return leaves
 
 
 def lookup_drafts(tokens: list[int], max_n: int, cap: int, eos_ids) -> list[int]:

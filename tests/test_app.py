@@ -297,8 +297,21 @@ def test_the_lossless_lane_races_in_the_chosen_draft_layout_and_marks_copied_dra
     assert copied and 'class="verified from-prompt"' in verify_html and "prompt lookup" in verify_html
     assert "Prompt lookup: the last tokens occurred earlier" in render_ledger(verify, copied[0])
     assert verify.positions_fed() == [s.positions for s in verify.steps[1:]]
-    with pytest.raises(ValueError, match="draft layout 'tree' is unknown"):
-        generate.RaceSettings.from_inputs(prompt, 0.9, False, 4, 8, 0.0, draft_layout="tree")
+    with pytest.raises(ValueError, match="draft layout 'star' is unknown"):
+        generate.RaceSettings.from_inputs(prompt, 0.9, False, 4, 8, 0.0, draft_layout="star")
+
+
+def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tiny_dir):
+    from app.race import render_ledger
+    # the embedded tiny-mars (its masks are trained, so some runner-up tokens are likely enough to be tried)
+    prompt = "Sort these numbers: 42, 7, 19, 3"
+    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 60, 0.0,
+                                  measure_after=False, draft_layout="tree"))
+    verify, ar = _final(outs)[-1]["verify"], _final(outs)[-1]["ar"]
+    assert verify.token_ids == ar.token_ids and verify.layout == "tree"
+    offered = [k for k, s in enumerate(verify.steps) if s.leaves]
+    assert offered, "the tree layout offered no alternatives on this prompt"
+    assert "runner-up tokens checked" in render_ledger(verify, offered[0] + 1)
 
 
 def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):

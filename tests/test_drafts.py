@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, generate_stream, reference_generate
-from mars_core.decoding import step_attention
-from mars_core.drafts import group_attention, lookup_drafts
+from mars_core.decoding import _Batch, _Row
+from mars_core.drafts import choose_leaves, lookup_drafts
 from tests.conftest import PROMPTS
 from tests.test_decoding import hf_greedy, hf_greedy_batch
 from tests.test_verify import MAX_NEW, suite_prompts, tiny_mars  # noqa: F401  (fixtures)
 
-LAYOUTS = [("linear", 3), ("quadratic", 0), ("quadratic", 3)]   # (draft_layout, prompt_lookup); linear, 0 is test_verify's
+# (draft_layout, prompt_lookup); ("linear", 0) is test_verify's
+LAYOUTS = [("linear", 3), ("quadratic", 0), ("quadratic", 3), ("tree", 0), ("tree", 3)]
 
 
 def cfg(tau, block_size, layout, lookup, max_new=MAX_NEW):
@@ -22,29 +23,54 @@ def cfg(tau, block_size, layout, lookup, max_new=MAX_NEW):
 
 # ----------------------------------------------------------------------------- pure pieces
 
-def test_each_mask_group_sees_its_prefix_and_its_own_earlier_masks_only():
-    width, groups, n_masks, past = 4, 3, 2, 2          # chunk: c0 c1 d1 d2 | g0 g0 | g1 g1 | g2 g2
-    length = width + groups * n_masks
-    base = step_attention(torch.ones(1, past, dtype=torch.bool), torch.ones(1, length, dtype=torch.bool))
-    mask = group_attention(base, width, groups, n_masks)[0, 0]
-    assert mask.shape == (length, past + length)
-    for q in range(width):                              # real tokens: plain causal
-        assert mask[q].tolist() == [True] * (past + q + 1) + [False] * (length - q - 1)
-    for g in range(groups):
-        own = width - groups + g                        # the chunk column this group follows
-        for s in range(n_masks):
-            q = width + g * n_masks + s
-            sees = {k for k in range(past + length) if mask[q, k]}
-            want = set(range(past + own + 1)) | {past + width + g * n_masks + j for j in range(s + 1)}
-            assert sees == want, (g, s)
+def _tree_step(n_masks=2):
+    """One row after 5 cached tokens: pending [c d1 d2], leaves at depths 1, 2, 3, a group behind c, d1, d2 and
+    behind each leaf, laid out and masked by the decoder's own chunk builder."""
+    row = _Row(0, 50, [11, 12, 13], n_drafts=2, leaves=[(1, 21), (2, 22), (3, 23)], cached=5)
+    batch = _Batch([row], None, "cpu")
+    batch.kv_valid = torch.ones(1, 5, dtype=torch.bool)
+    ids, pos, valid, width, blocks = batch.chunk(n_masks, 0, groups=3, n_leaves=3, leaf_groups=True)
+    return ids[0].tolist(), pos[0].tolist(), batch.attention(valid, width, blocks)[0, 0]
+
+
+def test_the_tree_mask_lets_each_node_see_exactly_its_ancestors_and_the_prefix():
+    ids, pos, mask = _tree_step()
+    cache = set(range(5))
+    col = lambda c: 5 + c                               # a chunk column's key index, after the cache
+    sees = lambda q: {k for k in range(mask.shape[1]) if mask[q, k]}
+    assert ids[:6] == [11, 12, 13, 21, 22, 23] and pos[:6] == [5, 6, 7, 6, 7, 8]
+    assert sees(1) == cache | {col(0), col(1)}                              # d1: c, itself
+    assert sees(2) == cache | {col(0), col(1), col(2)}                      # d2: c, d1, itself
+    assert sees(3) == cache | {col(0), col(3)}                              # leaf at depth 1: c
+    assert sees(4) == cache | {col(0), col(1), col(4)}                      # depth 2: c, d1
+    assert sees(5) == cache | {col(0), col(1), col(2), col(5)}              # depth 3: c, d1, d2
+    groups = {"c": 6, "d1": 8, "d2": 10, "leaf1": 12, "leaf2": 14, "leaf3": 16}   # first column of each group
+    prefix = {"c": [0], "d1": [0, 1], "d2": [0, 1, 2], "leaf1": [0, 3], "leaf2": [0, 1, 4], "leaf3": [0, 1, 2, 5]}
+    for name, first in groups.items():
+        for s in range(2):
+            assert sees(first + s) == cache | {col(c) for c in prefix[name]} | {col(first + j) for j in range(s + 1)}
+            assert pos[first + s] == pos[prefix[name][-1]] + 1 + s           # positions continue the node
 
 
 def test_no_query_sees_a_hole_group():
-    kv = torch.ones(1, 1, dtype=torch.bool)
-    valid = torch.tensor([[True, True, False, True]])   # chunk: c d | hole-group | live group (n_masks 1)
-    mask = group_attention(step_attention(kv, valid), 2, 2, 1)[0, 0]
-    assert not mask[[0, 1, 3], 3].any()                 # the hole (key 3, after one cached column): seen by none
-    assert [k for k in range(5) if mask[3, k]] == [0, 1, 2, 4]   # the live group: cache, c, d, itself
+    batch = _Batch([_Row(0, 50, [3, 4, 5], n_drafts=2, cached=2), _Row(1, 50, [6, 7, 8], n_drafts=0, cached=2)],
+                   None, "cpu")
+    batch.kv_valid = torch.ones(2, 2, dtype=torch.bool)
+    ids, pos, valid, width, blocks = batch.chunk(1, 0, groups=3)
+    assert valid[1].tolist() == [True, True, True, False, False, True]   # row 1's groups behind committed tokens
+    mask = batch.attention(valid, width, blocks)[1, 0]
+    for hole in (3, 4):
+        assert not mask[[q for q in range(6) if q != hole], 2 + hole].any()
+
+
+def test_choose_leaves_offers_the_next_likeliest_tokens_at_each_depth():
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.5, 0.05, 0.25, 0.2], [0.2, 0.5, 0.3, 0.0]])
+    # drafts [0, 0]: depth 1 offers token 1 (0.3), depth 2 token 2 (0.25), depth 3 (after the drafts) its top: 1
+    assert choose_leaves(probs, [0, 0], 2, 3) == [(1, 1), (2, 2), (3, 1)]
+    assert choose_leaves(probs, [0, 0], 3, 3) == [(1, 1), (1, 2), (2, 2), (2, 3), (3, 1), (3, 2)]
+    assert choose_leaves(probs, [0, 0], 2, 2) == [(1, 1), (2, 2)]                  # depth <= cap
+    assert choose_leaves(probs, [0, 0], 2, 3, min_prob=0.26) == [(1, 1), (3, 1)]    # depth 2's 0.25 too unlikely
+    assert choose_leaves(probs, [0, 0], 1, 3) == []                                 # width 1: no tree
 
 
 def test_lookup_drafts_continues_the_latest_longest_match():
@@ -58,7 +84,8 @@ def test_lookup_drafts_continues_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("kwargs,word", [
-    (dict(mode="verify", draft_layout="tree"), "draft_layout='tree' is unknown"),
+    (dict(mode="verify", draft_layout="star"), "draft_layout='star' is unknown"),
+    (dict(mode="verify", draft_layout="tree", tree_width=0), "tree_width=0"),
     (dict(mode="verify", prompt_lookup=-1), "prompt_lookup=-1"),
     (dict(mode="mars", draft_layout="quadratic"), "draft_layout='quadratic' with mode='mars'"),
     (dict(mode="ar", prompt_lookup=3), "prompt_lookup=3 with mode='ar'"),
