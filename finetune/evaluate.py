@@ -111,14 +111,16 @@ def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tupl
 
 def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_tokens: int = MAX_NEW_TOKENS,
           progress: Callable[[float, str], None] | None = None, batch_size: int = 16, timing_prompts: int = 8,
-          model_name: str | None = None, criterion: str = "prob", mode: str = "mars") -> list[dict]:
+          model_name: str | None = None, criterion: str = "prob", mode: str = "mars", draft_layout: str = "linear",
+          prompt_lookup: int = 0) -> list[dict]:
     """One row per τ for a loaded model (`mars_core.load_model`) on `examples`.
 
     Row keys: model, mode, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
     tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts; verify rows (mode "verify", lossless
     MARS) add draft_acceptance (share of drafts confirmed per mask slot). Accuracy and tokens/forward come
     from all examples decoded in batches of `batch_size`; the speedup from the first `timing_prompts`
-    examples at batch 1 (see `time_against_ar`). `criterion` is DecodeConfig's confidence criterion.
+    examples at batch 1 (see `time_against_ar`). `criterion` is DecodeConfig's confidence criterion;
+    `draft_layout` and `prompt_lookup` its lossless-draft options (mode "verify").
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
     """
     from mars_core import DecodeConfig, draft_acceptance
@@ -132,13 +134,16 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     name = model_name or lm.name
     rows = []
     for k, tau in enumerate(taus):
+        drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
         cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                           criterion=criterion)
+                           criterion=criterion, **drafts)
         results = _decode(lm, prompts, cfg, batch_size)
         accuracy, per_family = score(examples, [r.text for r in results])
         tpf = sum(r.tokens_per_forward for r in results) / len(results)
         row = {
             "model": name, "mode": mode, "tau": tau, "criterion": criterion, "block_size": block_size,
+            "draft_layout": drafts.get("draft_layout"), "prompt_lookup": drafts.get("prompt_lookup"),
+            "positions_per_forward": mean_positions_per_forward(results),
             "n": len(examples), "accuracy": accuracy, "per_family": per_family, "tokens_per_forward": tpf,
             "speedup": None, "ar_time_s": None, "mars_time_s": None, "timing_prompts": 0,
         }
@@ -497,11 +502,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="also sweep lossless MARS (mode verify: drafts checked by the next forward, the answer is "
                          "exactly AR's in fp32) beside lossy MARS")
     ap.add_argument("--draft-layouts", nargs="+", default=["linear"], choices=LAYOUTS, metavar="LAYOUT",
-                    help="natural suite, --lossless: one lossless sweep per draft layout (linear: masks after the last "
-                         "draft; quadratic: after every draft)")
+                    help="--lossless: one lossless sweep per draft layout (linear: masks after the last draft; "
+                         "quadratic: after every draft; tree: also runner-up tokens)")
     ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
-                    help="natural suite, --lossless: also draft what followed the last 1..N tokens earlier in the "
-                         "text (0: off)")
+                    help="--lossless: also draft what followed the last 1..N tokens earlier in the text (0: off)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"new-token cap (default: tasks suite {MAX_NEW_TOKENS}; natural suite "
                          f"{NATURAL_MAX_NEW_TOKENS}, for natural prompts and HumanEval)")
@@ -622,9 +626,11 @@ def _main_tasks(args, log) -> list[dict]:
                   file=log, flush=True)
         for criterion in args.criteria:
             t0 = time.time()
-            for mode in ("mars", "verify") if args.lossless else ("mars",):
+            runs = [("mars", "linear")] + ([("verify", layout) for layout in args.draft_layouts] if args.lossless else [])
+            for mode, layout in runs:
                 rows += sweep(lm, examples, taus, args.block_size, max_new_tokens, batch_size=args.batch_size,
                               timing_prompts=args.timing_prompts, model_name=name, criterion=criterion, mode=mode,
+                              draft_layout=layout, prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
                               progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
                 print(f"{curve_label(rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s", file=log,
                       flush=True)

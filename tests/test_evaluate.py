@@ -142,3 +142,6 @@ def test_lossless_rows_score_exactly_ar_and_report_draft_acceptance():
         assert r["tokens_per_forward"] > 1.5
         assert len(r["draft_acceptance"]) == 3 and all(a is None or 0 <= a <= 1 for a in r["draft_acceptance"])
         assert r["draft_acceptance"][0] is not None
+    tree = sweep(lm, examples, taus=[0.9], max_new_tokens=64, timing_prompts=0, mode="verify", draft_layout="tree")
+    assert curve_label(tree[0]) == "tiny-mars (lossless, tree)" and tree[0]["accuracy"] == ar["accuracy"]
+    assert tree[0]["positions_per_forward"] > rows[1]["positions_per_forward"]
