@@ -136,6 +136,8 @@ def cmd_generate(args) -> int:
     lm = load_model(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     _check_block_size(lm, args.block_size)
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
+    if cfg.mode == "verify" and cfg.draft_layout == "auto":
+        measure_row_costs(lm, prompt_ids, args.block_size, say=None if args.json else _stderr)
     events = []
     for event in generate_stream(lm, [prompt_ids], cfg):
         events.append(event)
@@ -176,6 +178,8 @@ def cmd_bench(args) -> int:
     _check_block_size(lm, args.block_size)
     if args.row_costs:
         return _bench_row_costs(lm, prompts[0], args)
+    if args.draft_layout == "auto" and not args.no_verify:
+        measure_row_costs(lm, lm.encode(prompts[0]), args.block_size, say=None if args.json else _stderr)
     other_ar = None
     if args.ar_dtype is not None or args.ar_backend is not None:
         other_ar = load_model(args.model, device=args.device, dtype=args.ar_dtype or args.dtype,
@@ -221,6 +225,21 @@ def _model_meta(lm) -> dict:
         dtype, layout = act, "row-major" if row_major else "stock"
     return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "backend": lm.backend,
             "threads": torch.get_num_threads(), "layout": layout}
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def measure_row_costs(lm, prompt_ids: list[int], block_size: int, say=None, rounds: int = 5) -> list[float]:
+    """draft_layout="auto" needs this machine's forward cost by positions: time it once (bench.row_costs, a few
+    rounds) up to what a tree step of this B can feed, and keep it on the model (`lm.row_costs`)."""
+    rows = min(4 * block_size + 4, lm.context_length - len(prompt_ids) - 1)
+    lm.row_costs = [r.cost for r in row_costs(lm, prompt_ids, max_rows=max(1, rows), block_size=block_size,
+                                              rounds=rounds)]
+    if say is not None:
+        say("draft_layout auto: forward cost by positions " + " ".join(f"{c:.2f}" for c in lm.row_costs))
+    return lm.row_costs
 
 
 def check_bench_args(args) -> None:

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from mars_core.drafts import LAYOUTS, block_attention, choose_leaves, lookup_drafts
+from mars_core.drafts import LAYOUTS, DraftPlanner, block_attention, choose_leaves, lookup_drafts
 
 MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
 CRITERIA = ("prob", "entropy", "margin")
@@ -60,6 +60,7 @@ class DecodeConfig:
     stop_strings: tuple[str, ...] = ()  # stop once the decoded text contains one of these
     draft_layout: str = "linear"  # verify: "linear" (masks after the last draft), "quadratic" (after every one), "tree"
     tree_width: int = 2           # tree layout: candidates tried per draft slot (the draft and tree_width - 1 more)
+    row_costs: tuple | None = None  # auto layout: relative forward cost by positions fed (bench.row_costs); None: free
     prompt_lookup: int = 0        # verify: also draft what followed the last 1..n tokens earlier in the text; 0 = off
 
     def __post_init__(self):
@@ -97,6 +98,12 @@ class DecodeConfig:
         if not _is_int(self.tree_width) or self.tree_width < 1:
             raise ValueError(f"tree_width={self.tree_width!r} must be an integer >= 1 (candidates tried per slot; "
                              "1 = no alternatives)")
+        if self.row_costs is not None:
+            if isinstance(self.row_costs, (str, bytes)) or not all(
+                    _is_number(c) and math.isfinite(c) and c > 0 for c in self.row_costs) or not self.row_costs:
+                raise ValueError(f"row_costs={self.row_costs!r} must be positive numbers, the relative cost of a "
+                                 "forward over 1, 2, ... positions (as bench --row-costs prints), or None")
+            self.row_costs = tuple(float(c) for c in self.row_costs)
         if not _is_int(self.prompt_lookup) or self.prompt_lookup < 0:
             raise ValueError(f"prompt_lookup={self.prompt_lookup!r} must be an integer >= 0 (the longest n-gram to "
                              "look up; 0 = off, 3 is a good start)")
@@ -370,11 +377,12 @@ class _Batch:
         mask = step_attention(self.kv_valid, chunk_valid)
         return block_attention(mask, width, *blocks) if blocks is not None else mask
 
-    def chunk(self, n_masks: int, fill: int, groups: int = 1, n_leaves: int = 0, leaf_groups: bool = False):
+    def chunk(self, n_masks: int, fill: int, behind=(0,), n_leaves: int = 0, leaf_groups: bool = False):
         """The step's input, right-aligned: [holes | pending | leaves | groups x masks] per row -> ids, positions,
         valid, width, blocks. Right alignment puts every row's last pending token and its masks in the same
         columns. Leaf slot j holds the row's j-th (depth, token) alternative, which follows the draft before its
-        depth; group g follows pending column width - groups + g; with `leaf_groups` one more group follows
+        depth; group g follows pending column width - 1 - behind[g] (behind: offsets from the last pending
+        column, descending; (0,) is the plain layout's one group); with `leaf_groups` one more group follows
         each leaf slot. All continue the positions of what they follow; a slot the row does not use, or a group
         behind a token already committed, is a hole. `blocks` is None for the plain layout (one group after the
         last token: the causal mask), else per trailing column the pending column up to which it sees, the
@@ -398,10 +406,10 @@ class _Batch:
                 f.append(parent if live else first)
                 st.append(width + slot)
             se = [-1] * len(f)
-            # the groups: behind each pending column from width - groups on, then behind each leaf slot
-            behind = [(c, -1, c >= first) for c in range(width - groups, width)]
-            behind += [(f[slot], width + slot, v[width + slot]) for slot in range(n_leaves)] if leaf_groups else []
-            for c, leaf, live in behind:
+            # the groups: behind the chosen pending columns, then behind each leaf slot
+            after = [(width - 1 - k, -1, width - 1 - k >= first) for k in behind]
+            after += [(f[slot], width + slot, v[width + slot]) for slot in range(n_leaves)] if leaf_groups else []
+            for c, leaf, live in after:
                 start, at = len(t), c if leaf < 0 else leaf
                 t += [fill] * n_masks
                 p += list(range(p[at] + 1, p[at] + 1 + n_masks)) if live else [0] * n_masks
@@ -416,7 +424,8 @@ class _Batch:
             starts.append(st)
             sees.append(se)
         as_tensor = lambda x, **kw: torch.tensor(x, device=self.device, **kw)
-        blocks = None if groups == 1 and not n_leaves else (as_tensor(follows), as_tensor(starts), as_tensor(sees))
+        plain = tuple(behind) == (0,) and not n_leaves
+        blocks = None if plain else (as_tensor(follows), as_tensor(starts), as_tensor(sees))
         return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width, blocks
 
     def rollback(self, n_masks: int, kept: torch.Tensor) -> None:
@@ -506,7 +515,8 @@ def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_S
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
-def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, groups, width, eos: set[int]) -> list[_Settled]:
+def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos: set[int],
+                   planner=None) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
     drafts are kept while equal to them, the first one that differs is replaced by AR's token, unless a leaf
     of the tree layout at that depth holds AR's token: then the leaf is confirmed and AR's token after it is
@@ -519,7 +529,7 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, groups, 
     if n_masks:
         p, c = propose(logits[:, n_out:], cfg.criterion)     # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
-        if cfg.draft_layout == "tree":
+        if cfg.draft_layout in ("tree", "auto"):
             probs = torch.softmax(logits[:, n_out:].float(), dim=-1)
     settled = []
     for i, r in enumerate(rows):
@@ -532,7 +542,7 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, groups, 
         leaf = leaf if len(commit) == ok + 2 else None    # clipped: the row ends on the leaf's token anyway
         kept = list(range(width - len(r.pending), width - m + ok)) + ([width + leaf] if leaf is not None else [])
         # the group behind the last confirmed draft or leaf, if the layout put one there
-        g = groups - 1 - (m - ok) if leaf is None else groups + leaf
+        g = (behind.index(m - ok) if m - ok in behind else -1) if leaf is None else len(behind) + leaf
         cut = slice(max(g, 0) * n_masks, (max(g, 0) + 1) * n_masks)
         cands, confs = props[i][cut], conf[i][cut]
         new, source, leaves = [], None, []
@@ -543,6 +553,8 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, groups, 
                 source = "masks" if new else None
                 if probs is not None:
                     leaves = choose_leaves(probs[i, cut], new, cfg.tree_width, cap)
+                    if planner is not None:
+                        leaves = planner.keep_leaves(probs[i, cut], new, leaves, n_masks)
             if cfg.prompt_lookup:
                 looked = lookup_drafts(r.prompt + r.generated + commit, cfg.prompt_lookup, cap, eos)
                 if len(looked) > len(new):
@@ -578,6 +590,9 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     if min(budget) < 1:
         raise ValueError(f"a prompt leaves no room in the context of {lm.context_length} tokens: shorten it")
     batch = _Batch([_Row(i, budget[i], list(p), list(p)) for i, p in enumerate(prompt_ids)], new_cache(lm), device)
+    planner = None
+    if cfg.mode == "verify" and cfg.draft_layout == "auto":
+        planner = DraftPlanner(cfg.row_costs or getattr(lm, "row_costs", None), cfg.block_size - 1)
     start, step = time.perf_counter(), 0
     while batch.rows:
         t0 = time.perf_counter()
@@ -585,15 +600,16 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         n_leaves = max(len(r.leaves) for r in batch.rows)
-        groups = n_verify + 1 if cfg.draft_layout != "linear" and n_masks else 1
-        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, groups, n_leaves, bool(n_masks))
+        behind = _behind(cfg, n_verify, n_masks, planner, batch.rows)
+        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, n_leaves, bool(n_masks))
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep)
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
         _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, groups, width, eos_set)
+            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos_set,
+                                     planner)
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
         kept = valid[:, : width + n_leaves].clone()
@@ -601,7 +617,9 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
             if st.kept is not None:
                 kept[i] = False
                 kept[i, st.kept] = True
-        batch.rollback((groups + n_leaves) * n_masks, kept)
+        batch.rollback((len(behind) + n_leaves) * n_masks, kept)
+        if planner is not None:
+            planner.observe(batch.rows, settled, ids.shape[1])
         step_time = time.perf_counter() - t0
 
         events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in prompt_ids]
@@ -623,6 +641,16 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         yield StepEvent(step, tau, step_time, time.perf_counter() - start, events, ids.shape[1])
         step += 1
         batch.select(still)
+
+
+def _behind(cfg, n_verify: int, n_masks: int, planner=None, rows=None) -> list[int]:
+    """Which pending columns get a mask group this step, as offsets from the last one (descending): the last
+    only (linear), every draft's and the committed token's (quadratic, tree), or the planner's choice (auto)."""
+    if not n_masks or cfg.draft_layout == "linear" or n_verify == 0:
+        return [0]
+    if planner is not None:
+        return planner.behind(rows, n_masks)
+    return list(range(n_verify, -1, -1))
 
 
 def _trim_at_stop(lm, generated: list[int], accepted: list[int], stops: tuple[str, ...]) -> bool:
@@ -686,9 +714,13 @@ def draft_acceptance(results: list[SequenceResult], block_size: int) -> list[flo
 @torch.inference_mode()
 def reference_generate(lm, prompts, cfg: DecodeConfig | None = None) -> list[SequenceResult]:
     """The plain sampler: every step is one full forward of [all committed tokens | B masks], no cache,
-    one row at a time, the LM head on every position. Slow on purpose; the tests' yardstick."""
+    one row at a time, the LM head on every position. Slow on purpose; the tests' yardstick. Not for
+    draft_layout="auto", whose choices follow the cached run's own statistics."""
     cfg = cfg or DecodeConfig()
     cfg.validate()
+    if cfg.mode == "verify" and cfg.draft_layout == "auto":
+        raise ValueError("draft_layout='auto' adapts to the decoding run's own statistics, which the uncached "
+                         "reference does not keep: compare it with 'tree' or 'quadratic'")
     results = []
     for prompt in _prompt_ids(lm, prompts):
         budget = min(cfg.max_new_tokens, lm.context_length - len(prompt) - 1)
@@ -735,10 +767,10 @@ def _reference_verify_step(lm, cfg, seq, state, left, generator):
     drafts, leaves = state if state else ([], [])
     n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
     m = len(drafts)
-    groups = m + 1 if cfg.draft_layout != "linear" and n_masks else 1
-    if groups > 1 or leaves:
+    behind = _behind(cfg, m, n_masks)
+    if len(behind) > 1 or leaves:
         batch = _Batch([_Row(0, left, seq + drafts, n_drafts=m, leaves=leaves)], None, lm.device)
-        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, groups, len(leaves), bool(n_masks))
+        ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, len(leaves), bool(n_masks))
         mask = batch.attention(valid, width, blocks)
         logits = net(lm)(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0]
     else:
@@ -752,7 +784,7 @@ def _reference_verify_step(lm, cfg, seq, state, left, generator):
     new, new_leaves = [], []
     if commit[-1] not in lm.eos_ids and len(commit) == ok + 1 + (leaf is not None) and n_masks:
         cap = min(n_masks, left - len(commit) - 1, (cfg.max_accept or cfg.block_size) - 1)
-        g = groups - 1 - (m - ok) if leaf is None else groups + leaf
+        g = (behind.index(m - ok) if m - ok in behind else -1) if leaf is None else len(behind) + leaf
         if g >= 0:
             first = len(seq) + m + len(leaves) + g * n_masks
             rows = never_propose_mask(logits[None, first: first + n_masks], lm.mask_id, first=0)

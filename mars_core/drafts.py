@@ -13,6 +13,7 @@ Three layouts of one verify step, fed as [holes | uncached tokens, drafts last |
              committed too (one token more), and the mask group behind that leaf drafts the next step. Costs
              one position per leaf and a group of B-1 masks behind each. A rejected draft or leaf before a kept
              column stays in the cache as a hole (hidden, never seen again).
+  auto       the tree's groups and leaves, each only where DraftPlanner finds it pays for its positions.
 The masks always come after every real token, so the cache keeps only real tokens and drops the masks by
 cropping its last columns, as in the linear layout.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("linear", "quadratic", "tree")
+LAYOUTS = ("linear", "quadratic", "tree", "auto")
 SOURCES = ("masks", "prompt")
 LEAF_MIN_PROB = 0.1   # tree layout: an alternative below this probability is not worth its position
 
@@ -77,3 +78,93 @@ def lookup_drafts(tokens: list[int], max_n: int, cap: int, eos_ids) -> list[int]
                         return out[: i + 1]
                 return out
     return []
+
+
+class DraftPlanner:
+    """draft_layout="auto": spend positions on mask groups and leaves only where they pay on this machine.
+
+    A group behind an earlier draft, or a leaf (with its group), adds tokens only in some outcomes: the group
+    behind the k-th-from-last draft drafts the next step when exactly that draft is the first rejected (gain:
+    the tokens a drafted step commits, minus the one a draft-less step commits), a leaf at depth j adds AR's
+    next token when the drafts before it are confirmed and it is AR's token (taken as its probability). Both
+    come from this generation's own counts: per-slot confirmation rates and the tokens of drafted steps.
+    Their cost is what the extra positions add to a forward, from `costs` (the relative forward cost by
+    positions fed, as `mars_core.bench.row_costs` measures it; none given: positions are free, as on a GPU at
+    batch 1). An addition is made when its tokens per cost beat the tokens per cost the generation reaches so
+    far, the only case in which it raises tokens per second. Answers stay AR's whatever it picks."""
+
+    def __init__(self, costs, slots: int):
+        # a measured curve dips here and there (noise); a dip must not look like free positions
+        self.costs = [max(float(c) for c in costs[: i + 1]) for i in range(len(costs))] if costs else None
+        self.drafted = [2.0] * (slots + 2)      # per slot j (1-based): drafts checked, confirmed; prior 1 of 2
+        self.confirmed = [1.0] * (slots + 2)
+        self.drafted_tokens, self.drafted_steps = 2.0, 1.0   # tokens a step with drafts commits; prior 2
+        self.tokens, self.spent = 1.0, 1.0                   # per row; prior: AR's one token per AR forward
+        self.prefilled = False
+
+    def cost(self, positions: int) -> float:
+        """Relative cost of a forward over `positions` (past the measured range: the last measured slope)."""
+        if not self.costs:
+            return 1.0
+        if positions <= len(self.costs):
+            return self.costs[max(positions, 1) - 1]
+        slope = self.costs[-1] - self.costs[-2] if len(self.costs) > 1 else 0.0
+        return self.costs[-1] + max(slope, 0.0) * (positions - len(self.costs))
+
+    def rate(self, slot: int) -> float:
+        return self.confirmed[slot] / self.drafted[slot]
+
+    def reach(self, depth: int) -> float:
+        """Chance that the drafts before `depth` are all confirmed."""
+        p = 1.0
+        for j in range(1, depth):
+            p *= self.rate(j)
+        return p
+
+    def _worth(self, gain: float, positions: int, extra: int) -> bool:
+        added = self.cost(positions + extra) - self.cost(positions)
+        return gain > 0 and (added <= 0 or gain / added >= self.tokens / self.spent)
+
+    def behind(self, rows, n_masks: int) -> list[int]:
+        """The step's group offsets (from the last pending column, descending); offset 0 always."""
+        positions = max(len(r.pending) + len(r.leaves) for r in rows) + n_masks
+        value = self.drafted_tokens / self.drafted_steps - 1.0
+        gains = []
+        for k in range(1, max(r.n_drafts for r in rows) + 1):
+            stop = [self.reach(r.n_drafts - k + 1) * (1 - self.rate(r.n_drafts - k + 1)) if r.n_drafts >= k else 0.0
+                    for r in rows]
+            gains.append((sum(stop) / len(rows) * value, k))
+        chosen = [0]
+        for gain, k in sorted(gains, reverse=True):
+            if self._worth(gain, positions, n_masks):
+                chosen.append(k)
+                positions += n_masks
+        return sorted(chosen, reverse=True)
+
+    def keep_leaves(self, probs, drafts: list[int], leaves: list, n_masks: int) -> list:
+        """The leaves (depth, token) worth their position and group next step, in their order."""
+        positions = 1 + len(drafts) + n_masks
+        ranked = sorted(((self.reach(d) * float(probs[d - 1, t]), i) for i, (d, t) in enumerate(leaves)), reverse=True)
+        kept = []
+        for gain, i in ranked:
+            if self._worth(gain, positions, 1 + n_masks):
+                kept.append(i)
+                positions += 1 + n_masks
+        return [leaves[i] for i in sorted(kept)]
+
+    def observe(self, rows, settled, positions: int) -> None:
+        """Count one step: each row's drafts checked and confirmed, its tokens, and the forward's cost. The
+        prompt's forward costs the same whatever the layout, so it is not counted."""
+        if not self.prefilled:
+            self.prefilled = True
+            return
+        for r, s in zip(rows, settled):
+            if r.n_drafts:
+                ok = s.confirmed - s.leaf_confirmed
+                for j in range(1, min(r.n_drafts, ok + 1) + 1):    # slot j was checked if every earlier one held
+                    self.drafted[j] += 1
+                    self.confirmed[j] += j <= ok
+                self.drafted_tokens += len(s.commit)
+                self.drafted_steps += 1
+        self.tokens += sum(len(s.commit) for s in settled) / len(settled)
+        self.spent += self.cost(positions)

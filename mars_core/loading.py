@@ -88,6 +88,7 @@ class LoadedModel:
     # layers are quantized the same way, so that generate() runs the same format).
     net: object = field(default=None, repr=False)
     n_params: int = 0   # the float model's parameter count (quantized layers hide theirs inside packed weights)
+    row_costs: list | None = None   # relative forward cost by positions fed, once measured (draft_layout="auto")
 
     def __post_init__(self):
         if self.net is None:

@@ -62,10 +62,14 @@ def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys):
 
     ar = answer("--mode", "ar")
     for extra in (("--draft-layout", "quadratic"), ("--prompt-lookup", "3"),
-                  ("--draft-layout", "quadratic", "--prompt-lookup", "3")):
+                  ("--draft-layout", "quadratic", "--prompt-lookup", "3"), ("--draft-layout", "tree"),
+                  ("--draft-layout", "auto")):
         lossless = answer("--mode", "verify", "--tau", "0.3", *extra)
         assert lossless["token_ids"] == ar["token_ids"] and lossless["forwards"] < ar["forwards"], extra
         assert len(lossless["positions"]) == lossless["forwards"]
+    assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "What is 17 + 25?", "--max-new-tokens", "8",
+                     "--mode", "verify", "--draft-layout", "auto"]) == 0
+    assert "draft_layout auto: forward cost by positions 1.00 " in capsys.readouterr().err
 
 
 def test_draft_options_outside_lossless_mode_exit_2_naming_the_value(capsys):

@@ -158,3 +158,46 @@ def test_prompt_lookup_drafts_a_repeating_answer_and_keeps_ars_tokens(tiny_lm):
     assert looked.tokens_per_forward > 2.0
     sources = {r.rows[0].draft_source for r in generate_stream(tiny_lm, [prompt], cfg(0.9, 8, "linear", 3, 60))}
     assert "prompt" in sources and sources <= {None, "prompt", "masks"}
+
+
+# ----------------------------------------------------------------------------- draft_layout="auto"
+
+def test_the_planner_spends_positions_only_where_they_pay():
+    from mars_core.drafts import DraftPlanner
+
+    rows = [_Row(0, 50, [1, 2, 3, 4], n_drafts=3)]
+    free, dear = DraftPlanner(None, 3), DraftPlanner([float(p) for p in range(1, 60)], 3)
+    for planner in (free, dear):
+        planner.drafted[1:4], planner.confirmed[1:4] = [100.0] * 3, [50.0, 40.0, 20.0]   # slot 1 holds half the time
+        planner.drafted_tokens, planner.drafted_steps = 30.0, 10.0                     # drafted steps: 3 tokens
+    assert free.behind(rows, 3) == [3, 2, 1, 0]           # free positions: a group behind every draft
+    assert dear.behind(rows, 3) == [0]                    # every position a full forward: the plain layout
+    probs = torch.full((3, 8), 0.01)
+    probs[0, 5] = 0.4
+    assert free.keep_leaves(probs, [1, 2, 3], [(1, 5), (2, 6)], 3) == [(1, 5), (2, 6)]
+    assert dear.keep_leaves(probs, [1, 2, 3], [(1, 5), (2, 6)], 3) == []
+    assert dear.cost(100) > dear.cost(59)                 # past the measured range: the last slope
+    dips = DraftPlanner([1.0, 1.5, 1.2, 1.6], 3)
+    assert [dips.cost(p) for p in (1, 2, 3, 4)] == [1.0, 1.5, 1.5, 1.6]   # a measured dip is not a free position
+
+
+def test_auto_keeps_ars_answer_and_with_free_positions_decodes_as_the_tree(tiny_mars, suite_prompts):
+    ar = generate(tiny_mars, suite_prompts, DecodeConfig(mode="ar", max_new_tokens=MAX_NEW))
+    steep = tuple(float(p) for p in range(1, 80))
+    cpu = (1.0, 1.23, 1.32, 1.5, 1.55, 1.64, 1.81, 1.86, 1.96, 2.14, 2.12, 2.07, 2.19, 2.28, 2.32)
+    for costs in (None, cpu, steep):
+        c = DecodeConfig(mode="verify", tau=0.9, max_new_tokens=MAX_NEW, draft_layout="auto", row_costs=costs)
+        assert [r.token_ids for r in generate(tiny_mars, suite_prompts, c)] == [r.token_ids for r in ar]
+    for p in suite_prompts[:4]:
+        auto = generate(tiny_mars, [p], cfg(0.9, 4, "auto", 0))[0]
+        assert auto.steps == generate(tiny_mars, [p], cfg(0.9, 4, "tree", 0))[0].steps
+        dear = generate(tiny_mars, [p], DecodeConfig(mode="verify", tau=0.9, max_new_tokens=MAX_NEW,
+                                                      draft_layout="auto", row_costs=steep))[0]
+        assert max(dear.positions[1:]) < max(auto.positions[1:])
+
+
+def test_auto_is_refused_by_the_uncached_reference_and_bad_costs_are_named(tiny_mars, suite_prompts):
+    with pytest.raises(ValueError, match="draft_layout='auto' adapts"):
+        reference_generate(tiny_mars, suite_prompts[:1], cfg(0.9, 4, "auto", 0))
+    with pytest.raises(ValueError, match="row_costs=\\(1.0, -2.0\\) must be positive numbers"):
+        DecodeConfig(mode="verify", draft_layout="auto", row_costs=(1.0, -2.0))
