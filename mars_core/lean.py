@@ -56,18 +56,35 @@ def _linears(model):
         yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
 
 
+def packed_bf16_supported() -> bool:
+    """Whether bf16 products can use oneDNN's prepacked weights on this CPU (AMX): one weight read per call
+    whatever the rows, and each row's result independent of the others (tests/test_lean.py checks it here)."""
+    try:
+        return (torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class FloatLinear(torch.nn.Module):
     """x @ W^T in the weights' float dtype. fp32 keeps W^T row-major, which MKL multiplies faster for few rows;
-    bf16 keeps W as it is (F.linear), which measured faster there (mars_core.cpu_layout explains the layout)."""
+    bf16 keeps W as it is (F.linear), which measured faster there (mars_core.cpu_layout explains the layout), or,
+    on a CPU with AMX, packed once for oneDNN (its cost barely grows with the rows: docs/experiments.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.transposed = dtype == torch.float32
         w = weight.detach().to(dtype)
-        self.register_buffer("w", (w.t() if self.transposed else w).contiguous())
+        self.packed = None
+        if dtype == torch.bfloat16 and w.device.type == "cpu" and packed_bf16_supported():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+            w = None
+        self.register_buffer("w", None if w is None else (w.t() if self.transposed else w).contiguous())
         self.register_buffer("b", None if bias is None else bias.detach().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         if self.transposed:
             return x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
         return F.linear(x, self.w, self.b)
@@ -180,7 +197,9 @@ class LeanLM(torch.nn.Module):
         self.register_buffer("rope_scale", scale[:, None], persistent=False)
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
         # number of positions fed; float64 scores and sums make those last-bit differences vanish in fp32
-        self.attention_dtype = torch.float64 if fmt == "w8a8" else torch.float32
+        # (the same holds for bf16's packed products on an AMX CPU)
+        exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
+        self.attention_dtype = torch.float64 if exact_rows else torch.float32
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             from mars_core.lean_script import scripted

@@ -288,3 +288,24 @@ def test_a_quantized_load_still_counts_the_models_parameters(tiny_mars_w8a8):
     float_count = sum(p.numel() for p in load_model("tiny-mars", device="cpu", dtype="float32").model.parameters())
     assert tiny_mars_w8a8.n_params == float_count                     # the packed int8 weights hide theirs
     assert sum(p.numel() for p in tiny_mars_w8a8.model.parameters()) < float_count
+
+
+@pytest.mark.skipif(not __import__("mars_core.lean", fromlist=["x"]).packed_bf16_supported(),
+                    reason="bf16's packed products need oneDNN on a CPU with AMX; elsewhere bf16 runs F.linear, "
+                           "whose multi-row results drift, and makes no exactness claim")
+def test_bf16_on_an_amx_cpu_is_packed_and_exact_lossless_equals_ar_and_batch_equals_alone():
+    from finetune.tasks import make_examples
+
+    lm = load_model("tiny-mars", device="cpu", dtype="bfloat16")
+    assert lm.backend == "lean" and lm.net.layers[0].qkv.packed is not None and lm.net.head.packed is not None
+    prompts = [lm.encode(e["messages"][0]["content"]) for e in make_examples("heldout", 8, seed=321)]
+    ar = [r.token_ids for r in generate(lm, prompts, DecodeConfig(mode="ar", max_new_tokens=40))]
+    for layout in ("linear", "tree"):
+        cfg = DecodeConfig(mode="verify", tau=0.5, max_new_tokens=40, draft_layout=layout)
+        lossless = generate(lm, prompts, cfg)
+        assert [r.token_ids for r in lossless] == ar
+        for p, row in zip(prompts[:3], lossless[:3]):
+            assert generate(lm, [p], cfg)[0].steps == row.steps
+    mars = DecodeConfig(mode="mars", tau=0.8, max_new_tokens=40)
+    for p, row in zip(prompts, generate(lm, prompts, mars)):
+        assert generate(lm, [p], mars)[0].steps == row.steps
