@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from mars_core.drafts import LAYOUTS, DraftPlanner, block_attention, choose_leaves, lookup_drafts
+from mars_core.drafts import LAYOUTS, DraftPlanner, block_attention, choose_leaves, lookup_drafts, lookup_wins
 
 MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
 CRITERIA = ("prob", "entropy", "margin")
@@ -557,7 +557,7 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, 
                         leaves = planner.keep_leaves(probs[i, cut], new, leaves, n_masks)
             if cfg.prompt_lookup:
                 looked = lookup_drafts(r.prompt + r.generated + commit, cfg.prompt_lookup, cap, eos)
-                if len(looked) > len(new):
+                if lookup_wins(looked, new):
                     new, source, leaves = looked, "prompt", []
         settled.append(_Settled(commit, cands, confs, new, min(ok + (leaf is not None), len(commit)),
                                 drafts[ok] if ok < m else None, kept, source, leaves, leaf is not None))
@@ -794,6 +794,6 @@ def _reference_verify_step(lm, cfg, seq, state, left, generator):
                 new_leaves = choose_leaves(torch.softmax(rows[0].float(), dim=-1), new, cfg.tree_width, cap)
         if cfg.prompt_lookup:
             looked = lookup_drafts(seq + commit, cfg.prompt_lookup, cap, lm.eos_ids)
-            if len(looked) > len(new):
+            if lookup_wins(looked, new):
                 new, new_leaves = looked, []
     return commit, (new, new_leaves)

@@ -18,8 +18,8 @@ The masks always come after every real token, so the cache keeps only real token
 cropping its last columns, as in the linear layout.
 
 Prompt lookup (`prompt_lookup=n`): when the last n..1 tokens of prompt + output occurred before, the tokens
-that followed their latest occurrence are offered as drafts; the step keeps whichever of the mask drafts and
-the looked-up drafts is longer. Drafts only change how many tokens a forward confirms, never which tokens.
+that followed their latest occurrence are offered as drafts; they replace the mask drafts when the masks offer
+none, or when they start with the masks' first draft and run longer (lookup_wins). Drafts only change how many tokens a forward confirms, never which tokens.
 """
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def choose_leaves(probs: torch.Tensor, drafts: list[int], tree_width: int, cap: 
                   if p >= min_prob and (depth > len(drafts) or t != drafts[depth - 1])]
         leaves += [(depth, t) for t in chosen[: tree_width - 1]]
     return leaves
+
+
+def lookup_wins(looked: list[int], masks: list[int]) -> bool:
+    """Whether the looked-up drafts replace the mask drafts: when the masks offer none, or when the lookup
+    starts with the masks' first draft and runs longer (chosen on development prompts over "the longer run":
+    docs/experiments.md, "Prompt lookup's rule")."""
+    return len(looked) > len(masks) and (not masks or looked[0] == masks[0])
 
 
 def lookup_drafts(tokens: list[int], max_n: int, cap: int, eos_ids) -> list[int]:

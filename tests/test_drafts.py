@@ -201,3 +201,13 @@ def test_auto_is_refused_by_the_uncached_reference_and_bad_costs_are_named(tiny_
         reference_generate(tiny_mars, suite_prompts[:1], cfg(0.9, 4, "auto", 0))
     with pytest.raises(ValueError, match="row_costs=\\(1.0, -2.0\\) must be positive numbers"):
         DecodeConfig(mode="verify", draft_layout="auto", row_costs=(1.0, -2.0))
+
+
+def test_lookup_replaces_mask_drafts_only_when_it_extends_them_or_they_are_none():
+    from mars_core.drafts import lookup_wins
+
+    assert lookup_wins([5, 6], [])                 # the masks offer nothing
+    assert lookup_wins([5, 6, 7], [5])             # it starts with the masks' draft and runs longer
+    assert not lookup_wins([4, 6, 7], [5])         # it disagrees with a confident mask draft
+    assert not lookup_wins([5], [5, 9])            # shorter
+    assert not lookup_wins([], [])
