@@ -29,7 +29,7 @@ def _tree_step(n_masks=2):
     row = _Row(0, 50, [11, 12, 13], n_drafts=2, leaves=[(1, 21), (2, 22), (3, 23)], cached=5)
     batch = _Batch([row], None, "cpu")
     batch.kv_valid = torch.ones(1, 5, dtype=torch.bool)
-    ids, pos, valid, width, blocks = batch.chunk(n_masks, 0, groups=3, n_leaves=3, leaf_groups=True)
+    ids, pos, valid, width, blocks = batch.chunk(n_masks, 0, behind=[2, 1, 0], n_leaves=3, leaf_groups=True)
     return ids[0].tolist(), pos[0].tolist(), batch.attention(valid, width, blocks)[0, 0]
 
 
@@ -56,7 +56,7 @@ def test_no_query_sees_a_hole_group():
     batch = _Batch([_Row(0, 50, [3, 4, 5], n_drafts=2, cached=2), _Row(1, 50, [6, 7, 8], n_drafts=0, cached=2)],
                    None, "cpu")
     batch.kv_valid = torch.ones(2, 2, dtype=torch.bool)
-    ids, pos, valid, width, blocks = batch.chunk(1, 0, groups=3)
+    ids, pos, valid, width, blocks = batch.chunk(1, 0, behind=[2, 1, 0])
     assert valid[1].tolist() == [True, True, True, False, False, True]   # row 1's groups behind committed tokens
     mask = batch.attention(valid, width, blocks)[1, 0]
     for hole in (3, 4):
