@@ -3,7 +3,8 @@
 Pieces, each a pure function of tensors:
   propose(logits)          -> candidates, confidences      (fp32 softmax on the B rows used)
   accept_counts(...)       -> how many candidates each row keeps
-  _Batch.chunk(...)        -> the step's input: [holes | uncached tokens | masks], right-aligned
+  _Batch.chunk(...)        -> the step's input: [holes | uncached tokens | leaves | mask groups], right-aligned
+                              (verify mode's draft layouts: mars_core/drafts.py)
   step_attention(...)      -> the 4D mask that hides holes
 `generate_stream` strings them together around one KV cache; `generate` collects its events.
 `reference_generate` is the plain uncached sampler (one full forward per step, one row at a time)
