@@ -429,17 +429,20 @@ class _Batch:
         blocks = None if plain else (as_tensor(follows), as_tensor(starts), as_tensor(sees))
         return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width, blocks
 
-    def rollback(self, n_masks: int, kept: torch.Tensor) -> None:
+    def rollback(self, n_masks: int, kept: list, columns: int) -> None:
         """The one place the cache shrinks: the masks always leave; so do rejected drafts and leaves (verify
-        mode). `kept` [b, C] marks the chunk's non-mask columns each row keeps; columns no row keeps at the end
-        are cropped with the masks, a row's other dropped columns become holes."""
-        used = kept.any(dim=0).nonzero()
-        last = int(used.max()) + 1 if used.numel() else 0
-        if n_masks + kept.shape[1] - last:
-            self.cache.crop(-(n_masks + kept.shape[1] - last))
-        kept = kept[:, :last]
-        self.kv_valid = torch.cat([self.kv_valid, kept], dim=1)
-        self.kv_holes = self.kv_holes or not bool(kept.all())
+        mode). kept[i] lists the chunk columns (of its first `columns`, the non-mask ones) row i keeps; columns no
+        row keeps at the end are cropped with the masks, a row's other dropped columns become holes. Host-side
+        lists only: no device sync on the decoding path."""
+        last = max((max(k) + 1 for k in kept if k), default=0)
+        if n_masks + columns - last:
+            self.cache.crop(-(n_masks + columns - last))
+        rows = [[False] * last for _ in kept]
+        for row, k in zip(rows, kept):
+            for c in k:
+                row[c] = True
+        self.kv_valid = torch.cat([self.kv_valid, torch.tensor(rows, dtype=torch.bool, device=self.device)], dim=1)
+        self.kv_holes = self.kv_holes or any(len(k) != last for k in kept)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these batch rows (finished rows leave the batch and the cache)."""
@@ -526,12 +529,11 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, 
     token), or from prompt lookup when that offers more."""
     n_out = n_verify + 1 + n_leaves
     ar = logits[:, :n_out].argmax(dim=-1).tolist()
-    props, conf, probs = [[]] * len(rows), [[]] * len(rows), None
+    props, conf, probs = [[]] * len(rows), [[]] * len(rows), False
     if n_masks:
         p, c = propose(logits[:, n_out:], cfg.criterion)     # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
-        if cfg.draft_layout in ("tree", "auto"):
-            probs = torch.softmax(logits[:, n_out:].float(), dim=-1)
+        probs = cfg.draft_layout in ("tree", "auto")   # leaves: softmax of the one group a row drafts from
     settled = []
     for i, r in enumerate(rows):
         m = r.n_drafts
@@ -552,10 +554,11 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, 
             if g >= 0:
                 new = keep_drafts(cands, confs, tau, cap, eos)
                 source = "masks" if new else None
-                if probs is not None:
-                    leaves = choose_leaves(probs[i, cut], new, cfg.tree_width, cap)
+                if probs:
+                    group = torch.softmax(logits[i, n_out + cut.start: n_out + cut.stop].float(), dim=-1)
+                    leaves = choose_leaves(group, new, cfg.tree_width, cap)
                     if planner is not None:
-                        leaves = planner.keep_leaves(probs[i, cut], new, leaves, n_masks)
+                        leaves = planner.keep_leaves(group, new, leaves, n_masks)
             if cfg.prompt_lookup:
                 looked = lookup_drafts(r.prompt + r.generated + commit, cfg.prompt_lookup, cap, eos)
                 if lookup_wins(looked, new):
@@ -613,12 +616,9 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
                                      planner)
         else:
             settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
-        kept = valid[:, : width + n_leaves].clone()
-        for i, st in enumerate(settled):
-            if st.kept is not None:
-                kept[i] = False
-                kept[i, st.kept] = True
-        batch.rollback((len(behind) + n_leaves) * n_masks, kept)
+        kept = [range(width - len(r.pending), width) if st.kept is None else st.kept
+                for r, st in zip(batch.rows, settled)]
+        batch.rollback((len(behind) + n_leaves) * n_masks, kept, width + n_leaves)
         if planner is not None:
             planner.observe(batch.rows, settled, ids.shape[1])
         step_time = time.perf_counter() - t0
