@@ -9,6 +9,9 @@ Two things live here:
   days and months, plurals, colours, ...) and `check(item, text)`, a per-item checker, so that a change of
   quality is visible as a number.
 
+The first 16 held-out prompts (seed 0) ship as assets/prompts/natural-heldout.txt, written by `main`: bench's
+default prompts for smollm2-mars, read there without importing finetune (tests/test_natural.py keeps them equal).
+
 Splits: a prompt is "heldout" when a stable hash of its *subject* (the topic, word, pair, task, ... it is
 about, together with its category) falls in the lowest HELDOUT_PERCENT buckets, otherwise "train". Held-out
 prompts therefore ask about subjects no training prompt of that category mentions, whatever the seed. The

@@ -42,10 +42,10 @@ def default_prompts(model_name: str) -> list[str]:
     tasks = ASSETS / "prompts" / "tasks-heldout.txt"
     if model_name.startswith("tiny-") and tasks.exists():
         return read_prompts(str(tasks))
-    if model_name.lower() == "smollm2-mars":
-        from finetune.natural import natural_prompts  # lazy: only this model needs the catalogue
-
-        return natural_prompts("heldout", 16)
+    # finetune.natural's first 16 held-out prompts, shipped as a file so that mars_core needs no finetune import
+    natural = ASSETS / "prompts" / "natural-heldout.txt"
+    if model_name.lower() == "smollm2-mars" and natural.exists():
+        return read_prompts(str(natural))
     return list(GENERAL_PROMPTS)
 
 

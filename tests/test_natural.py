@@ -1,6 +1,7 @@
 """finetune.natural: the natural-prompt generator, its splits and the checkable set's checker."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,14 @@ def test_cli_writes_one_prompt_per_line(tmp_path):
     out = tmp_path / "p.txt"
     assert main(["--split", "heldout", "--n", "20", "--out", str(out)]) == 0
     assert out.read_text().splitlines() == natural_prompts("heldout", 20)
+
+
+def test_the_shipped_natural_heldout_file_is_what_the_cli_writes(tmp_path):
+    """assets/prompts/natural-heldout.txt, bench's default prompts for smollm2-mars, cannot drift from the generator."""
+    from mars_core.textfile import read_prompts
+
+    shipped = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "natural-heldout.txt"
+    out = tmp_path / "p.txt"
+    assert main(["--split", "heldout", "--n", "16", "--out", str(out)]) == 0
+    assert shipped.read_bytes() == out.read_bytes()
+    assert read_prompts(str(shipped)) == natural_prompts("heldout", 16)
