@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from mars_core.loading import find_assets
+from mars_core.sources import find_assets
 
 BUILTIN_MODELS = [
     ("tiny-mars — embedded MARS model (B=4)", "tiny-mars"),

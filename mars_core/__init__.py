@@ -3,7 +3,9 @@ from mars_core.decoding import (
     DecodeConfig, RowStep, SequenceResult, StepEvent, TauControl, accept_counts, draft_acceptance, generate,
     generate_stream, propose, reference_generate,
 )
-from mars_core.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model, resolve_mask_id, wrap_model
+from mars_core.loading import LoadedModel, load_model, wrap_model
+from mars_core.sources import DEFAULT_MODEL, KNOWN_MODELS
+from mars_core.tokens import resolve_mask_id
 
 __all__ = [
     "DEFAULT_MODEL", "KNOWN_MODELS", "DecodeConfig", "LoadedModel", "RowStep", "SequenceResult", "StepEvent",

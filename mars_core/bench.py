@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mars_core.decoding import DecodeConfig, draft_acceptance, generate, reference_generate, step_attention
-from mars_core.loading import ASSETS
+from mars_core.sources import ASSETS
 from mars_core.textfile import read_prompts
 
 GENERAL_PROMPTS = [

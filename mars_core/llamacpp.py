@@ -24,7 +24,7 @@ def available() -> bool:
 def default_gguf(model_name: str) -> str | None:
     """The GGUF that matches an embedded SmolLM2 model, or None."""
     if model_name.lower().startswith("smollm2"):
-        from mars_core.loading import KNOWN_MODELS, _packaged_gguf
+        from mars_core.sources import KNOWN_MODELS, _packaged_gguf
 
         package, filename = KNOWN_MODELS["smollm2"].split(":", 1)[1].split("/", 1)
         return _packaged_gguf(package, filename)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mars_core import loading
+from mars_core import loading, sources
 from mars_core.adapter import (adapter_files_size, merge_adapter, read_adapter, read_adapter_config,
                                save_adapter)
 from tests.tiny_fixtures import make_tiny_model_dir
@@ -246,7 +246,7 @@ def test_load_model_merges_once_and_reuses_the_cache(adapter, base_dir, tmp_path
     def no_rebuild(*_):
         raise AssertionError("the merged checkpoint was rebuilt")
 
-    monkeypatch.setattr(loading, "merge_adapter", no_rebuild)
+    monkeypatch.setattr(sources, "merge_adapter", no_rebuild)
     again = loading.load_model(str(out), device="cpu")
     assert again.path == lm.path
     assert loading.prepare(str(out)) == lm.path
@@ -275,7 +275,7 @@ def test_registered_adapter_name_with_a_known_base_name(base_dir, tmp_path, monk
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "tiny-ar-sft").symlink_to(real_assets / "tiny-ar-sft")
-    monkeypatch.setattr(loading, "ASSETS", assets)
+    monkeypatch.setattr(sources, "ASSETS", assets)
     monkeypatch.setitem(loading.KNOWN_MODELS, "tiny-ar-lora", "adapter:tiny-ar-lora")
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     base = AutoModelForCausalLM.from_pretrained(str(real_assets / "tiny-ar-sft"), dtype=torch.float32)
@@ -343,7 +343,7 @@ def test_bad_bases_are_refused(adapter, base_dir, tmp_path, monkeypatch):
 
 
 def test_missing_smollm2_mars_names_the_recipe(tmp_path, monkeypatch):
-    monkeypatch.setattr(loading, "ASSETS", tmp_path)
+    monkeypatch.setattr(sources, "ASSETS", tmp_path)
     assert loading.KNOWN_MODELS["smollm2-mars"] == "adapter:smollm2-mars"
     with pytest.raises(ValueError, match=r"smollm2-mars.*missing.*python -m finetune\.recipe_smollm2"):
         loading.load_model("smollm2-mars")

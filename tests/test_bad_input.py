@@ -25,7 +25,8 @@ from finetune.config import TrainConfig, config_from_args
 from finetune.data import build_examples, read_chat_jsonl
 from finetune.status import process_start, read_status
 from mars_core import cli
-from mars_core.loading import encode_chat, load_model
+from mars_core.loading import load_model
+from mars_core.tokens import encode_chat
 from tests.tiny_fixtures import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -374,14 +375,16 @@ def flags(tiny, out, *extra):
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, tmp_path, monkeypatch):
-    real, calls = train_mod.mars_loss, []
+    from finetune import train_model   # TrainModule, which calls the loss, lives there
+
+    real, calls = train_model.mars_loss, []
 
     def nan_on_third_step(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(1)
         return out._replace(loss=out.loss * float("nan")) if len(calls) == 3 else out
 
-    monkeypatch.setattr(train_mod, "mars_loss", nan_on_third_step)
+    monkeypatch.setattr(train_model, "mars_loss", nan_on_third_step)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=r"step 3: the loss is nan .*last good checkpoint: .*checkpoint-2.*--lr"):
         train_mod.main(flags(tiny, out, "--max-steps", "5", "--save-every", "1"))
@@ -512,7 +515,7 @@ def tok(request):
     """The embedded tiny models' tokenizer and SmolLM2's (offline: from its packaged GGUF)."""
     from transformers import AutoTokenizer
 
-    from mars_core.loading import ASSETS, prepare
+    from mars_core.sources import ASSETS, prepare
 
     return AutoTokenizer.from_pretrained(ASSETS / "tiny-mars" if request.param == "tiny-mars" else prepare("smollm2"))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model, resolve_mask_id
-from mars_core.loading import KNOWN_MODELS, resolve_source
+from mars_core.sources import KNOWN_MODELS, resolve_source
 from tests.tiny_fixtures import make_model, make_tokenizer
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core import loading
+from mars_core import loading, sources
 from mars_core.adapter import adapter_files_size
 
 SHIPPED = loading.ASSETS / "smollm2-mars"
@@ -40,8 +40,8 @@ def test_a_second_load_reads_the_cached_merge_without_rebuilding(lm, monkeypatch
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the merged checkpoint was rebuilt")
 
-    monkeypatch.setattr(loading, "merge_adapter", no_rebuild)
-    monkeypatch.setattr(loading, "gguf_to_checkpoint", no_rebuild)
+    monkeypatch.setattr(sources, "merge_adapter", no_rebuild)
+    monkeypatch.setattr(sources, "gguf_to_checkpoint", no_rebuild)
     again = load_model("smollm2-mars", device="cpu", dtype="float32")
     assert again.path == lm.path
 
