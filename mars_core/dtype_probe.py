@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from mars_core.sources import cache_dir
+
 MIN_PARAMS = 50_000_000
 ROUNDS = 7
 TIE = 0.03        # one-row times this close count as equal
@@ -74,8 +76,6 @@ def forward_ms(models: dict, rows: tuple[int, ...] = (1, MARS_ROWS), rounds: int
 
 
 def _cache_file() -> Path:
-    from mars_core.loading import cache_dir
-
     return cache_dir() / "dtype-probe.json"
 
 
