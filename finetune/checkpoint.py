@@ -24,7 +24,7 @@ from finetune.config import TrainConfig
 from finetune.status import METRICS_FILE, read_metrics_rows, write_json
 
 if TYPE_CHECKING:
-    from finetune.train import Run, TrainModule
+    from finetune.train_model import Run, TrainModule
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.pt"

@@ -27,8 +27,9 @@ status becomes "stopped" and the process exits with code 0.
 
 Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
 (status bookkeeping around) ``setup`` (model, data, optimizer, resume) and
-``fit`` (the loop), with small helpers. Checkpoints live in ``finetune.checkpoint``,
-status.json and metrics.jsonl in ``finetune.status``.
+``fit`` (the loop), with small helpers. The model, its loss wrapper and the ``Run`` live in
+``finetune.train_model``, checkpoints in ``finetune.checkpoint``, status.json and metrics.jsonl in
+``finetune.status``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ import json
 import math
 import os
 import random
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,110 +50,12 @@ from finetune.checkpoint import (
     CONFIG_FILE, check_resumable, keep_metrics, list_checkpoints, load_resume, save_checkpoint, set_rng_state, warn,
 )
 from finetune.config import TrainConfig, config_from_args, refuse_file_above
-from finetune.data import Example, build_examples, collate, epoch_batches, load_conversations, pad_id_of
-from finetune.losses import ar_loss, mars_loss
+from finetune.data import build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.status import (
     METRICS_FILE, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
 )
-
-# ----------------------------------------------------------------------------- model loading
-
-
-@dataclass
-class Base:
-    """The starting model and what the loss needs to know about its tokenizer."""
-
-    model: nn.Module
-    tokenizer: object
-    mask_id: int
-    eos_ids: list[int]
-    path: str
-
-
-def load_base(name: str) -> Base:
-    """Load ``name`` through mars_core (names, dirs, GGUF; mask id per docs/algorithm.md) in fp32 on CPU."""
-    from mars_core import load_model
-
-    lm = load_model(name, device="cpu", dtype="float32", cpu_layout=False)   # stock modules: trained and saved
-    return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
-
-
-def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear",  # every projection in attention and MLP; not the LM head
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora)
-
-
-class MaskRow(nn.Module):
-    """The mask token's embedding as one trainable vector (``--train-mask-row``).
-
-    Forward hooks put it in place of the embedding's row wherever the input holds ``mask_id`` and, when the
-    LM head is tied to the embedding, in place of the head's logit column for ``mask_id``, so training sees
-    exactly the model that ``write_into`` produces at save time.
-    """
-
-    def __init__(self, lm: nn.Module, mask_id: int):
-        super().__init__()
-        embedding = lm.get_input_embeddings()
-        self.mask_id = mask_id
-        self.row = nn.Parameter(embedding.weight[mask_id].detach().float().clone())
-        embedding.register_forward_hook(self._embed)
-        head = lm.get_output_embeddings()
-        self.tied = head is not None and head.weight is embedding.weight
-        if self.tied:
-            head.register_forward_hook(self._head)
-
-    def _embed(self, module, args, output):
-        hit = (args[0] == self.mask_id).unsqueeze(-1)
-        return torch.where(hit, self.row.to(output.dtype), output)
-
-    def _head(self, module, args, output):
-        column = args[0] @ self.row.to(args[0].dtype)
-        output = output.clone()
-        output[..., self.mask_id] = column.to(output.dtype)
-        return output
-
-    @torch.no_grad()
-    def write_into(self, lm: nn.Module) -> None:
-        """Store the row in ``lm``'s embedding matrix (and so in a tied LM head): a plain checkpoint."""
-        lm.get_input_embeddings().weight[self.mask_id] = self.row.to(lm.get_input_embeddings().weight.dtype)
-
-
-class TrainModule(nn.Module):
-    """Wraps the LM so that the loss runs inside ``forward``.
-
-    Data-parallel gradient sync hooks in at the wrapper's forward; the losses call
-    ``model.model`` and ``model.lm_head`` directly (logits on labelled rows only),
-    so they must run inside the module that accelerate wraps.
-    """
-
-    def __init__(self, model: nn.Module, cfg: TrainConfig, mask_id: int):
-        super().__init__()
-        self.model = model
-        self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
-        self.mask_label_smoothing = cfg.mask_label_smoothing
-        self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
-
-    def causal_lm(self) -> nn.Module:
-        """The transformers model (with LoRA layers injected in place when training LoRA)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-
-    def forward(self, input_ids, labels, valid, block_offset: int = 0):
-        lm = self.causal_lm()
-        if self.stage == "mars":
-            return mars_loss(
-                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
-                mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
-            )
-        return ar_loss(lm, input_ids, labels, valid)
-
+from finetune.train_model import Run, StopFlag, load_base, make_optimizer, prepare_model, wrap_model
+from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -180,57 +81,7 @@ def get_lr(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.lr - progress * (cfg.lr - min_lr)
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on 1-D parameters (norms, biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), foreach=True)
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it after each optimizer step. A second signal aborts at once."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-
-    def install(self):
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def uninstall(self):
-        for sig, handler in getattr(self, "previous", {}).items():
-            signal.signal(sig, handler)
-
-    def handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-
-
 # ----------------------------------------------------------------------------- setup
-
-
-@dataclass
-class Run:
-    """Everything ``fit`` needs; built by ``setup``."""
-
-    cfg: TrainConfig
-    accelerator: object
-    module: nn.Module  # prepared TrainModule (DDP-wrapped when data-parallel)
-    optimizer: torch.optim.Optimizer
-    tokenizer: object
-    examples: list[Example]
-    pad_id: int
-    out: Path
-    total_steps: int
-    micro_per_epoch: int
-    start_step: int = 0
-    elapsed_before: float = 0.0  # training seconds spent in earlier (resumed) sessions
-    resumed_from: str | None = None
-    stop: StopFlag = field(default_factory=StopFlag)
 
 
 def check_output_dir(output_dir: str) -> Path:
@@ -328,21 +179,6 @@ def start_accelerator(cfg: TrainConfig, use_cpu: bool):
     return accelerator
 
 
-def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None) -> nn.Module:
-    """fp32, training mode, no KV cache; with --lora the adapter (a resumed run's saved one) around it."""
-    model.float().train()
-    model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
-    if hasattr(model.config, "use_cache"):
-        model.config.use_cache = False
-    if cfg.lora:
-        model = add_lora(model, cfg)
-        if state is not None:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(model, state["lora"])
-    return model
-
-
 def schedule(cfg: TrainConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
     """(micro-batches per epoch, optimizer steps in the run)."""
     global_batch = cfg.batch_size * num_processes
@@ -353,19 +189,6 @@ def schedule(cfg: TrainConfig, n_examples: int, num_processes: int) -> tuple[int
             f"(--batch-size {cfg.batch_size} x {num_processes} processes): lower --batch-size or add data"
         )
     return micro_per_epoch, cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
-
-
-def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | None) -> TrainModule:
-    """The TrainModule around ``model``: a resumed run's mask row restored, --compile applied."""
-    module = TrainModule(model, cfg, mask_id)
-    if state is not None and module.mask_row is not None:
-        with torch.no_grad():
-            module.mask_row.row.copy_(state["mask_row"])
-    if cfg.compile:
-        # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
-        decoder = module.causal_lm().model
-        decoder.forward = torch.compile(decoder.forward, dynamic=True)
-    return module
 
 
 def resume_from(run: Run, state: dict, checkpoint: Path) -> None:

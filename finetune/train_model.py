@@ -1,0 +1,201 @@
+"""What a finetune.train run trains: the base model, LoRA, the trainable mask row, the loss-computing wrapper,
+the optimizer, and the ``Run`` that the loop (finetune.train) and checkpoints (finetune.checkpoint) share.
+
+A module of its own so that finetune.checkpoint can name these types without importing finetune.train, which
+imports it.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from finetune.config import TrainConfig
+from finetune.data import Example
+from finetune.losses import ar_loss, mars_loss
+
+# ----------------------------------------------------------------------------- model loading
+
+
+@dataclass
+class Base:
+    """The starting model and what the loss needs to know about its tokenizer."""
+
+    model: nn.Module
+    tokenizer: object
+    mask_id: int
+    eos_ids: list[int]
+    path: str
+
+
+def load_base(name: str) -> Base:
+    """Load ``name`` through mars_core (names, dirs, GGUF; mask id per docs/algorithm.md) in fp32 on CPU."""
+    from mars_core import load_model
+
+    lm = load_model(name, device="cpu", dtype="float32", cpu_layout=False)   # stock modules: trained and saved
+    return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
+
+
+def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear",  # every projection in attention and MLP; not the LM head
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None) -> nn.Module:
+    """fp32, training mode, no KV cache; with --lora the adapter (a resumed run's saved one) around it."""
+    model.float().train()
+    model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if cfg.lora:
+        model = add_lora(model, cfg)
+        if state is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, state["lora"])
+    return model
+
+
+# ----------------------------------------------------------------------------- the trained module
+
+
+class MaskRow(nn.Module):
+    """The mask token's embedding as one trainable vector (``--train-mask-row``).
+
+    Forward hooks put it in place of the embedding's row wherever the input holds ``mask_id`` and, when the
+    LM head is tied to the embedding, in place of the head's logit column for ``mask_id``, so training sees
+    exactly the model that ``write_into`` produces at save time.
+    """
+
+    def __init__(self, lm: nn.Module, mask_id: int):
+        super().__init__()
+        embedding = lm.get_input_embeddings()
+        self.mask_id = mask_id
+        self.row = nn.Parameter(embedding.weight[mask_id].detach().float().clone())
+        embedding.register_forward_hook(self._embed)
+        head = lm.get_output_embeddings()
+        self.tied = head is not None and head.weight is embedding.weight
+        if self.tied:
+            head.register_forward_hook(self._head)
+
+    def _embed(self, module, args, output):
+        hit = (args[0] == self.mask_id).unsqueeze(-1)
+        return torch.where(hit, self.row.to(output.dtype), output)
+
+    def _head(self, module, args, output):
+        column = args[0] @ self.row.to(args[0].dtype)
+        output = output.clone()
+        output[..., self.mask_id] = column.to(output.dtype)
+        return output
+
+    @torch.no_grad()
+    def write_into(self, lm: nn.Module) -> None:
+        """Store the row in ``lm``'s embedding matrix (and so in a tied LM head): a plain checkpoint."""
+        lm.get_input_embeddings().weight[self.mask_id] = self.row.to(lm.get_input_embeddings().weight.dtype)
+
+
+class TrainModule(nn.Module):
+    """Wraps the LM so that the loss runs inside ``forward``.
+
+    Data-parallel gradient sync hooks in at the wrapper's forward; the losses call
+    ``model.model`` and ``model.lm_head`` directly (logits on labelled rows only),
+    so they must run inside the module that accelerate wraps.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, mask_id: int):
+        super().__init__()
+        self.model = model
+        self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
+        self.mask_label_smoothing = cfg.mask_label_smoothing
+        self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
+
+    def causal_lm(self) -> nn.Module:
+        """The transformers model (with LoRA layers injected in place when training LoRA)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def forward(self, input_ids, labels, valid, block_offset: int = 0):
+        lm = self.causal_lm()
+        if self.stage == "mars":
+            return mars_loss(
+                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
+                mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
+            )
+        return ar_loss(lm, input_ids, labels, valid)
+
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | None) -> TrainModule:
+    """The TrainModule around ``model``: a resumed run's mask row restored, --compile applied."""
+    module = TrainModule(model, cfg, mask_id)
+    if state is not None and module.mask_row is not None:
+        with torch.no_grad():
+            module.mask_row.row.copy_(state["mask_row"])
+    if cfg.compile:
+        # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
+        decoder = module.causal_lm().model
+        decoder.forward = torch.compile(decoder.forward, dynamic=True)
+    return module
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on 1-D parameters (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), foreach=True)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop checks it after each optimizer step. A second signal aborts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+
+    def install(self):
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def uninstall(self):
+        for sig, handler in getattr(self, "previous", {}).items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+
+@dataclass
+class Run:
+    """Everything ``fit`` needs; built by ``setup`` (both in finetune.train)."""
+
+    cfg: TrainConfig
+    accelerator: object
+    module: nn.Module  # prepared TrainModule (DDP-wrapped when data-parallel)
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    examples: list[Example]
+    pad_id: int
+    out: Path
+    total_steps: int
+    micro_per_epoch: int
+    start_step: int = 0
+    elapsed_before: float = 0.0  # training seconds spent in earlier (resumed) sessions
+    resumed_from: str | None = None
+    stop: StopFlag = field(default_factory=StopFlag)
