@@ -19,11 +19,7 @@ from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail,
 
 BASE_MODELS = [("tiny-ar-sft (AR-SFT → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
                ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
-# The default run: tiny-ar-sft -> MARS, 600 steps. On this 2-core CPU (avx512_bf16, so the command trains in bf16)
-# it took 3 min 28 s with another training run on the other core (fp32: 5 min 16 s with the test suite alongside).
-# On 48 held-out tasks at τ = 0.95 the fp32 run took tokens/forward from 1.94 (tiny-ar-sft, whose confident mask
-# guesses are wrong: 4% accuracy) to 2.35 at 85%; on 400 held-out, bf16: τ = 1 78.8%, τ = 0.95 74.2% at 2.39
-# tokens/forward (fp32: 80.0%, 74.5% at 2.40).
+# The default run's measured time and accuracy: docs/experiments.md, "The app's default Finetune run".
 DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=600, lr=1e-3, lora=False,
                 batch_size=16)
 
