@@ -17,7 +17,7 @@ from app import models, notices, plots, timing
 from app.race import LANE_LABELS, LANES, SideRecord, race, render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
 from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
-from mars_core.decoding import CRITERIA
+from mars_core.config import CRITERIA
 from mars_core.drafts import LAYOUTS
 
 TAU_MIN, TAU_MAX = 0.5, 1.0

@@ -16,7 +16,8 @@ from mars_core.bench import (bench, default_prompts, format_row_costs, format_ta
                              rows_as_dicts)
 from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
-from mars_core.decoding import CRITERIA, DecodeConfig, collect, generate_stream
+from mars_core.config import CRITERIA, DecodeConfig
+from mars_core.decoding import collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.drafts import LAYOUTS
 from mars_core.threads import parse_threads, set_threads

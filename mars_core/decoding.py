@@ -6,14 +6,14 @@ Pieces, each a pure function of tensors:
   _Batch.chunk(...)        -> the step's input: [holes | uncached tokens | leaves | mask groups], right-aligned
                               (verify mode's draft layouts: mars_core/drafts.py)
   step_attention(...)      -> the 4D mask that hides holes
-`generate_stream` strings them together around one KV cache; `generate` collects its events.
+`generate_stream` strings them together around one KV cache; `generate` collects its events. What a decode is
+asked for is mars_core.config's (`DecodeConfig`, `TauControl`), what it yields mars_core.events' (`StepEvent`,
+`RowStep`, `SequenceResult`), the rows and their cache mars_core.batch's (`_Batch`, `step_attention`).
 `reference_generate` is the plain uncached sampler (one full forward per step, one row at a time)
 that the tests hold the cached decoder against.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -21,192 +21,12 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from mars_core.drafts import LAYOUTS, DraftPlanner, block_attention, choose_leaves, lookup_drafts, lookup_wins
-
-MODES = ("mars", "verify", "ar")   # verify: lossless MARS, the masks draft and the next forward checks
-CRITERIA = ("prob", "entropy", "margin")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_tau(tau) -> float:
-    """τ must be a positive finite number; τ >= 1 is one-token mode."""
-    try:
-        value = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"tau={tau!r} is not a number: use a value in (0, 1), or 1.0 for one-token (AR) mode") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"tau={tau!r} is out of range: use a value in (0, 1), or 1.0 for one-token (AR) mode")
-    return value
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode. Validated on creation; every error names the value and the fix."""
-    mode: str = "mars"            # "mars": B candidates per forward; "ar": plain one-token decoding
-    tau: float = 0.95             # acceptance threshold (verify: draft threshold); >= 1.0 is one token per step
-    block_size: int = 4           # B: candidates per forward pass (q_0 .. q_{B-1})
-    max_new_tokens: int = 128     # hard cap on new tokens per sequence (eos included)
-    temperature: float = 0.0      # 0 = greedy; > 0 samples every candidate at this temperature
-    top_p: float = 1.0            # nucleus sampling mass, with temperature > 0
-    seed: int | None = None       # seed for sampling
-    criterion: str = "prob"       # confidence: prob = p(t); entropy = exp(-H(q)); margin = p1 - p2
-    max_accept: int | None = None  # optional cap on tokens accepted per forward
-    stop_strings: tuple[str, ...] = ()  # stop once the decoded text contains one of these
-    draft_layout: str = "linear"  # verify: "linear" (masks after the last draft), "quadratic" (after every one), "tree"
-    tree_width: int = 2           # tree layout: candidates tried per draft slot (the draft and tree_width - 1 more)
-    row_costs: tuple | None = None  # auto layout: relative forward cost by positions fed (bench.row_costs); None: free
-    prompt_lookup: int = 0        # verify: also draft what followed the last 1..n tokens earlier in the text; 0 = off
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Check every field (also called by the decoder, so a config changed after creation is checked too)."""
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown: use 'mars', 'verify' or 'ar'")
-        self.tau = check_tau(self.tau)
-        for name in ("block_size", "max_new_tokens"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1" + (" (the paper uses 4)" if name == "block_size" else ""))
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r} must be an integer or None")
-        if self.criterion not in CRITERIA:
-            raise ValueError(f"criterion={self.criterion!r} is unknown: use one of {', '.join(CRITERIA)}")
-        if self.max_accept is not None and (not _is_int(self.max_accept) or self.max_accept < 1):
-            raise ValueError(f"max_accept={self.max_accept!r} must be None or an integer >= 1")
-        if self.mode == "verify" and self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r} with mode='verify': verify mode reproduces greedy AR, "
-                             "so use temperature=0 (or mode='mars' to sample)")
-        if isinstance(self.stop_strings, str):
-            self.stop_strings = (self.stop_strings,)
-        if not all(isinstance(s, str) for s in self.stop_strings):
-            raise ValueError(f"stop_strings={self.stop_strings!r} must be strings")
-        self.stop_strings = tuple(s for s in self.stop_strings if s)
-        if self.draft_layout not in LAYOUTS:
-            raise ValueError(f"draft_layout={self.draft_layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
-        if not _is_int(self.tree_width) or self.tree_width < 1:
-            raise ValueError(f"tree_width={self.tree_width!r} must be an integer >= 1 (candidates tried per slot; "
-                             "1 = no alternatives)")
-        if self.row_costs is not None:
-            if isinstance(self.row_costs, (str, bytes)) or not all(
-                    _is_number(c) and math.isfinite(c) and c > 0 for c in self.row_costs) or not self.row_costs:
-                raise ValueError(f"row_costs={self.row_costs!r} must be positive numbers, the relative cost of a "
-                                 "forward over 1, 2, ... positions (as bench --row-costs prints), or None")
-            self.row_costs = tuple(float(c) for c in self.row_costs)
-        if not _is_int(self.prompt_lookup) or self.prompt_lookup < 0:
-            raise ValueError(f"prompt_lookup={self.prompt_lookup!r} must be an integer >= 0 (the longest n-gram to "
-                             "look up; 0 = off, 3 is a good start)")
-        if self.mode != "verify" and (self.draft_layout != "linear" or self.prompt_lookup):
-            what = f"draft_layout={self.draft_layout!r}" if self.draft_layout != "linear" else \
-                f"prompt_lookup={self.prompt_lookup!r}"
-            raise ValueError(f"{what} with mode={self.mode!r}: drafts exist only in lossless MARS, so use "
-                             "mode='verify' (or leave the default)")
-
-    @property
-    def candidates(self) -> int:
-        """Candidates per forward at most: B in MARS and verify mode, 1 in AR mode."""
-        return 1 if self.mode == "ar" else self.block_size
-
-
-class TauControl:
-    """A τ the caller may change while a generation runs; the decoder reads it at every step."""
-
-    def __init__(self, value: float):
-        self.value = value
-
-    @property
-    def value(self) -> float:
-        return self._value
-
-    @value.setter
-    def value(self, tau) -> None:
-        self._value = check_tau(tau)
-
-
-@dataclass
-class RowStep:
-    """What one sequence did in one forward pass."""
-    accepted_ids: list[int]
-    candidates: list[int]
-    confidences: list[float]
-    n_accepted: int
-    done: bool
-    active: bool
-    tokenizer: object = field(default=None, repr=False)
-    finish_reason: str | None = None   # eos | length | stop, on the step that finished the row
-    # verify mode only: `candidates`/`confidences` are the mask proposals, and
-    drafts: list[int] = field(default_factory=list)   # the ones kept as drafts, checked by the next forward
-    confirmed: int = 0                # how many of the previous step's drafts equal AR's token (now committed)
-    rejected: int | None = None       # the first previous draft that did not; accepted_ids[confirmed] replaced it
-    draft_source: str | None = None   # where `drafts` came from: "masks" or "prompt" (prompt lookup)
-    leaves: list[int] = field(default_factory=list)   # tree layout: alternatives to the drafts, checked next forward
-    leaf_confirmed: bool = False      # tree layout: a previous leaf held AR's token where `rejected` did not (it is
-                                      # the last of the `confirmed`, and AR's token after it is committed too)
-
-    @property
-    def text(self) -> str:
-        if not self.accepted_ids or self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(self.accepted_ids, skip_special_tokens=True)
-
-
-@dataclass
-class StepEvent:
-    step: int            # 0-based forward index; step 0 also encodes the prompt
-    tau: float           # τ used at this step (1.0 in AR mode)
-    step_time: float     # seconds of this forward + acceptance
-    elapsed: float       # seconds since generation started
-    rows: list[RowStep]
-    positions: int = 0   # columns this forward fed per row (holes and masks included): what its cost follows
-
-
-@dataclass
-class SequenceResult:
-    prompt_ids: list[int]
-    token_ids: list[int]          # new tokens, eos counted once
-    text: str
-    steps: list[list[int]]        # accepted ids per forward
-    step_times: list[float]
-    wall_time: float              # seconds until this sequence finished
-    finish_reason: str            # eos | length | stop
-    drafted: list[int] = field(default_factory=list)     # verify mode: drafts proposed per forward
-    confirmed: list[int] = field(default_factory=list)   # verify mode: previous drafts confirmed per forward
-    positions: list[int] = field(default_factory=list)   # columns fed per forward (StepEvent.positions)
-    sources: list = field(default_factory=list)          # verify mode: where each forward's drafts came from
-
-    @property
-    def positions_per_forward(self) -> float | None:
-        """Mean columns fed by the forwards after the prompt's (what a step's cost follows); None for one forward."""
-        return sum(self.positions[1:]) / (len(self.positions) - 1) if len(self.positions) > 1 else None
-
-    @property
-    def forwards(self) -> int:
-        return len(self.steps)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return len(self.token_ids) / max(1, self.forwards)
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_ids": self.prompt_ids, "token_ids": self.token_ids, "text": self.text,
-            "forwards": self.forwards, "tokens_per_forward": self.tokens_per_forward,
-            "steps": self.steps, "step_times": self.step_times, "wall_time": self.wall_time,
-            "finish_reason": self.finish_reason, "drafted": self.drafted, "confirmed": self.confirmed,
-            "positions": self.positions, "sources": self.sources,
-        }
+# The config, the events, the batch and the verify helpers lived here before: still imported from here too.
+from mars_core.batch import _Batch, _Row, step_attention  # noqa: F401
+from mars_core.config import CRITERIA, MODES, DecodeConfig, TauControl, _is_int, check_tau  # noqa: F401
+from mars_core.drafts import (DraftPlanner, choose_leaves, clip_commit, confirm, groups_behind, keep_drafts,
+                              lookup_drafts, lookup_wins)
+from mars_core.events import RowStep, SequenceResult, StepEvent
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -283,21 +103,6 @@ def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: t
     return torch.minimum(n, first_eos)
 
 
-def step_attention(kv_valid: torch.Tensor, chunk_valid: torch.Tensor) -> torch.Tensor:
-    """4D boolean mask [b, 1, L, P+L]: causal over [cache | chunk], holes hidden from every query.
-
-    A hole still attends to itself so that no query row is fully masked (which would give NaN
-    and poison the cache); nothing real ever attends to a hole.
-    """
-    past, length = kv_valid.shape[1], chunk_valid.shape[1]
-    keys_valid = torch.cat([kv_valid, chunk_valid], dim=1)     # [b, P+L]
-    q = torch.arange(length, device=kv_valid.device)[:, None] + past
-    k = torch.arange(past + length, device=kv_valid.device)[None, :]
-    mask = (k <= q)[None] & keys_valid[:, None, :]              # [b, L, P+L]
-    mask = mask | (k == q)[None]
-    return mask[:, None]
-
-
 # ----------------------------------------------------------------------------- the decoder
 
 def _prompt_ids(lm, prompts) -> list[list[int]]:
@@ -341,120 +146,6 @@ def _vocab_size(lm) -> int:
     return lm.model.get_input_embeddings().weight.shape[0]
 
 
-
-@dataclass
-class _Row:
-    """One sequence still decoding."""
-    index: int                  # its position in the caller's batch
-    budget: int                 # new tokens it may write
-    pending: list[int]          # tokens not in the cache yet: committed ones, then `n_drafts` unverified drafts
-    prompt: list[int] = field(default_factory=list)
-    n_drafts: int = 0
-    leaves: list = field(default_factory=list)   # tree layout: (depth, token) alternatives to the drafts
-    cached: int = 0             # real tokens in the cache, so also the next free position
-    generated: list[int] = field(default_factory=list)
-
-    @property
-    def left(self) -> int:
-        return self.budget - len(self.generated)
-
-
-class _Batch:
-    """The rows still decoding and their shared KV cache; `kv_valid` marks which cached columns are real."""
-
-    def __init__(self, rows: list[_Row], cache, device):
-        self.rows, self.cache, self.device = rows, cache, device
-        self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
-        self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
-
-    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None):
-        """The step's attention mask, or None for a one-position step with no holes anywhere: that position may
-        see every cached one, so no mask is the same mask and the model skips building one (AR steps at batch
-        1 got ~14% faster on tiny-mars). Longer chunks keep ours: the model's own causal mask for a chunk
-        after a cache cost more than building this one. `blocks` (chunk's): the columns after the uncached
-        tokens see only their own prefix (mars_core.drafts.block_attention)."""
-        if chunk_valid.shape[1] == 1 and not self.kv_holes and all(len(r.pending) == width for r in self.rows):
-            return None
-        mask = step_attention(self.kv_valid, chunk_valid)
-        return block_attention(mask, width, *blocks) if blocks is not None else mask
-
-    def chunk(self, n_masks: int, fill: int, behind=(0,), n_leaves: int = 0, leaf_groups: bool = False):
-        """The step's input, right-aligned: [holes | pending | leaves | groups x masks] per row -> ids, positions,
-        valid, width, blocks. Right alignment puts every row's last pending token and its masks in the same
-        columns. Leaf slot j holds the row's j-th (depth, token) alternative, which follows the draft before its
-        depth; group g follows pending column width - 1 - behind[g] (behind: offsets from the last pending
-        column, descending; (0,) is the plain layout's one group); with `leaf_groups` one more group follows
-        each leaf slot. All continue the positions of what they follow; a slot the row does not use, or a group
-        behind a token already committed, is a hole. `blocks` is None for the plain layout (one group after the
-        last token: the causal mask), else per trailing column the pending column up to which it sees, the
-        first column of its block, and the leaf column it also sees (-1: none), [b, trailing] each."""
-        width = max(len(r.pending) for r in self.rows)
-        ids, pos, valid, follows, starts, sees = [], [], [], [], [], []
-        for r in self.rows:
-            holes = width - len(r.pending)
-            t = [fill] * holes + r.pending
-            p = [0] * holes + list(range(r.cached, r.cached + len(r.pending)))   # holes take no position
-            v = [False] * holes + [True] * len(r.pending)
-            first = width - 1 - r.n_drafts        # the row's last committed token
-            f, st = [], []
-            for slot in range(n_leaves):
-                depth, token = r.leaves[slot] if slot < len(r.leaves) else (0, None)
-                parent = first + depth - 1
-                live = token is not None
-                t.append(token if live else fill)
-                p.append(p[parent] + 1 if live else 0)
-                v.append(live)
-                f.append(parent if live else first)
-                st.append(width + slot)
-            se = [-1] * len(f)
-            # the groups: behind the chosen pending columns, then behind each leaf slot
-            after = [(width - 1 - k, -1, width - 1 - k >= first) for k in behind]
-            after += [(f[slot], width + slot, v[width + slot]) for slot in range(n_leaves)] if leaf_groups else []
-            for c, leaf, live in after:
-                start, at = len(t), c if leaf < 0 else leaf
-                t += [fill] * n_masks
-                p += list(range(p[at] + 1, p[at] + 1 + n_masks)) if live else [0] * n_masks
-                v += [live] * n_masks
-                f += [c] * n_masks
-                st += [start] * n_masks
-                se += [leaf] * n_masks
-            ids.append(t)
-            pos.append(p)
-            valid.append(v)
-            follows.append(f)
-            starts.append(st)
-            sees.append(se)
-        as_tensor = lambda x, **kw: torch.tensor(x, device=self.device, **kw)
-        plain = tuple(behind) == (0,) and not n_leaves
-        blocks = None if plain else (as_tensor(follows), as_tensor(starts), as_tensor(sees))
-        return as_tensor(ids), as_tensor(pos), as_tensor(valid, dtype=torch.bool), width, blocks
-
-    def rollback(self, n_masks: int, kept: list, columns: int) -> None:
-        """The one place the cache shrinks: the masks always leave; so do rejected drafts and leaves (verify
-        mode). kept[i] lists the chunk columns (of its first `columns`, the non-mask ones) row i keeps; columns no
-        row keeps at the end are cropped with the masks, a row's other dropped columns become holes. Host-side
-        lists only: no device sync on the decoding path."""
-        last = max((max(k) + 1 for k in kept if k), default=0)
-        if n_masks + columns - last:
-            self.cache.crop(-(n_masks + columns - last))
-        rows = [[False] * last for _ in kept]
-        for row, k in zip(rows, kept):
-            for c in k:
-                row[c] = True
-        self.kv_valid = torch.cat([self.kv_valid, torch.tensor(rows, dtype=torch.bool, device=self.device)], dim=1)
-        self.kv_holes = self.kv_holes or any(len(k) != last for k in kept)
-
-    def select(self, keep: list[int]) -> None:
-        """Keep only these batch rows (finished rows leave the batch and the cache)."""
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        if keep:
-            index = torch.tensor(keep, device=self.device)
-            self.cache.batch_select_indices(index)
-            self.kv_valid = self.kv_valid[index]
-
-
 @dataclass
 class _Settled:
     """What a row does with one forward's outputs."""
@@ -475,38 +166,6 @@ def _check_finite(logits: torch.Tensor, lm, step: int) -> None:
         raise FloatingPointError(
             f"{getattr(lm, 'name', 'the model')} produced NaN/inf logits at step {step}: its weights are damaged "
             "or the dtype overflows; reload the checkpoint, or decode in float32")
-
-
-def clip_commit(tokens: list[int], left: int, eos_ids) -> list[int]:
-    """Committed tokens end at the budget and right after the first eos."""
-    tokens = tokens[:left]
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
-def confirm(drafts: list[int], ar_tokens: list[int]) -> int:
-    """How many leading drafts equal AR's own greedy token at their position."""
-    n = 0
-    while n < len(drafts) and drafts[n] == ar_tokens[n]:
-        n += 1
-    return n
-
-
-def keep_drafts(tokens: list[int], conf: list[float], tau: float, cap: int, eos_ids) -> list[int]:
-    """Verify mode: the leading mask proposals with confidence >= τ become drafts (none at τ >= 1),
-    at most `cap`, none after an eos."""
-    drafts = []
-    if tau >= 1.0:
-        return drafts
-    for t, c in zip(tokens[:max(0, cap)], conf):
-        if c < tau:
-            break
-        drafts.append(t)
-        if t in eos_ids:
-            break
-    return drafts
 
 
 def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_Settled]:
@@ -604,7 +263,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         n_leaves = max(len(r.leaves) for r in batch.rows)
-        behind = _behind(cfg, n_verify, n_masks, planner, batch.rows)
+        behind = groups_behind(cfg, n_verify, n_masks, planner, batch.rows)
         ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, n_leaves, bool(n_masks))
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
@@ -623,35 +282,31 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
             planner.observe(batch.rows, settled, ids.shape[1])
         step_time = time.perf_counter() - t0
 
-        events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in prompt_ids]
-        still = []
-        for i, (r, s) in enumerate(zip(batch.rows, settled)):
-            r.cached += len(r.pending) if s.kept is None else len(s.kept)
-            r.generated.extend(s.commit)
-            reason = "eos" if s.commit[-1] in lm.eos_ids else "length" if r.left <= 0 else None
-            if cfg.stop_strings and reason is None and _trim_at_stop(lm, r.generated, s.commit, cfg.stop_strings):
-                reason = "stop"
-            # Next input: what is not cached yet. Verify mode caches confirmed drafts; AR's token comes next.
-            r.pending = (s.commit[-1:] if cfg.mode == "verify" else s.commit) + s.drafts
-            r.n_drafts, r.leaves = len(s.drafts), s.leaves
-            events[r.index] = RowStep(s.commit, s.candidates, s.confidences, len(s.commit), reason is not None, True,
-                                      lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected, s.source,
-                                      [t for _, t in s.leaves], s.leaf_confirmed)
-            if reason is None:
-                still.append(i)
+        events, still = _advance(lm, cfg, batch.rows, settled, len(prompt_ids))
         yield StepEvent(step, tau, step_time, time.perf_counter() - start, events, ids.shape[1])
         step += 1
         batch.select(still)
 
 
-def _behind(cfg, n_verify: int, n_masks: int, planner=None, rows=None) -> list[int]:
-    """Which pending columns get a mask group this step, as offsets from the last one (descending): the last
-    only (linear), every draft's and the committed token's (quadratic, tree), or the planner's choice (auto)."""
-    if not n_masks or cfg.draft_layout == "linear" or n_verify == 0:
-        return [0]
-    if planner is not None:
-        return planner.behind(rows, n_masks)
-    return list(range(n_verify, -1, -1))
+def _advance(lm, cfg, rows, settled, n_prompts: int) -> tuple[list[RowStep], list[int]]:
+    """Apply one step's settlement to each row: (a RowStep per prompt, the batch indices of rows still going)."""
+    events = [RowStep([], [], [], 0, True, False, lm.tokenizer) for _ in range(n_prompts)]
+    still = []
+    for i, (r, s) in enumerate(zip(rows, settled)):
+        r.cached += len(r.pending) if s.kept is None else len(s.kept)
+        r.generated.extend(s.commit)
+        reason = "eos" if s.commit[-1] in lm.eos_ids else "length" if r.left <= 0 else None
+        if cfg.stop_strings and reason is None and _trim_at_stop(lm, r.generated, s.commit, cfg.stop_strings):
+            reason = "stop"
+        # Next input: what is not cached yet. Verify mode caches confirmed drafts; AR's token comes next.
+        r.pending = (s.commit[-1:] if cfg.mode == "verify" else s.commit) + s.drafts
+        r.n_drafts, r.leaves = len(s.drafts), s.leaves
+        events[r.index] = RowStep(s.commit, s.candidates, s.confidences, len(s.commit), reason is not None, True,
+                                  lm.tokenizer, reason, s.drafts, s.confirmed, s.rejected, s.source,
+                                  [t for _, t in s.leaves], s.leaf_confirmed)
+        if reason is None:
+            still.append(i)
+    return events, still
 
 
 def _trim_at_stop(lm, generated: list[int], accepted: list[int], stops: tuple[str, ...]) -> bool:
@@ -768,7 +423,7 @@ def _reference_verify_step(lm, cfg, seq, state, left, generator):
     drafts, leaves = state if state else ([], [])
     n_masks = masks_this_step(cfg.tau, cfg.block_size - 1, lm.context_length - len(seq) - len(drafts))
     m = len(drafts)
-    behind = _behind(cfg, m, n_masks)
+    behind = groups_behind(cfg, m, n_masks)
     if len(behind) > 1 or leaves:
         batch = _Batch([_Row(0, left, seq + drafts, n_drafts=m, leaves=leaves)], None, lm.device)
         ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, len(leaves), bool(n_masks))

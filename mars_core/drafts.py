@@ -87,6 +87,38 @@ def lookup_drafts(tokens: list[int], max_n: int, cap: int, eos_ids) -> list[int]
     return []
 
 
+def clip_commit(tokens: list[int], left: int, eos_ids) -> list[int]:
+    """Committed tokens end at the budget and right after the first eos."""
+    tokens = tokens[:left]
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def confirm(drafts: list[int], ar_tokens: list[int]) -> int:
+    """How many leading drafts equal AR's own greedy token at their position."""
+    n = 0
+    while n < len(drafts) and drafts[n] == ar_tokens[n]:
+        n += 1
+    return n
+
+
+def keep_drafts(tokens: list[int], conf: list[float], tau: float, cap: int, eos_ids) -> list[int]:
+    """Verify mode: the leading mask proposals with confidence >= τ become drafts (none at τ >= 1),
+    at most `cap`, none after an eos."""
+    drafts = []
+    if tau >= 1.0:
+        return drafts
+    for t, c in zip(tokens[:max(0, cap)], conf):
+        if c < tau:
+            break
+        drafts.append(t)
+        if t in eos_ids:
+            break
+    return drafts
+
+
 class DraftPlanner:
     """draft_layout="auto": spend positions on mask groups and leaves only where they pay on this machine.
 
@@ -175,3 +207,13 @@ class DraftPlanner:
                 self.drafted_steps += 1
         self.tokens += sum(len(s.commit) for s in settled) / len(settled)
         self.spent += self.cost(positions)
+
+
+def groups_behind(cfg, n_verify: int, n_masks: int, planner=None, rows=None) -> list[int]:
+    """Which pending columns get a mask group this step, as offsets from the last one (descending): the last
+    only (linear), every draft's and the committed token's (quadratic, tree), or the planner's choice (auto)."""
+    if not n_masks or cfg.draft_layout == "linear" or n_verify == 0:
+        return [0]
+    if planner is not None:
+        return planner.behind(rows, n_masks)
+    return list(range(n_verify, -1, -1))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, generate_stream, reference_generate
-from mars_core.decoding import _Batch, _Row
+from mars_core.batch import _Batch, _Row
 from mars_core.drafts import choose_leaves, lookup_drafts
 from tests.conftest import PROMPTS
 from tests.test_decoding import hf_greedy, hf_greedy_batch

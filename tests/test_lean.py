@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.decoding import step_attention
+from mars_core.batch import step_attention
 from mars_core.lean import GROW, LeanCache, LeanLM, unsupported
 from mars_core.formats import pick_backend
 from mars_core.loading import wrap_model

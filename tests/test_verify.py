@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, TauControl, generate, generate_stream, reference_generate
-from mars_core.decoding import clip_commit, confirm, keep_drafts
+from mars_core.drafts import clip_commit, confirm, keep_drafts
 from tests.conftest import PROMPTS
 from tests.test_decoding import hf_greedy, hf_greedy_batch
 
