@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mars_core.decoding import DecodeConfig, draft_acceptance, generate, reference_generate, step_attention
+from mars_core.batch import step_attention
+from mars_core.config import DecodeConfig
+from mars_core.decoding import draft_acceptance, generate, reference_generate
 from mars_core.sources import ASSETS
 from mars_core.textfile import read_prompts
 
@@ -217,14 +219,7 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     if max(batch_sizes) > len(ids):
         raise ValueError(f"batch size {max(batch_sizes)} is larger than the {len(ids)} prompts: pass more prompts "
                          f"(--n-prompts, --prompts) or a batch size <= {len(ids)}")
-    cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=max_new_tokens),
-            "mars": DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                 criterion=criterion)}
-    if verify:
-        cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup)
-    if transformers:
-        cfgs["transformers"] = HFGreedy(max_new_tokens)
+    cfgs = _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout, prompt_lookup)
     models = {side: lm for side in cfgs}
     if other_ar is not None:
         cfgs["other_ar"], models["other_ar"] = cfgs["ar"], other_ar
@@ -258,6 +253,20 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         _per_token(row, med, runs, llamacpp.label if "llamacpp" in sides else None)
         rows.append(row)
     return rows
+
+
+def _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout,
+                  prompt_lookup) -> dict:
+    """{side: how it decodes} for our AR, MARS, lossless MARS (`verify`) and transformers' generate."""
+    cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=max_new_tokens),
+            "mars": DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                                 criterion=criterion)}
+    if verify:
+        cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup)
+    if transformers:
+        cfgs["transformers"] = HFGreedy(max_new_tokens)
+    return cfgs
 
 
 def _per_token(row: BenchRow, med: dict, runs: dict, llamacpp_label: str | None) -> None:
