@@ -204,7 +204,7 @@ class LeanLM(torch.nn.Module):
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             from mars_core.lean_script import scripted
 
-            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", None: "fp32"}[self.kernel]
+            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", None: "fp32"}[self.kernel]
             self.scripted = scripted(loop)
             lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
             norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
@@ -214,6 +214,8 @@ class LeanLM(torch.nn.Module):
                                  norms),
                 "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins],
                                         [m.w_zero for m in lins], [m.bias for m in lins], two, norms),
+                "w8a8-vnni": lambda: ([m._vnni.packed for m in lins], [m._vnni.scale for m in lins],
+                                      [m.bias for m in lins], two, norms),
                 "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:

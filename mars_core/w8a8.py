@@ -16,12 +16,14 @@ half that of the per-tensor one.
 
 Weights are rounded once, per output channel (symmetric, 1/127 of the row's largest magnitude), from fp32.
 
-Two kernels compute exactly these integer sums (KERNELS): fbgemm's, and oneDNN's quantized linear
+Three kernels compute exactly these integer sums (KERNELS): fbgemm's; our own AVX512-VNNI kernel
+(mars_core/vnni.py), which reproduces fbgemm's results bit for bit, reads the weights once for many rows and is
+used wherever it builds; and oneDNN's quantized linear
 (`torch.ops.onednn.qlinear_pointwise`), which takes int8 activations we round ourselves onto the same grid, so it
-needs no rails. fbgemm is the default; MARS_W8A8_KERNEL=onednn selects oneDNN (for CPUs with AMX, where its cost grows less
-with the rows; measured in docs/experiments.md, "oneDNN"). Both quantize alike, and both keep every row
-independent of the others; their sums and rescaling round differently in the last bits, so their answers may
-differ.
+needs no rails. The VNNI kernel is the default where it builds, else fbgemm; MARS_W8A8_KERNEL names one
+(onednn for CPUs with AMX, where its cost grows less with the rows; measured in docs/experiments.md, "oneDNN").
+All quantize alike and keep every row independent of the others; oneDNN's sums and rescaling round differently
+from the other two in the last bits, so its answers may differ.
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ import warnings
 import torch
 
 RAILS = 2   # the +1 / -1 columns
-KERNELS = ("fbgemm", "onednn")
+KERNELS = ("fbgemm", "onednn", "vnni")
 
 
 def w8a8_supported() -> bool:
-    """Whether this torch build has one of the w8a8 kernels."""
+    """Whether this torch build has one of the w8a8 kernels (fbgemm's or oneDNN's; mars_core/vnni.cpp's, which
+    needs neither, is only ever an alternative to fbgemm's)."""
     return fbgemm_supported() or onednn_supported()
 
 
@@ -89,7 +92,13 @@ class W8A8Linear(torch.nn.Module):
             self.register_buffer("w_scale", scale, persistent=False)
             self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
             return
-        if not fbgemm_supported():
+        if kernel == "vnni":
+            from mars_core.vnni import VnniWeights, load, why_not
+
+            if not load():
+                raise ValueError(f"the w8a8 kernel 'vnni' is not available here ({why_not()}): use "
+                                 "MARS_W8A8_KERNEL=fbgemm")
+        elif not fbgemm_supported():
             raise ValueError(f"the w8a8 kernel 'fbgemm' needs torch.ops.quantized.linear_dynamic, which torch "
                              f"{torch.__version__} on this machine lacks: use MARS_W8A8_KERNEL=onednn")
         padded = torch.cat([w, w.new_zeros(self.out_features, RAILS)], dim=1)
@@ -98,6 +107,9 @@ class W8A8Linear(torch.nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(padded, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                            0, torch.qint8)
+            if kernel == "vnni":   # the very int8 weights and scales fbgemm would get, in the kernel's layout
+                self._vnni = VnniWeights(q.int_repr()[:, : self.in_features], scale, _STEP)
+                return
             self._packed = torch.ops.quantized.linear_prepack(q, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +117,11 @@ class W8A8Linear(torch.nn.Module):
         x = x.reshape(-1, shape[-1]).float()
         if self.kernel == "onednn":
             y = onednn_w8a8(x, self._packed, self.w_scale, self.w_zero, self.bias, self.passes == 2)
+            return y.reshape(*shape[:-1], self.out_features)
+        if self.kernel == "vnni":
+            v = self._vnni
+            y = torch.ops.mars_vnni.linear(x, v.packed, v.scale, self.bias, self.passes == 2, _INVERSE,
+                                           float(_STEP))
             return y.reshape(*shape[:-1], self.out_features)
         magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         u = x / magnitude
@@ -161,9 +178,11 @@ def onednn_w8a8(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_
 
 
 def pick_kernel() -> str:
-    """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else fbgemm (oneDNN where fbgemm is missing).
-    Not chosen by timing: the two round the rescale differently in the last bit, and a choice that followed a
-    noisy clock could change a model's answers from one run to the next (docs/experiments.md, "oneDNN")."""
+    """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else the VNNI kernel where it builds, else
+    fbgemm (oneDNN where fbgemm is missing). Not chosen by timing between fbgemm and oneDNN: they round the rescale
+    differently in the last bit, and a choice that followed a noisy clock could change a model's answers from one
+    run to the next (docs/experiments.md, "oneDNN"). The VNNI kernel gives fbgemm's bits, so preferring it changes
+    none."""
     import os
 
     named = os.environ.get("MARS_W8A8_KERNEL")
@@ -171,6 +190,10 @@ def pick_kernel() -> str:
         if named not in KERNELS:
             raise ValueError(f"MARS_W8A8_KERNEL={named!r} is unknown: use one of {', '.join(KERNELS)}")
         return named
+    from mars_core.vnni import load
+
+    if load():   # bitwise fbgemm's results, so choosing it changes no answer
+        return "vnni"
     return "fbgemm" if fbgemm_supported() or not onednn_supported() else "onednn"
 
 

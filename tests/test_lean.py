@@ -140,8 +140,8 @@ def test_this_torch_has_the_onednn_w8a8_kernel_and_an_unknown_kernel_is_refused(
     from mars_core.w8a8 import onednn_supported, pick_kernel
 
     assert onednn_supported(), f"torch {torch.__version__} has no torch.ops.onednn.qlinear_pointwise/qlinear_prepack"
-    monkeypatch.setenv("MARS_W8A8_KERNEL", "vnni")
-    with pytest.raises(ValueError, match="MARS_W8A8_KERNEL='vnni' is unknown: use one of fbgemm, onednn"):
+    monkeypatch.setenv("MARS_W8A8_KERNEL", "avx9000")
+    with pytest.raises(ValueError, match="MARS_W8A8_KERNEL='avx9000' is unknown: use one of fbgemm, onednn, vnni"):
         pick_kernel()
     with pytest.raises(ValueError, match="kernel='x' is unknown"):
         W8A8Linear(torch.ones(2, 2), kernel="x")
@@ -155,9 +155,10 @@ def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
         load_model("tiny-mars", device="cpu", dtype="w8a8")
 
 
-@pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
+@pytest.mark.parametrize("kernel", ["fbgemm", "onednn", "vnni"])
 @pytest.mark.parametrize("passes", [1, 2])
 def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes, kernel):
+    need_kernel(kernel)
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 80, generator=gen) * 0.05, torch.randn(96, generator=gen)
     x = torch.randn(7, 80, generator=gen) * torch.tensor([1, 30, 0.01, 1, 5, 1, 200.0])[:, None]
@@ -177,9 +178,19 @@ def test_w8a8_rows_are_bitwise_independent_of_the_batch_and_close_to_fp32(passes
     assert act_error < (0.002 if passes == 2 else 0.05) and (passes == 2 or act_error > 0.002), act_error
 
 
-@pytest.fixture(scope="module", params=["fbgemm", "onednn"])
+def need_kernel(kernel: str) -> None:
+    """The VNNI kernel runs only on CPUs with AVX512-VNNI; where the CPU has it, it must build (tests/test_vnni.py)."""
+    if kernel == "vnni":
+        from mars_core.vnni import cpu_supported
+
+        if not cpu_supported():
+            pytest.skip("this CPU has no AVX512-VNNI, which mars_core/vnni.cpp is written for")
+
+
+@pytest.fixture(scope="module", params=["fbgemm", "onednn", "vnni"])
 def tiny_mars_w8a8(request):
     """tiny-mars in w8a8 with each kernel (MARS_W8A8_KERNEL, read when the model is built)."""
+    need_kernel(request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MARS_W8A8_KERNEL", request.param)
         lm = load_model("tiny-mars", device="cpu", dtype="w8a8")
@@ -222,7 +233,7 @@ def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(ti
     from mars_core.lean_script import scripted
 
     net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
-    loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn"}[net.kernel]
+    loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni"}[net.kernel]
     assert scripted(loop) is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py's {loop}"
     from mars_core.w8a8 import calibration_ranges
 

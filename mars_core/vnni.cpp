@@ -1,0 +1,208 @@
+// w8a8's product on an AVX512-VNNI CPU, built by mars_core/vnni.py; the Python side says why it exists.
+//
+// It computes, bitwise, what mars_core.w8a8.W8A8Linear.forward computes through fbgemm: each row scaled to
+// [-1, 1] by its largest magnitude and quantized as fbgemm quantizes it (round(fma(u, 1/scale, 128)), uint8),
+// exact int32 sums against the per-channel int8 weights, then fbgemm's float rescale raw * (a_scale * w_scale)
+// and the same fp32 epilogue (second pass, magnitude, bias) in the same order. Built with -ffp-contract=off so
+// the compiler fuses no multiply-add that the torch ops round twice.
+//
+// The weights are read once per call whatever the number of rows (up to ROWS rows per pass over them), which is
+// what keeps a 7- or 16-position forward close to a 1-position one: fbgemm's cost grows with the rows.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;   // output channels per block: one zmm of int32 sums
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+constexpr int PREFETCH = PREFETCH_BYTES;   // bytes of weights fetched ahead while the rows' products run
+constexpr int ROWS = 24;    // activation rows per pass over the weights: 24 accumulators + weights + broadcast
+
+// w int8 [N, K] -> uint8 w + 128, laid out [ceil(N / 16)][ceil(K / 4)][16][4]: a block's 16 channels x 4 inputs are
+// the 64 bytes that one vpdpbusd (unsigned x signed bytes) multiplies by 4 activation bytes broadcast to every lane.
+// The weights are the unsigned side so that the activations, the signed side, can be broadcast straight from
+// memory inside the instruction. The +128 comes back out as 128 x the row's activation sum. Padding meets zero
+// activations.
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack: an int8 [N, K] weight is expected");
+  auto wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1), k4 = (k + 3) / 4, blocks = (n + LANES - 1) / LANES;
+  auto out = at::empty({blocks * k4 * LANES * 4}, wc.options());
+  int8_t* dst = out.data_ptr<int8_t>();
+  std::memset(dst, 0, out.numel());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < k; ++i)
+      dst[((j / LANES) * k4 + i / 4) * LANES * 4 + (j % LANES) * 4 + i % 4] =
+          static_cast<int8_t>(static_cast<uint8_t>(src[j * k + i] + 128));
+  return out;
+}
+
+inline __mmask16 head(int64_t left) {   // the lanes of a 16-float step that are inside the row
+  return left >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+inline __m512 round_even(__m512 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// fbgemm's activation quantization for the range [-1, 1] (scale 2/255 in fp32, zero point 128): one fused
+// multiply-add, rounded half to even, clamped to uint8; stored minus the zero point, as int8. Returns the row's sum.
+inline int32_t quantize(const float* u, int8_t* q, int64_t k, float inverse) {
+  const __m512 inv = _mm512_set1_ps(inverse), zero = _mm512_set1_ps(128.f);
+  const __m512 lo = _mm512_set1_ps(0.f), hi = _mm512_set1_ps(255.f);
+  const __m512i centre = _mm512_set1_epi32(128);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += LANES) {
+    const __mmask16 in = head(k - i);
+    const __m512 t = round_even(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, u + i), inv, zero));
+    const __m512i v = _mm512_maskz_sub_epi32(in, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, lo), hi)), centre);
+    sum = _mm512_add_epi32(sum, v);
+    _mm_mask_storeu_epi8(q + i, in, _mm512_cvtepi32_epi8(v));
+  }
+  return _mm512_reduce_add_epi32(sum);
+}
+
+inline float max_abs(const float* x, int64_t k) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += LANES) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(head(k - i), x + i)));
+  return std::max(_mm512_reduce_max_ps(m), 1e-30f);   // torch: .abs().amax().clamp(min=1e-30)
+}
+
+// x / d for a row, in place or into `out`.
+inline void divide(const float* x, float d, float* out, int64_t k) {
+  const __m512 dv = _mm512_set1_ps(d);
+  for (int64_t i = 0; i < k; i += LANES) {
+    const __mmask16 in = head(k - i);
+    _mm512_mask_storeu_ps(out + i, in, _mm512_div_ps(_mm512_maskz_loadu_ps(in, x + i), dv));
+  }
+}
+
+// One row of the layer input -> its quantized row (and, with `two`, the quantized remainder of the first rounding
+// as row `rows + m`), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
+void prepare(const float* x, int64_t m, int64_t rows, int64_t k, int64_t kp, bool two, float inverse, float step,
+             int8_t* a, int32_t* sums, float* mags, float* r_mags, float* u) {
+  x += m * k;
+  mags[m] = max_abs(x, k);
+  divide(x, mags[m], u, k);
+  sums[m] = quantize(u, a + m * kp, k, inverse);
+  if (!two) return;
+  const __m512 inv = _mm512_set1_ps(inverse), st = _mm512_set1_ps(step);
+  const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t i = 0; i < k; i += LANES) {
+    const __mmask16 in = head(k - i);
+    const __m512 v = _mm512_maskz_loadu_ps(in, u + i);
+    const __m512 g = _mm512_min_ps(_mm512_max_ps(round_even(_mm512_mul_ps(v, inv)), lo), hi);
+    _mm512_mask_storeu_ps(u + i, in, _mm512_sub_ps(v, _mm512_mul_ps(g, st)));
+  }
+  r_mags[m] = max_abs(u, k);
+  divide(u, r_mags[m], u, k);
+  sums[rows + m] = quantize(u, a + (rows + m) * kp, k, inverse);
+}
+
+// acc += 4-byte dot products of the weights' unsigned bytes with 4 signed activation bytes broadcast from memory
+// ({1to16}). Written as asm because gcc's intrinsic neither folds the broadcast into the instruction nor keeps the
+// accumulator in place (it copied every accumulator each step).
+inline void dpbusd(__m512i& acc, __m512i w, const int8_t* four) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(four)));
+}
+
+// Sums of R activation rows (int8, kp bytes apart) against one block of 16 channels, into sums[r][16]. The
+// accumulators are named variables, not an array: gcc kept an array of them on the stack.
+#define MARS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15) \
+  X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+template <int R>
+void block(const int8_t* a, int64_t kp, const int8_t* w, int64_t k4, int32_t* sums) {
+#define MARS_ZERO(r) __m512i c##r = _mm512_setzero_si512();
+  MARS_ROWS(MARS_ZERO)
+  for (int64_t i = 0; i < k4; ++i) {
+    const __m512i b = _mm512_loadu_si512(w + i * LANES * 4);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * LANES * 4 + PREFETCH), _MM_HINT_T0);
+#define MARS_DOT(r) if constexpr (R > r) dpbusd(c##r, b, a + r * kp + 4 * i);
+    MARS_ROWS(MARS_DOT)
+  }
+#define MARS_STORE(r) if constexpr (R > r) _mm512_storeu_si512(sums + r * LANES, c##r);
+  MARS_ROWS(MARS_STORE)
+}
+
+// 16 outputs of one row from its int32 sums: the exact sum of (q - 128) x w (fbgemm's acc - 128 x column sum,
+// here acc - 128 x the row's sum), fbgemm's rescale float(raw) * (a_scale * w_scale), then W8A8Linear's epilogue
+// in its order: + second pass x its magnitude, x the row's magnitude, + bias.
+inline void finish(const int32_t* s1, int32_t z1, const int32_t* s2, int32_t z2, float r_mag, float mag,
+                   const float* scale, const float* bias, float* out, __mmask16 keep, bool two) {
+  const __m512 sc = _mm512_maskz_loadu_ps(keep, scale);
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(s1), _mm512_set1_epi32(128 * z1))), sc);
+  if (two) {
+    __m512 second = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(s2),
+                                                                      _mm512_set1_epi32(128 * z2))), sc);
+    v = _mm512_add_ps(v, _mm512_mul_ps(second, _mm512_set1_ps(r_mag)));
+  }
+  v = _mm512_mul_ps(v, _mm512_set1_ps(mag));
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias));
+  _mm512_mask_storeu_ps(out, keep, v);
+}
+
+using BlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
+
+template <int... R>
+constexpr std::array<BlockFn, sizeof...(R)> table(std::integer_sequence<int, R...>) {
+  return {&block<R + 1>...};
+}
+const auto BLOCKS = table(std::make_integer_sequence<int, ROWS>{});
+
+// y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
+// channel, `bias` optional.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear: a float32 [rows, k] input is expected");
+  auto x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), k4 = (k + 3) / 4, kp = k4 * 4;
+  const int64_t blocks = (n + LANES - 1) / LANES, all = two ? 2 * rows : rows;
+  TORCH_CHECK(packed.numel() == blocks * k4 * LANES * 4, "linear: the packed weight does not match the input width");
+  const float inverse = static_cast<float>(inverse_d), step = static_cast<float>(step_d);
+  std::vector<int8_t> a(all * kp, 0);   // zero in the padding columns
+  std::vector<int32_t> a_sums(all);
+  std::vector<float> mags(rows), r_mags(rows), u(k);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m) prepare(xp, m, rows, k, kp, two, inverse, step, a.data(), a_sums.data(), mags.data(),
+                                              r_mags.data(), u.data());
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
+    std::vector<int32_t> sums(all * LANES);
+    for (int64_t nb = first; nb < last; ++nb) {
+      for (int64_t m0 = 0; m0 < all; m0 += ROWS) {
+        const int64_t r = std::min<int64_t>(ROWS, all - m0);
+        BLOCKS[r - 1](a.data() + m0 * kp, kp, wp + nb * k4 * LANES * 4, k4, sums.data() + m0 * LANES);
+      }
+      const int64_t j0 = nb * LANES, width = std::min<int64_t>(LANES, n - j0);
+      const __mmask16 keep = width == LANES ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+      for (int64_t m = 0; m < rows; ++m)
+        finish(sums.data() + m * LANES, a_sums[m], sums.data() + (rows + m) * LANES, two ? a_sums[rows + m] : 0,
+               two ? r_mags[m] : 0.f, mags[m], sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, two);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mars_vnni, m) {
+  m.def("pack(Tensor w) -> Tensor", &pack);
+  m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "
+        "float step) -> Tensor", &linear);
+}

@@ -1,0 +1,90 @@
+"""mars_core/vnni.cpp, w8a8's AVX512-VNNI kernel: it must give fbgemm's results bit for bit (so that which kernel a
+machine runs never changes an answer), and a machine where it cannot run must fall back to fbgemm, saying why."""
+import pytest
+import torch
+
+import mars_core.vnni as vnni
+from mars_core.w8a8 import W8A8Linear, pick_kernel
+
+pytestmark = pytest.mark.skipif(not vnni.cpu_supported(),
+                                reason="this CPU has no AVX512-VNNI, which mars_core/vnni.cpp is written for")
+
+
+def test_the_kernel_builds_and_loads_on_this_cpu():
+    """Where the CPU has the instructions, the build must succeed (a compiler error here is a bug, not a skip)."""
+    assert vnni.load(), vnni.why_not()
+    assert vnni.why_not() == ""
+
+
+# SmolLM2-135M's products (fused q/k/v, o, gate/up, down, the head) and two odd sizes that leave padding in both
+# the channel blocks (16) and the 4-byte groups, with a bias as Qwen2's q/k/v have
+SHAPES = [(960, 576, None), (576, 576, None), (3072, 576, None), (576, 1536, None), (49152, 576, None),
+          (37, 23, "bias"), (100, 129, "bias")]
+
+
+@pytest.mark.parametrize("n,k,bias", SHAPES)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_kernel_equals_fbgemm_bitwise_for_any_number_of_rows(n, k, bias, passes):
+    gen = torch.Generator().manual_seed(n + k + passes)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[:, 1] *= 20                                                       # an outlier input channel
+    b = torch.randn(n, generator=gen) if bias else None
+    fbgemm = W8A8Linear(weight, b, passes=passes, kernel="fbgemm")
+    ours = W8A8Linear(weight, b, passes=passes, kernel="vnni")
+    for rows in (1, 2, 7, 16, 25, 49):                                       # 24 rows per pass over the weights
+        x = torch.randn(rows, k, generator=gen) * 3
+        x[:, 2] *= 40
+        x[0, :] = 0.0                                                        # an all-zero row: magnitude 1e-30
+        with torch.inference_mode():
+            expected, got = fbgemm(x), ours(x)
+        assert torch.equal(got, expected), (rows, (got - expected).abs().max().item())
+
+
+def test_values_on_fbgemms_rounding_ties_round_as_fbgemm_rounds_them():
+    """fbgemm rounds u * 1/scale + 128 with one fused multiply-add; values on a tie of the plain product would
+    round the other way with two roundings (mars_core.w8a8.on_grid differs there)."""
+    from mars_core.w8a8 import _INVERSE
+
+    k = 256
+    ties = (torch.arange(-127, 129, dtype=torch.float32)[:k] + 0.5) / _INVERSE
+    x = torch.stack([ties.clamp(-1, 1), torch.nextafter(ties, torch.zeros(k)).clamp(-1, 1)])
+    x[:, 0] = 1.0                                                            # pin the magnitude to 1
+    weight = torch.eye(k)
+    for passes in (1, 2):
+        with torch.inference_mode():
+            assert torch.equal(W8A8Linear(weight, passes=passes, kernel="vnni")(x),
+                               W8A8Linear(weight, passes=passes, kernel="fbgemm")(x))
+
+
+def test_tiny_mars_decodes_to_the_same_logits_with_either_kernel(monkeypatch):
+    from mars_core import load_model
+
+    nets = {}
+    for kernel in ("fbgemm", "vnni"):
+        monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
+        nets[kernel] = load_model("tiny-mars", device="cpu", dtype="w8a8")
+        assert nets[kernel].net.kernel == kernel
+    ids = torch.tensor([nets["vnni"].encode("What is 12 plus 30?")])
+    with torch.inference_mode():
+        logits = {k: lm.net(input_ids=ids, cache=lm.net.new_cache()).logits for k, lm in nets.items()}
+    assert torch.equal(logits["vnni"], logits["fbgemm"])
+
+
+def test_the_kernel_is_the_default_here_and_off_falls_back_to_fbgemm(monkeypatch):
+    monkeypatch.delenv("MARS_W8A8_KERNEL", raising=False)
+    assert pick_kernel() == "vnni"
+    monkeypatch.setattr(vnni, "_STATE", {})
+    monkeypatch.setenv("MARS_VNNI", "0")
+    assert pick_kernel() == "fbgemm" and vnni.why_not() == "MARS_VNNI=0"
+    monkeypatch.setenv("MARS_W8A8_KERNEL", "vnni")
+    with pytest.raises(ValueError, match=r"the w8a8 kernel 'vnni' is not available here \(MARS_VNNI=0\): use "
+                                         r"MARS_W8A8_KERNEL=fbgemm"):
+        W8A8Linear(torch.ones(4, 4), kernel="vnni")
+
+
+def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(vnni, "_STATE", {})
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")   # a "compiler" on PATH that fails
+    assert not vnni.load() and vnni.why_not().startswith("building it failed")
+    assert not list(tmp_path.rglob("*.so"))                                   # nothing half-written is kept
