@@ -198,8 +198,10 @@ def pick_kernel() -> str:
 
 
 def on_grid(u: torch.Tensor) -> torch.Tensor:
-    """u in [-1, 1] rounded as fbgemm rounds it once the rails fix its range (scale 2/255 in fp32, zero point
-    128); tests/test_lean.py checks this against fbgemm itself.
+    """u in [-1, 1] rounded onto fbgemm's grid once the rails fix its range (scale 2/255 in fp32, zero point 128).
+    It agrees with fbgemm's own rounding except on exact ties of the product u * 1/scale, which fbgemm rounds after
+    one fused multiply-add (mars_core/vnni.cpp does the same); on_grid only defines the second pass's remainder,
+    the same way in every kernel, so that difference changes no result.
 
     Two passes: the products whose inputs lose most to that rounding (TWO_PASS) multiply the weight by the
     rounded input and, in a second call, by what the rounding left out (itself rounded, 255 times finer); the
