@@ -48,7 +48,7 @@ def _compiler() -> str | None:
 
 
 def _library_path(cxx: str) -> Path:
-    from mars_core.loading import cache_dir
+    from mars_core.sources import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, cxx, *FLAGS]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"mars_vnni-{key}.so"

@@ -276,7 +276,7 @@ def smoothing(x_range: torch.Tensor, w_range: torch.Tensor, alpha: float | None 
 
 def calibration_ranges(model, tokenizer) -> dict:
     """activation_ranges over CALIBRATION_PROMPTS, each through the tokenizer's chat template."""
-    from mars_core.loading import encode_chat
+    from mars_core.tokens import encode_chat
 
     ids = [encode_chat(tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True)
            for p in CALIBRATION_PROMPTS]
