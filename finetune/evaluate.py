@@ -26,7 +26,7 @@ Natural suite (`--suite natural`): real-language models, by default SmolLM2-135M
 
 Per (model, τ): tokens/forward (mean over sequences) on held-out natural prompts (finetune.natural, split
 "heldout") and on HumanEval's prompts; HumanEval pass@1 (greedy, one sample per problem); accuracy on the
-checkable question set (finetune.natural.check); and agreement with the same model's τ = 1 answers on the
+checkable question set (finetune.checkable.check); and agreement with the same model's τ = 1 answers on the
 natural prompts and checkable questions: the share of identical answers, and the mean share of tokens before
 the first difference (÷ the longer answer, so 1.0 only for identical answers). τ = 1.0 is added when --taus
 lacks it, since agreement needs it. --seed draws the natural prompts and the checkable questions (it is printed

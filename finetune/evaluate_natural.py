@@ -23,8 +23,8 @@ CHECKABLE_MAX_NEW_TOKENS = 64          # checkable answers are a word or a numbe
 
 
 def score_checkable(items: list, texts: list[str]) -> tuple[float | None, dict[str, float]]:
-    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.natural.check); None when empty."""
-    from finetune.natural import check
+    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.checkable.check); None when empty."""
+    from finetune.checkable import check
 
     hits: dict[str, list[bool]] = {}
     for item, text in zip(items, texts, strict=True):
@@ -97,7 +97,7 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
                   seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
                   draft_layout: str = "linear", prompt_lookup: int = 0,
                   progress: Callable[[float, str], None] | None = None) -> list[dict]:
-    """One row per τ on natural prompts, checkable `items` (finetune.natural.CheckItem) and HumanEval `problems`.
+    """One row per τ on natural prompts, checkable `items` (finetune.checkable.CheckItem) and HumanEval `problems`.
 
     HumanEval replies are EXECUTED (finetune.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
     code) -> bool` replaces it, e.g. a shared finetune.humaneval.RunCache). τ = 1.0 is decoded first and added when
@@ -262,7 +262,8 @@ def add_natural_args(ap: argparse.ArgumentParser) -> None:
 def natural_inputs(args) -> tuple[list[str], list, list[dict]]:
     """The held-out natural prompts, checkable questions (both drawn with --seed) and HumanEval problems."""
     from finetune.humaneval import load_problems
-    from finetune.natural import checkable_set, natural_prompts
+    from finetune.checkable import checkable_set
+    from finetune.natural import natural_prompts
 
     for flag, value in (("--n-natural", args.n_natural), ("--n-checkable", args.n_checkable),
                         ("--humaneval", args.humaneval)):

@@ -155,7 +155,7 @@ def test_natural_taus_put_the_reference_first():
 
 def test_score_checkable_counts_through_check():
     from finetune.evaluate_natural import score_checkable
-    from finetune.natural import CheckItem
+    from finetune.checkable import CheckItem
 
     items = [CheckItem("What is the capital of France?", ("paris",), "capital"),
              CheckItem("What is 3 + 4?", ("7",), "arithmetic", numeric=True),
@@ -176,7 +176,8 @@ def _direct(lm, prompts, tau, max_new_tokens):
 def test_natural_sweep_rows(tiny_lm, problems):
     from finetune.evaluate_natural import NATURAL_ROW_KEYS, natural_sweep
     from finetune.humaneval import build_prompt, completion_program
-    from finetune.natural import CheckItem, check, checkable_set, natural_prompts
+    from finetune.checkable import CheckItem, check, checkable_set
+    from finetune.natural import natural_prompts
 
     prompts = natural_prompts("heldout", 4, seed=3)
     draw = checkable_set(6, seed=3)
@@ -238,7 +239,8 @@ def test_natural_sweep_rows(tiny_lm, problems):
 def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup, label):
     # verify mode's answers are AR's (fp32) in every draft layout: every row agrees with the τ = 1 reference
     from finetune.evaluate_natural import curve_label, natural_sweep
-    from finetune.natural import checkable_set, natural_prompts
+    from finetune.checkable import checkable_set
+    from finetune.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
                          taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify",
@@ -253,7 +255,8 @@ def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup
 
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
     from finetune.evaluate_natural import natural_sweep
-    from finetune.natural import checkable_set, natural_prompts
+    from finetune.checkable import checkable_set
+    from finetune.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 2), checkable_set(2), [], taus=[0.9, 0.7],
                          max_new_tokens=6, checkable_max_new_tokens=4, ar_only=True)
