@@ -4,7 +4,8 @@
                    tau=0.95, block_size=4, mask_token_id=<id>, max_new_tokens=64)
 
 transformers calls `generate(model=..., **the arguments of model.generate)`; this function hands the prompt ids
-to mars_core's decoder (the same code as `python -m mars_core generate`) and returns what `generate` returns:
+to the decoder in mars_step.py (mars_core's, the same code as `python -m mars_core generate`, copied there by
+`python -m mars_core.vendor_custom_generate`) and returns what `generate` returns:
 the sequences tensor, or with `return_dict_in_generate=True` an output whose `sequences` come with the
 accepted tokens of every forward pass. See README.md next to this file.
 """
@@ -17,14 +18,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-try:  # in a try block: transformers' import check skips it, so the message below is the one users see
-    from mars_core.decoding import DecodeConfig, generate_stream
-except ImportError as exc:
-    raise ImportError(
-        "this custom_generate method runs the MARS decoder from the `mars_core` package, which is not importable "
-        f"here ({exc}): install it with `pip install mars-playground` or, from a checkout of the MARS Playground "
-        "repository, `pip install .` (or `pip install -e .`)"
-    ) from exc
+# Relative: transformers copies a custom_generate folder's relatively imported files next to generate.py (from
+# a local folder or the Hub), so the decoder travels with this file and `mars_core` need not be installed.
+from .mars_step import DecodeConfig, generate_stream
 
 DEFAULT_NEW_TOKENS = 20   # what plain `generate` produces when neither max_new_tokens nor max_length is set
 
@@ -61,7 +57,7 @@ class MarsGenerateOutput(ModelOutput):
 
 
 class _ModelView:
-    """What mars_core's decoder reads from a loaded model, built from a bare transformers model."""
+    """What the decoder reads from a loaded model (mars_core's LoadedModel), built from a bare transformers model."""
 
     def __init__(self, model, tokenizer, mask_id: int, eos_ids: list[int], context_length: int):
         self.model, self.tokenizer = model, tokenizer
@@ -128,7 +124,7 @@ def _mask_id(model, tokenizer, explicit, tau: float) -> int:
 def generate(model, inputs=None, generation_config: GenerationConfig | None = None, streamer=None, *,
              mode: str = "mars", tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None, criterion: str = "prob",
              max_accept: int | None = None, tokenizer=None, **kwargs):
-    """Run MARS decoding (mars_core) on `model`; arguments as `model.generate`, plus:
+    """Run MARS decoding on `model`; arguments as `model.generate`, plus:
 
     mode: "mars" (keep confident predictions as they come: fastest, can differ from greedy at tau < 1) or
           "verify" (lossless: confident predictions are drafts that the next forward checks; greedy only).

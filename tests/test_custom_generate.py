@@ -159,13 +159,84 @@ def test_mask_id_from_the_config_and_errors_that_name_the_fix(tiny_lm):
         del model.config.mask_token_id
 
 
-def test_without_mars_core_the_import_error_says_how_to_install(tmp_path):
-    code = ("import sys, runpy; sys.modules['mars_core'] = None; sys.modules['mars_core.decoding'] = None\n"
-            f"runpy.run_path({str(REPO / 'custom_generate' / 'generate.py')!r})")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ""})
-    assert done.returncode != 0
-    assert "ImportError" in done.stderr and "pip install mars-playground" in done.stderr
+def test_mars_step_is_what_the_vendor_script_writes_from_the_decoder_now():
+    from mars_core import vendor_custom_generate
+
+    committed = (REPO / "custom_generate" / "mars_step.py").read_text()
+    assert committed == vendor_custom_generate.render(), \
+        "custom_generate/mars_step.py is stale: run python -m mars_core.vendor_custom_generate"
+    assert vendor_custom_generate.main(["--check"]) == 0
+    # the copy is the decoder itself: its entry points, not a stand-in
+    assert "def generate_stream(" in committed and "class DecodeConfig:" in committed and "mars_core" not in "".join(
+        line for line in committed.splitlines() if line.startswith(("import ", "from ")))
+
+
+def test_the_folder_imports_only_torch_transformers_and_its_own_files():
+    from transformers.dynamic_module_utils import get_imports, get_relative_import_files
+
+    folder = REPO / "custom_generate"
+    files = get_relative_import_files(str(folder / "generate.py"))   # what transformers copies (or downloads)
+    assert sorted(Path(f).name for f in files) == ["mars_step.py"]
+    third_party = {m for f in (folder / "generate.py", *files) for m in get_imports(f)} - set(sys.stdlib_module_names)
+    required = [line.split(">")[0].split("=")[0].strip() for line in (folder / "requirements.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert third_party == set(required) == {"torch", "transformers"}
+
+
+# Run in a fresh interpreter: a copy of the folder alone (as on the Hub), mars_core made unimportable first.
+WITHOUT_MARS_CORE = """
+import json, sys
+
+class NoMarsCore:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mars_core" or name.startswith("mars_core."):
+            raise ImportError(f"{name} is blocked by the test")
+
+sys.meta_path.insert(0, NoMarsCore())
+try:
+    import mars_core
+    sys.exit("mars_core is importable: the test would prove nothing")
+except ImportError:
+    pass
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, checkpoint, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+out = [model.generate(torch.tensor([c["ids"]]), custom_generate=folder, trust_remote_code=True, tau=c["tau"],
+                      block_size=4, mask_token_id=c["mask"], eos_token_id=c["eos"], max_new_tokens=c["new"],
+                      return_dict_in_generate=True) for c in cases]
+print(json.dumps({"tokens": [o.sequences[0, len(c["ids"]):].tolist() for o, c in zip(out, cases)],
+                  "steps": [o.step_tokens[0] for o in out],
+                  "mars_core_loaded": any(m.split(".")[0] == "mars_core" for m in sys.modules)}))
+"""
+
+
+def test_a_copy_of_the_folder_alone_runs_without_mars_core_and_equals_its_decoder(tmp_path):
+    import json
+    import shutil
+
+    lm = load_model("tiny-mars", device="cpu", dtype="float32", cpu_layout=False)
+    copy = tmp_path / "hub-copy" / "custom_generate"
+    copy.mkdir(parents=True)
+    for name in ("generate.py", "mars_step.py", "requirements.txt", "README.md"):
+        shutil.copy(REPO / "custom_generate" / name, copy / name)
+    prompts, taus, new = ["What is 17 + 25?", "Sort: c a b", "Name three colours."], [0.95, 0.6, 1.0], 32
+    cases = [dict(ids=lm.encode(p), tau=t, mask=lm.mask_id, eos=lm.eos_ids, new=new) for p in prompts for t in taus]
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_MARS_CORE, str(copy.parent), str(Path(lm.path)),
+                           json.dumps(cases)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["mars_core_loaded"] is False
+    for case, tokens, steps in zip(cases, got["tokens"], got["steps"]):
+        ref = generate(lm, [case["ids"]], DecodeConfig(tau=case["tau"], block_size=4, max_new_tokens=new))[0]
+        assert tokens == ref.token_ids and steps == ref.steps, case
+        if case["tau"] >= 1.0:   # one-token mode: plain greedy generate, token for token
+            plain = lm.model.generate(torch.tensor([case["ids"]]), do_sample=False, max_new_tokens=new,
+                                      eos_token_id=lm.eos_ids)
+            assert tokens == plain[0, len(case["ids"]):].tolist()
+    assert any(len(s) > 1 for s in got["steps"][0])   # tiny-mars at τ = 0.95 does accept several tokens per pass
 
 
 def test_the_checkout_is_the_folder_to_pass():
