@@ -122,8 +122,8 @@ def _mask_id(model, tokenizer, explicit, tau: float) -> int:
 
 
 def generate(model, inputs=None, generation_config: GenerationConfig | None = None, streamer=None, *,
-             mode: str = "mars", tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None, criterion: str = "prob",
-             max_accept: int | None = None, tokenizer=None, **kwargs):
+             mode: str = "mars", tau: float = 0.95, block_size: int | None = None, mask_token_id: int | None = None,
+             criterion: str = "prob", max_accept: int | None = None, tokenizer=None, **kwargs):
     """Run MARS decoding on `model`; arguments as `model.generate`, plus:
 
     mode: "mars" (keep confident predictions as they come: fastest, can differ from greedy at tau < 1) or
@@ -134,42 +134,31 @@ def generate(model, inputs=None, generation_config: GenerationConfig | None = No
     criterion: prob | entropy | margin (what must reach tau). max_accept: cap on tokens kept per forward.
     tokenizer: only for stop_strings (and the text of streamed steps).
     """
+    input_ids, rows, gen, cfg = _intake(model, inputs, generation_config, kwargs, mode=mode, tau=tau,
+                                        block_size=block_size, criterion=criterion, max_accept=max_accept,
+                                        tokenizer=tokenizer)
+    eos_ids = _as_list(gen.eos_token_id)
+    lm = _model_view(model, tokenizer, _mask_id(model, tokenizer, mask_token_id, cfg.tau), eos_ids)
+    if streamer is not None and len(rows) > 1:
+        raise ValueError("a streamer takes one sequence: rows accept different numbers of tokens per forward, "
+                         "so stream a batch of 1")
+    steps, reasons = _decode(lm, input_ids, rows, cfg, streamer)
+    pad_id = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    return _output(input_ids, steps, reasons, pad_id, gen.return_dict_in_generate)
+
+
+# ----------------------------------------------------------------------------- intake: arguments -> what to decode
+
+def _intake(model, inputs, generation_config, kwargs: dict, *, mode, tau, block_size, criterion, max_accept,
+            tokenizer):
+    """Check every argument before any forward: (input_ids, each row's prompt ids, the generation config, the
+    DecodeConfig). Every refusal names the setting and the fix."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("MARS decoding is for decoder-only causal LMs; this model is an encoder-decoder")
-    input_ids = kwargs.pop("input_ids", None)
-    if inputs is not None and input_ids is not None:
-        raise ValueError("pass the prompt once: as the first argument or as input_ids=, not both")
-    input_ids = inputs if inputs is not None else input_ids
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError("input_ids is missing: pass the tokenized prompt(s) as a [batch, length] LongTensor")
-    attention_mask = kwargs.pop("attention_mask", None)
-    for name in _UNSUPPORTED_ARGS:
-        if kwargs.pop(name, None) is not None:
-            raise ValueError(f"{name} is not supported by MARS decoding: leave it unset (or use plain generate)")
-    for name in _IGNORED:
-        kwargs.pop(name, None)
-
-    gen = copy.deepcopy(generation_config or model.generation_config)   # never change the model's own
-    unknown = gen.update(**kwargs)
-    if unknown:
-        raise ValueError(f"unknown argument(s) {sorted(unknown)} for MARS generate: it takes generate()'s "
-                         "generation settings plus tau, block_size, mask_token_id, criterion, max_accept, tokenizer")
-    for name, off in _UNSUPPORTED.items():
-        value = getattr(gen, name, None)
-        if value not in off:
-            raise ValueError(f"{name}={value!r} is not supported by MARS decoding: pass {name}={off[-1]!r}")
-
+    input_ids, attention_mask = _prompt_arguments(inputs, kwargs)
+    gen = _generation_config(model, generation_config, kwargs)
     rows = _prompt_rows(input_ids, attention_mask)
-    length = input_ids.shape[1]
-    if gen.max_new_tokens is not None:
-        max_new = gen.max_new_tokens
-    elif gen.max_length is not None:
-        max_new = gen.max_length - length
-    else:
-        max_new = DEFAULT_NEW_TOKENS
-    if not isinstance(max_new, int) or max_new < 1:
-        raise ValueError(f"max_new_tokens={max_new!r} (from max_length={gen.max_length!r} and a prompt of {length}) "
-                         "leaves nothing to generate: pass max_new_tokens >= 1")
+    max_new = _max_new_tokens(gen, input_ids.shape[1])
     sampling = bool(gen.do_sample)
     if sampling and gen.top_k not in (None, 0):
         raise ValueError(f"top_k={gen.top_k!r} is not supported by MARS sampling (temperature and top_p are): "
@@ -182,18 +171,66 @@ def generate(model, inputs=None, generation_config: GenerationConfig | None = No
                        temperature=(gen.temperature if gen.temperature is not None else 1.0) if sampling else 0.0,
                        top_p=gen.top_p if sampling and gen.top_p is not None else 1.0, criterion=criterion,
                        max_accept=max_accept, stop_strings=tuple(_stop_strings(gen.stop_strings, tokenizer)))
+    return input_ids, rows, gen, cfg
 
-    eos_ids = _as_list(gen.eos_token_id)
-    pad_id = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+
+def _prompt_arguments(inputs, kwargs: dict):
+    """(input_ids, attention_mask) taken out of `kwargs`, with `generate` arguments MARS has no use for."""
+    input_ids = kwargs.pop("input_ids", None)
+    if inputs is not None and input_ids is not None:
+        raise ValueError("pass the prompt once: as the first argument or as input_ids=, not both")
+    input_ids = inputs if inputs is not None else input_ids
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError("input_ids is missing: pass the tokenized prompt(s) as a [batch, length] LongTensor")
+    attention_mask = kwargs.pop("attention_mask", None)
+    for name in _UNSUPPORTED_ARGS:
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(f"{name} is not supported by MARS decoding: leave it unset (or use plain generate)")
+    for name in _IGNORED:
+        kwargs.pop(name, None)
+    return input_ids, attention_mask
+
+
+def _generation_config(model, generation_config, kwargs: dict) -> GenerationConfig:
+    """The model's (or the given) generation config with the remaining kwargs applied; settings MARS does not
+    implement, and names generate does not know, are refused."""
+    gen = copy.deepcopy(generation_config or model.generation_config)   # never change the model's own
+    unknown = gen.update(**kwargs)
+    if unknown:
+        raise ValueError(f"unknown argument(s) {sorted(unknown)} for MARS generate: it takes generate()'s "
+                         "generation settings plus tau, block_size, mask_token_id, criterion, max_accept, tokenizer")
+    for name, off in _UNSUPPORTED.items():
+        value = getattr(gen, name, None)
+        if value not in off:
+            raise ValueError(f"{name}={value!r} is not supported by MARS decoding: pass {name}={off[-1]!r}")
+    return gen
+
+
+def _max_new_tokens(gen: GenerationConfig, length: int) -> int:
+    if gen.max_new_tokens is not None:
+        max_new = gen.max_new_tokens
+    elif gen.max_length is not None:
+        max_new = gen.max_length - length
+    else:
+        max_new = DEFAULT_NEW_TOKENS
+    if not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"max_new_tokens={max_new!r} (from max_length={gen.max_length!r} and a prompt of {length}) "
+                         "leaves nothing to generate: pass max_new_tokens >= 1")
+    return max_new
+
+
+def _model_view(model, tokenizer, mask_id: int, eos_ids: list[int]) -> _ModelView:
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     # No eos configured: -1 is an id no token has, so the decoder never stops early (as plain generate).
-    lm = _ModelView(model, tokenizer, _mask_id(model, tokenizer, mask_token_id, cfg.tau), eos_ids or [-1],
-                    int(context) if context else 1 << 30)
+    return _ModelView(model, tokenizer, mask_id, eos_ids or [-1], int(context) if context else 1 << 30)
 
+
+# ----------------------------------------------------------------------------- decode and output
+
+def _decode(lm: _ModelView, input_ids: torch.Tensor, rows: list[list[int]], cfg: DecodeConfig, streamer):
+    """Run the decoder: (per row, the accepted ids of each forward pass; per row, its finish reason). The
+    streamer gets the prompt, then row 0's accepted ids of each pass, then `end`."""
     if streamer is not None:
-        if len(rows) > 1:
-            raise ValueError("a streamer takes one sequence: rows accept different numbers of tokens per forward, "
-                             "so stream a batch of 1")
         streamer.put(input_ids.cpu())
     steps = [[] for _ in rows]
     reasons = ["length" for _ in rows]
@@ -206,14 +243,19 @@ def generate(model, inputs=None, generation_config: GenerationConfig | None = No
             streamer.put(torch.tensor(event.rows[0].accepted_ids))
     if streamer is not None:
         streamer.end()
+    return steps, reasons
 
+
+def _output(input_ids: torch.Tensor, steps: list, reasons: list[str], pad_id: int, as_dict: bool):
+    """What `generate` returns: [batch, prompt + new] sequences, rows that stopped early padded with pad_id; with
+    return_dict_in_generate the per-pass steps as well."""
     new = [[t for s in row_steps for t in s] for row_steps in steps]
     width = max(len(n) for n in new)
-    tail = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype)
+    tail = torch.full((len(new), width), pad_id, dtype=input_ids.dtype)
     for r, n in enumerate(new):
         tail[r, : len(n)] = torch.tensor(n, dtype=input_ids.dtype)
     sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
-    if gen.return_dict_in_generate:
+    if as_dict:
         return MarsGenerateOutput(sequences=sequences, accepted_counts=[[len(s) for s in row] for row in steps],
                                   step_tokens=steps, finish_reasons=reasons)
     return sequences
