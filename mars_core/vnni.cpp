@@ -153,6 +153,33 @@ inline void finish(const int32_t* s1, int32_t z1, const int32_t* s2, int32_t z2,
   _mm512_mask_storeu_ps(out, keep, v);
 }
 
+// The same for R <= 4 rows with four accumulator chains per row (steps i, i+1, i+2, i+3), summed at the end. One
+// chain per row would wait on vpdpbusd's latency at every step: with one or two rows (AR) the product was bound by
+// that latency, not by reading the weights. The sums are integers, so the order changes nothing.
+#define MARS_FEW(X) X(0) X(1) X(2) X(3)
+template <int R>
+void few(const int8_t* a, int64_t kp, const int8_t* w, int64_t k4, int32_t* sums) {
+#define MARS_ZERO4(r) __m512i c##r##0 = _mm512_setzero_si512(), c##r##1 = c##r##0, c##r##2 = c##r##0, c##r##3 = c##r##0;
+  MARS_FEW(MARS_ZERO4)
+  int64_t i = 0;
+  for (; i + 4 <= k4; i += 4) {
+    const int8_t* wi = w + i * LANES * 4;
+    const __m512i b0 = _mm512_loadu_si512(wi), b1 = _mm512_loadu_si512(wi + 64);
+    const __m512i b2 = _mm512_loadu_si512(wi + 128), b3 = _mm512_loadu_si512(wi + 192);
+#define MARS_DOT4(r) if constexpr (R > r) { const int8_t* ar = a + r * kp + 4 * i; dpbusd(c##r##0, b0, ar); \
+    dpbusd(c##r##1, b1, ar + 4); dpbusd(c##r##2, b2, ar + 8); dpbusd(c##r##3, b3, ar + 12); }
+    MARS_FEW(MARS_DOT4)
+  }
+  for (; i < k4; ++i) {
+    const __m512i b = _mm512_loadu_si512(w + i * LANES * 4);
+#define MARS_DOT1(r) if constexpr (R > r) dpbusd(c##r##0, b, a + r * kp + 4 * i);
+    MARS_FEW(MARS_DOT1)
+  }
+#define MARS_STORE4(r) if constexpr (R > r) _mm512_storeu_si512(sums + r * LANES, \
+    _mm512_add_epi32(_mm512_add_epi32(c##r##0, c##r##1), _mm512_add_epi32(c##r##2, c##r##3)));
+  MARS_FEW(MARS_STORE4)
+}
+
 using BlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
 
 template <int... R>
@@ -160,6 +187,7 @@ constexpr std::array<BlockFn, sizeof...(R)> table(std::integer_sequence<int, R..
   return {&block<R + 1>...};
 }
 const auto BLOCKS = table(std::make_integer_sequence<int, ROWS>{});
+constexpr std::array<BlockFn, 4> FEW = {&few<1>, &few<2>, &few<3>, &few<4>};
 
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
 // channel, `bias` optional.
@@ -187,7 +215,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
     for (int64_t nb = first; nb < last; ++nb) {
       for (int64_t m0 = 0; m0 < all; m0 += ROWS) {
         const int64_t r = std::min<int64_t>(ROWS, all - m0);
-        BLOCKS[r - 1](a.data() + m0 * kp, kp, wp + nb * k4 * LANES * 4, k4, sums.data() + m0 * LANES);
+        const BlockFn fn = r <= 4 ? FEW[r - 1] : BLOCKS[r - 1];
+        fn(a.data() + m0 * kp, kp, wp + nb * k4 * LANES * 4, k4, sums.data() + m0 * LANES);
       }
       const int64_t j0 = nb * LANES, width = std::min<int64_t>(LANES, n - j0);
       const __mmask16 keep = width == LANES ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);

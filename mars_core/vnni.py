@@ -68,7 +68,8 @@ def _build(cxx: str, target: Path) -> None:
                f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "g++ failed")
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            raise RuntimeError(errors[0].strip() if errors else f"{cxx} exited with {done.returncode}")
         os.replace(out, target)
 
 
