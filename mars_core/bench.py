@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mars_core.batch import step_attention
+from mars_core.catalogue import NATURAL, TASKS, find
 from mars_core.config import DecodeConfig
 from mars_core.decoding import draft_acceptance, generate, reference_generate
 from mars_core.sources import ASSETS
@@ -41,12 +42,14 @@ GENERAL_PROMPTS = [
 def default_prompts(model_name: str) -> list[str]:
     """Held-out prompts of what each embedded model was trained on: tasks for the tiny models, the natural
     held-out set for smollm2-mars (trained on the natural train split); general questions for anything else."""
+    rec = find(model_name)
     tasks = ASSETS / "prompts" / "tasks-heldout.txt"
-    if model_name.startswith("tiny-") and tasks.exists():
+    if rec is not None and rec.prompts == TASKS and tasks.exists():
         return read_prompts(str(tasks))
-    # finetune.natural's first 16 held-out prompts, shipped as a file so that mars_core needs no finetune import
+    # finetune.natural's first 16 held-out prompts, shipped as a file so that mars_core needs no finetune import;
+    # only for the model MARS-trained on the natural train split, not for the base it started from
     natural = ASSETS / "prompts" / "natural-heldout.txt"
-    if model_name.lower() == "smollm2-mars" and natural.exists():
+    if rec is not None and rec.prompts == NATURAL and rec.mars and natural.exists():
         return read_prompts(str(natural))
     return list(GENERAL_PROMPTS)
 

