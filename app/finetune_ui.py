@@ -16,9 +16,10 @@ import plotly.graph_objects as go
 from app import models
 from app.plots import empty_figure
 from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail, read_metrics, shell_quote
+from mars_core import catalogue
 
-BASE_MODELS = [("tiny-ar-sft (AR-SFT → train MARS on it)", "tiny-ar-sft"), ("tiny-mars", "tiny-mars"),
-               ("smollm2 (SmolLM2-135M-Instruct, slow on CPU)", "smollm2")]
+# The catalogue's fine-tuning bases, each AR baseline first (the default base, tiny-ar-sft, leads the list).
+BASE_MODELS = [(r.base_label, r.name) for r in catalogue.baselines_first(catalogue.models(finetune_base=True))]
 # The default run's measured time and accuracy: docs/experiments.md, "The app's default Finetune run".
 DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=600, lr=1e-3, lora=False,
                 batch_size=16)
@@ -104,12 +105,13 @@ def _number(value, name: str, lo, hi, integer: bool):
 
 # Seconds per optimizer step measured here (2-core CPU, batch 16, other work alongside; see DEFAULTS and
 # docs/smollm2-mars.md: SmolLM2 + LoRA took 4.4 s/step). Full SmolLM2 training is slower still.
-SECONDS_PER_STEP = {"tiny": 0.35, "smollm2": 4.4}
+SECONDS_PER_STEP = {catalogue.TINY: 0.35, catalogue.SMOLLM2: 4.4}   # by catalogue kind
 ETA_WARN_S = 3600
 
 
 def estimate_seconds(base: str, steps: int) -> float | None:
-    family = "tiny" if "tiny" in str(base) else "smollm2" if "smollm2" in str(base).lower() else None
+    # a substring guess, not catalogue.find: it also has to guess for finished runs ("run:<name>")
+    family = catalogue.TINY if "tiny" in str(base) else catalogue.SMOLLM2 if "smollm2" in str(base).lower() else None
     return None if family is None else steps * SECONDS_PER_STEP[family]
 
 

@@ -15,25 +15,25 @@ import threading
 import time
 from pathlib import Path
 
+from mars_core import catalogue
 from mars_core.sources import find_assets
 
-BUILTIN_MODELS = [
-    ("tiny-mars — embedded MARS model (B=4)", "tiny-mars"),
-    ("tiny-ar-sft — embedded AR-SFT baseline", "tiny-ar-sft"),
-    ("smollm2 — SmolLM2-135M-Instruct (offline, AR only)", "smollm2"),
-]
+# Every list below is read from mars_core.catalogue; the names stay because app code and tests import them.
+# The picker's named models in catalogue order (the default first); adapters join them only when present.
+BUILTIN_MODELS = [(r.label, r.name) for r in catalogue.models() if r.label is not None and not r.adapter]
 # The MARS-trained real-language model: listed (first) only while its adapter folder exists.
-SMOLLM2_MARS = "smollm2-mars"
-SMOLLM2_MARS_ENTRY = ("smollm2-mars — SmolLM2-135M taught MARS here (B=4, real language)", SMOLLM2_MARS)
+SMOLLM2_MARS = catalogue.names(prompts=catalogue.NATURAL, mars=True)[0]
+SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
 SMOLLM2_MARS_DIR = find_assets() / SMOLLM2_MARS   # a checkout's assets/, an installed copy's, or $MARS_ASSETS
 ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
-DEFAULT_MODEL = "tiny-mars"       # the page starts here; the task-suite parts (built-in sweep, Learn) stay here
-TASK_MODEL = "tiny-mars"
+DEFAULT_MODEL = catalogue.DEFAULT_MODEL   # the page starts here; the task-suite parts (built-in sweep, Learn) stay here
+TASK_MODEL = catalogue.names(prompts=catalogue.TASKS, mars=True)[0]   # the MARS model trained on the task suite
 FREE_TEXT_DEFAULT = SMOLLM2_MARS  # the default for free text once PREPARER has it ready
 SAME_MODEL = "same"  # AR baseline = the selected checkpoint in one-token mode
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
-TINY_MODELS = ("tiny-mars", "tiny-ar-sft")
-NATURAL_MODELS = (SMOLLM2_MARS, "smollm2", "smollm2-135m-instruct")  # real-language models: natural prompts
+TINY_MODELS = catalogue.names(kind=catalogue.TINY)
+NATURAL_MODELS = catalogue.names(prompts=catalogue.NATURAL)  # real-language models: natural prompts
+SMOLLM2_MODELS = catalogue.names(kind=catalogue.SMOLLM2)     # converted or merged once before their first load
 
 GENERAL_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -320,7 +320,7 @@ def load_estimate(name: str) -> str:
     """An honest, parenthesised estimate of how long loading `name` takes here ('' when unknown)."""
     if name in TINY_MODELS:
         return LOAD_ESTIMATES["tiny"]
-    if name in (SMOLLM2_MARS, "smollm2", "smollm2-135m-instruct"):
+    if name in SMOLLM2_MODELS:
         try:
             from mars_core import loading
             return LOAD_ESTIMATES["prepared" if loading.is_prepared(name) else "build"]
