@@ -61,9 +61,11 @@ from finetune.evaluate_natural import (  # noqa: F401
     prefix_share, score_checkable,
 )
 from finetune.tasks import FAMILIES, check_answer, make_examples
+from mars_core import catalogue
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
-DEFAULT_MODELS = ("tiny-ar-sft", "tiny-mars")
+# The task suite's default sweep: tiny-ar-sft, tiny-mars (the ablation joins it in _main_tasks when present).
+DEFAULT_MODELS = catalogue.sweep(catalogue.TASKS)
 MAX_NEW_TOKENS = 112                   # the longest suite answer is 93 tokens plus eos
 
 SUITES = ("tasks", "natural")

@@ -13,10 +13,12 @@ import time
 from typing import Callable
 
 from finetune.evaluate_common import curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve
+from mars_core import catalogue
 
 NATURAL_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
-NATURAL_MODELS = ("smollm2", "smollm2-mars")
-BASE_MODELS = ("smollm2", "smollm2-135m-instruct")   # not MARS-trained: AR rows only unless --ar-only says otherwise
+NATURAL_MODELS = catalogue.sweep(catalogue.NATURAL)   # the default sweep: smollm2, smollm2-mars
+# Not MARS-trained, aliases included: AR rows only unless --ar-only says otherwise.
+BASE_MODELS = catalogue.names(prompts=catalogue.NATURAL, mars=False)
 N_NATURAL = 64
 NATURAL_MAX_NEW_TOKENS = 256           # natural answers and HumanEval functions
 CHECKABLE_MAX_NEW_TOKENS = 64          # checkable answers are a word or a number; 64 leaves room for a sentence
