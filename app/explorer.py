@@ -16,7 +16,7 @@ import gradio as gr
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app import generate, models
+from app import inputs, models
 
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
@@ -134,7 +134,7 @@ def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size,
     """The Run sweep button: (status line, Pareto figure, table rows, JSON export); a ⚠ line for bad input."""
     try:
         taus = parse_taus(taus_text)
-        criterion = generate.check_criterion(criterion)
+        criterion = inputs.check_criterion(criterion)
         name = (models.resolve(choice, free_text, jobs) if source == "free"
                 else models.task_model(choice, free_text, picked, jobs))   # tasks: tiny-mars by default
         lm = models.get_model(name)

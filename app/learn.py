@@ -11,7 +11,7 @@ import html
 import gradio as gr
 import plotly.graph_objects as go
 
-from app import generate, models
+from app import inputs, models
 from app.plots import empty_figure
 
 MASK_TEXT = """
@@ -104,10 +104,9 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
     """The Learn tab's button: (step HTML, confidence figure) for the first forward pass on the Generate tab's
     prompt and τ. B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's."""
     try:
-        # only the prompt and τ are checked here: B, max new tokens and temperature are placeholders
-        prompt, tau, _, _, _, notes = generate.check_inputs(prompt, tau, tau_off, 4, 8, 0.0)
+        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, tau_off)
         block_size = int(block_size)
-        criterion = generate.check_criterion(criterion)
+        criterion = inputs.check_criterion(criterion)
         lm = models.get_model(models.task_model(choice, free_text, picked, jobs))
         event = first_step(lm, prompt, tau, block_size, criterion)
         note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)

@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from app import explorer, finetune_ui, generate, learn, models, plots  # noqa: E402
+from app import explorer, finetune_ui, generate, inputs, learn, models, plots  # noqa: E402
 from app.race import SideRecord, compare, race, render_chunks, render_ledger, render_stats, stop_reason  # noqa: E402
 from app.runs import FinetuneRequest, JobManager, build_command  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_generate_inputs_refuse_only_what_cannot_run():
     for args, word in ((("", 0.9, False, 4, 32, 0.0), "empty"), (("hi", "abc", False, 4, 32, 0.0), "τ is 'abc'"),
                        (("hi", 0.9, False, None, 32, 0.0), "block size B is empty")):
         with pytest.raises(ValueError, match=word):
-            generate.check_inputs(*args)
+            inputs.check_inputs(*args)
 
 
 @pytest.mark.parametrize("args, index, value, note", [
@@ -150,9 +150,22 @@ def test_generate_inputs_refuse_only_what_cannot_run():
      "the prompt has 20,000 characters: cut to the first 4,000 (the limit)"),
 ])
 def test_out_of_range_inputs_are_clamped_or_cut_with_a_note(args, index, value, note):
-    out = generate.check_inputs(*args)
+    out = inputs.check_inputs(*args)
     assert out[index] == value and out[-1] == [note]
-    assert generate.check_inputs("hi", 0.9, False, 4, 32, 0.0)[-1] == []   # in range: no note
+    assert inputs.check_inputs("hi", 0.9, False, 4, 32, 0.0)[-1] == []   # in range: no note
+
+
+@pytest.mark.parametrize("prompt, tau, tau_off", [("hi", 0.9, False), ("hi", 1.5, False), ("hi", 0.1, True),
+                                                  ("x" * 20000, 0.0, False)])
+def test_the_learn_tabs_prompt_and_tau_check_is_the_generate_tabs(prompt, tau, tau_off):
+    full = inputs.check_inputs(prompt, tau, tau_off, 4, 32, 0.0)
+    assert inputs.check_prompt_and_tau(prompt, tau, tau_off) == (full[0], full[1], full[-1])
+    for bad in (("", 0.9, False), ("hi", "abc", False), ("hi", None, False)):
+        with pytest.raises(ValueError) as learn_err:
+            inputs.check_prompt_and_tau(*bad)
+        with pytest.raises(ValueError) as generate_err:
+            inputs.check_inputs(*bad, 4, 32, 0.0)
+        assert str(learn_err.value) == str(generate_err.value)
 
 
 @pytest.mark.parametrize("choice, free, word", [

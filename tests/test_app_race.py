@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from app import explorer, finetune_ui, generate, learn, models, notices, timing  # noqa: E402
+from app import explorer, finetune_ui, generate, inputs, learn, models, notices, timing  # noqa: E402
 from app.race import SideRecord, compare, render_chunks, render_ledger, render_stats  # noqa: E402
 from app.runs import JobManager  # noqa: E402
 from tests.test_app import Event, Row  # noqa: E402  (the hand-made events both files feed the race)
@@ -218,7 +218,7 @@ def test_a_long_prompt_is_cut_with_a_note(tiny_mars):
 
 def test_a_slider_value_out_of_range_raises_no_toast():
     import gradio as gr
-    slider = generate.lenient(gr.Slider(0.5, 1.0, value=0.9))
+    slider = inputs.lenient(gr.Slider(0.5, 1.0, value=0.9))
     assert slider.preprocess(1.5) == 1.5 and slider.preprocess(0) == 0.0   # the handler clamps, with a note
     with pytest.raises(gr.Error):
         gr.Slider(0.5, 1.0, value=0.9).preprocess(1.5)   # what a plain slider does: a toast per event
@@ -361,11 +361,11 @@ def test_empty_fields_are_named_not_shown_as_none(tmp_path):
     messages = []
     for args in ((SORT_PROMPT, None, False, 4, 32, 0.0), (SORT_PROMPT, 0.9, False, 4, None, 0.0)):
         with pytest.raises(ValueError) as err:
-            generate.check_inputs(*args)
+            inputs.check_inputs(*args)
         messages.append(str(err.value))
     for crit in (None, ""):
         with pytest.raises(ValueError) as err:
-            generate.check_criterion(crit)
+            inputs.check_criterion(crit)
         messages.append(str(err.value))
     outs = list(generate.run_race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 8, 0.0, slow_motion=None,
                                   measure_after=False))
