@@ -129,14 +129,33 @@ def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: in
     return rows
 
 
+def knows_the_tasks(name: str) -> bool:
+    """Whether `name` (resolved) was trained on the built-in task suite: a catalogue model for task prompts, or a
+    checkpoint whose train_config.json says data = builtin (a finetune run on the suite)."""
+    from mars_core import catalogue
+    return name in catalogue.names(prompts=catalogue.TASKS) or models._trained_on_builtin(name)
+
+
+def not_a_task_model(choice, free_text, name: str) -> str:
+    from mars_core import catalogue
+    label = name if (free_text or "").strip() else str(choice)
+    suite = ", ".join(catalogue.names(prompts=catalogue.TASKS))
+    return (f"the built-in tasks need a model trained on them ({suite}, or a Finetune run on the built-in "
+            f"suite); {label} was not, so its accuracy there would say nothing. Pick {models.TASK_MODEL} above "
+            f"to sweep the tasks, or choose \"my prompts\" to sweep {label}")
+
+
 def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
               lossless, picked, progress=gr.Progress(), jobs=None):
     """The Run sweep button: (status line, Pareto figure, table rows, JSON export); a ⚠ line for bad input."""
     try:
         taus = parse_taus(taus_text)
         criterion = inputs.check_criterion(criterion)
-        name = (models.resolve(choice, free_text, jobs) if source == "free"
-                else models.task_model(choice, free_text, picked, jobs))   # tasks: tiny-mars by default
+        # the model the picker shows, for both sources: the page never switches models behind the user's back
+        # (`picked` stays in the signature for the wiring only)
+        name = models.resolve(choice, free_text, jobs)
+        if source != "free" and not knows_the_tasks(name):
+            return f"⚠ {not_a_task_model(choice, free_text, name)}", gr.skip(), gr.skip(), gr.skip()
         lm = models.get_model(name)
         kw = dict(criterion=criterion, lossless=bool(lossless))
         if source == "free":

@@ -100,19 +100,30 @@ def show_mask(n, block_size):
         return empty_figure(models.friendly_error(exc))
 
 
-def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked, jobs=None):
+def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True, jobs=None):
     """The Learn tab's button: (step HTML, confidence figure) for the first forward pass on the Generate tab's
-    prompt and τ. B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's."""
+    prompt and τ. B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's.
+
+    It runs the model the picker shows, like every other tab: one step needs no answer key, so any model will
+    do. `picked` no longer changes the model; it stays so that the page's wiring and API keep their shape."""
     try:
         prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, tau_off)
         block_size = int(block_size)
         criterion = inputs.check_criterion(criterion)
-        lm = models.get_model(models.task_model(choice, free_text, picked, jobs))
+        name = models.resolve(choice, free_text, jobs)
+        lm = models.get_model(name)
         event = first_step(lm, prompt, tau, block_size, criterion)
         note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
-        return note + step_html(lm, prompt, event), confidence_figure(lm, event)
+        ran_on = f"<p class='defs'>model: <b>{html.escape(model_label(choice, free_text, name))}</b></p>"
+        return ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)
     except Exception as exc:
         return f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
+
+
+def model_label(choice, free_text, name: str) -> str:
+    """What the page calls the model: the picker's value ("run:<name>", not its checkpoint path) unless a path or
+    hub id was typed."""
+    return name if (free_text or "").strip() else str(choice)
 
 
 def first_step(lm, prompt: str, tau: float, block_size: int, criterion: str = "prob"):

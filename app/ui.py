@@ -226,8 +226,8 @@ def _explorer_tab() -> SimpleNamespace:
         gr.Markdown("Sweep τ over a set of prompts with the model chosen above. Built-in tasks are scored "
                     "by exact answer; pasted prompts by **agreement with the model's own AR output** "
                     "(identical tokens). Speedup = AR time ÷ MARS time, measured alternately, batch 1. "
-                    f"Until you pick a model yourself, built-in tasks run on **{models.TASK_MODEL}** (trained "
-                    f"on them) even when free text has moved to {models.FREE_TEXT_DEFAULT}.")
+                    f"Built-in tasks need a model trained on them (**{models.TASK_MODEL}** or a Finetune run on "
+                    f"the built-in suite); with {models.FREE_TEXT_DEFAULT}, sweep your own prompts.")
         with gr.Row():
             sweep.source = gr.Radio([("built-in held-out tasks", "builtin"), ("my prompts (one per line)", "free")],
                                     value="builtin", label="prompts", scale=2)
@@ -265,7 +265,7 @@ def _learn_tab() -> SimpleNamespace:
         with gr.Row():
             with gr.Column(scale=2):
                 gr.Markdown(learn.STEP_TEXT)
-                gr.Markdown(f"Runs on **{models.TASK_MODEL}** until you pick a model above.", elem_classes="defs")
+                gr.Markdown("Runs on the model chosen above.", elem_classes="defs")
                 lesson.step_btn = gr.Button("Lay out the first step of the Generate tab's prompt with this B",
                                             variant="primary", elem_id="learn-step-btn")
             with gr.Column(scale=3):

@@ -701,6 +701,46 @@ def test_page_wires_the_poll_and_the_users_own_pick(monkeypatch, tmp_path):
         assert f.inputs[-1] is state
 
 
+def _record_loads(monkeypatch, lm):
+    """models.get_model answers `lm` for every name and records the names asked for (nothing big is loaded)."""
+    loaded = []
+    monkeypatch.setattr(models, "get_model", lambda name: loaded.append(name) or lm)
+    return loaded
+
+
+def test_learn_step_runs_the_model_the_picker_shows(monkeypatch, tmp_path, tiny_dir):
+    _fake_adapter(tmp_path, monkeypatch)
+    lm = models.get_model(tiny_dir)          # stands in for smollm2-mars: only the name asked for matters
+    loaded = _record_loads(monkeypatch, lm)
+    for picked in (False, True):             # the page's own switch to smollm2-mars counts as much as a pick
+        html, fig = learn.one_step("smollm2-mars", "", "What is 2 + 2?", 0.9, False, 4, "prob", picked)
+        assert loaded[-1] == "smollm2-mars", loaded
+        assert "model: <b>smollm2-mars</b>" in html and html.count("<tr class=") == 4
+    assert loaded == ["smollm2-mars", "smollm2-mars"]
+    learn.one_step("tiny-mars", tiny_dir, "What is 2 + 2?", 0.9, False, 4, "prob", False)
+    assert loaded[-1] == str(Path(tiny_dir).resolve())   # a typed path overrides the list, as on other tabs
+
+
+def test_explorer_runs_the_picked_model_or_says_plainly_why_not(monkeypatch, tmp_path, tiny_dir):
+    _fake_adapter(tmp_path, monkeypatch)
+    lm = models.get_model(tiny_dir)
+    loaded = _record_loads(monkeypatch, lm)
+    sweep = dict(n=2, taus_text="1.0", block_size=4, max_new_tokens=8, criterion="prob", lossless=False,
+                 picked=False, progress=None)
+    status, *rest = explorer.run_sweep("smollm2-mars", "", "builtin", prompts_text="", **sweep)
+    assert status.startswith("⚠") and "smollm2-mars was not" in status and "my prompts" in status
+    assert "tiny-mars" in status and loaded == []          # nothing ran, and nothing switched models
+    status, *rest = explorer.run_sweep("smollm2-mars", "", "free", prompts_text="What is 2 + 2?", **sweep)
+    assert status.startswith("✓") and "**smollm2-mars**" in status and loaded == ["smollm2-mars"]
+    # a finetune checkpoint trained on the built-in suite knows the tasks; one trained on uploads does not
+    for data, knows in (("builtin", True), ("<run dir>/data.jsonl", False)):
+        ckpt = tmp_path / f"ckpt-{knows}"
+        ckpt.mkdir()
+        (ckpt / "train_config.json").write_text(json.dumps({"data": data}))
+        assert explorer.knows_the_tasks(str(ckpt)) is knows
+    assert explorer.knows_the_tasks("tiny-mars") and explorer.knows_the_tasks("tiny-ar-sft")
+
+
 def test_get_model_loads_different_models_independently(monkeypatch):
     import threading
     import mars_core
