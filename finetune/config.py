@@ -320,10 +320,17 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 def run_main(main) -> None:
     """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
-    without a traceback; otherwise exit with main()'s return code when it returns one (an int), else 0."""
+    without a traceback; SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a
+    command that can save its work catches it, saves, and re-raises with that text) and exit 130/143; otherwise
+    exit with main()'s return code when it returns one (an int), else 0."""
+    from mars_core.config import interrupt_exit, sigterm_as_interrupt   # here: mars_core imports torch
+
     try:
-        code = main()
+        with sigterm_as_interrupt():
+            code = main()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        sys.exit(interrupt_exit(exc))
     sys.exit(code if isinstance(code, int) else 0)

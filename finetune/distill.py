@@ -191,12 +191,18 @@ def answer(args: argparse.Namespace, todo: list[str]) -> None:
     kept = dropped = tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=len(todo), unit="prompt", desc="distill", dynamic_ncols=True)
-    for rows, lost, n_tokens in distill_batches(lm, todo, args.max_new_tokens, args.batch_size, args.keep_truncated):
-        _append(out, rows)
-        _append(dropped_path(out), lost)
-        kept, dropped, tokens = kept + len(rows), dropped + len(lost), tokens + n_tokens
-        bar.update(len(rows) + len(lost))
-        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", kept=kept, dropped=dropped)
+    try:
+        for rows, lost, n_tokens in distill_batches(lm, todo, args.max_new_tokens, args.batch_size,
+                                                    args.keep_truncated):
+            _append(out, rows)
+            _append(dropped_path(out), lost)
+            kept, dropped, tokens = kept + len(rows), dropped + len(lost), tokens + n_tokens
+            bar.update(len(rows) + len(lost))
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", kept=kept, dropped=dropped)
+    except KeyboardInterrupt as exc:   # every finished batch is on disk (a torn last line is cut on restart)
+        bar.close()
+        raise type(exc)(f"after {kept + dropped} of {len(todo)} prompts; {kept} rows are in {str(out)!r}: rerun "
+                        "the same command to resume") from None
     bar.close()
     print(f"[finetune.distill] wrote {kept} rows to {out}; dropped {dropped} (see {dropped_path(out).name}); "
           f"{tokens} tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr)

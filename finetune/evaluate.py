@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from finetune.evaluate_common import (
-    ABLATION_DIR, curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve,
+    ABLATION_DIR, RowLog, curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve,
 )
 from finetune.evaluate_natural import (
     NATURAL_MAX_NEW_TOKENS, NATURAL_MODELS, NATURAL_TAUS, add_natural_args, format_natural_table, main_natural,
@@ -260,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="tasks suite: prompts timed at batch 1 for the speedup (0: skip)")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                     help="write the rows as JSON to FILE (no FILE: print them to stdout instead of the table)")
+    ap.add_argument("--resume", action="store_true",
+                    help="finish the interrupted run saved in --json FILE: its finished rows are kept, not redone")
     ap.add_argument("--html", default=None, metavar="FILE", help="write the Pareto plot as HTML")
     ap.add_argument("--names", nargs="+", default=None, help="labels for --models in the rows (default: their names)")
     ap.add_argument("--block-phase", action="store_true",
@@ -311,14 +313,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         torch.set_num_threads(args.threads)
     log = sys.stderr if args.json == "-" else sys.stdout
-    rows = main_natural(args, log) if args.suite == "natural" else _main_tasks(args, log)
+    saved = RowLog(args.json, args.resume)
+    try:
+        rows = main_natural(args, log, saved) if args.suite == "natural" else _main_tasks(args, log, saved)
+    except KeyboardInterrupt as exc:   # the finished rows are saved already; say so, run_main exits 130/143
+        raise type(exc)(saved.interrupted()) from None
     if args.json == "-":
         json.dump(rows, sys.stdout, indent=1)
         print()
     else:
         print(format_natural_table(rows) if args.suite == "natural" else format_table(rows))
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+            from finetune.status import write_json
+
+            write_json(Path(args.json), rows)   # atomic: the partial file stays until the whole one is there
     if args.html:
         fig = natural_pareto_figure(rows) if args.suite == "natural" else pareto_figure(rows)
         fig.write_html(args.html, include_plotlyjs=True)
@@ -326,10 +334,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _main_tasks(args, log) -> list[dict]:
-    """The built-in task suite: accuracy, tokens/forward and speedup per (model, criterion, τ)."""
-    from mars_core import load_model
-
+def _main_tasks(args, log, saved: RowLog | None = None) -> list[dict]:
+    """The built-in task suite: accuracy, tokens/forward and speedup per (model, criterion, τ); one sweep per τ so
+    that each row is saved as it finishes and a resumed run (`saved`) skips the rows it has."""
     if args.n < 1:
         raise ValueError(f"--n {args.n}: use at least 1 held-out example")
     taus = args.taus or list(TAUS)
@@ -337,27 +344,46 @@ def _main_tasks(args, log) -> list[dict]:
     models = args.models or list(DEFAULT_MODELS) + ([ABLATION_DIR] if Path(ABLATION_DIR).is_dir() else [])
     if args.names and len(args.names) != len(models):
         raise ValueError(f"--names has {len(args.names)} labels for {len(models)} models: give one per model")
+    saved = saved or RowLog(None)
+    saved.check(n=args.n, block_size=args.block_size)
     examples = make_examples("heldout", args.n, seed=args.seed)
-    rows: list[dict] = []
+    runs = [("mars", "linear")] + ([("verify", layout) for layout in args.draft_layouts] if args.lossless else [])
+    saved.total = len(models) * len(args.criteria) * len(runs) * len(taus)
     for i, m in enumerate(models):
-        lm = load_model(m, device=args.device or "cpu", dtype=args.dtype)
         name = model_label(args, i, m)
-        if args.block_phase:
-            ces = block_phase_losses(lm, examples, args.block_size)
-            print(f"{name}: mask-loss CE by block offset r = 0..{args.block_size - 1}: "
-                  + " ".join(f"{ce:.4f}" for ce in ces) + f" (max/min {max(ces) / min(ces):.2f})",
-                  file=log, flush=True)
+        lm = None
         for criterion in args.criteria:
             t0 = time.time()
-            runs = [("mars", "linear")] + ([("verify", layout) for layout in args.draft_layouts] if args.lossless else [])
             for mode, layout in runs:
-                rows += sweep(lm, examples, taus, args.block_size, max_new_tokens, batch_size=args.batch_size,
-                              timing_prompts=args.timing_prompts, model_name=name, criterion=criterion, mode=mode,
-                              draft_layout=layout, prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
-                              progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
-                print(f"{curve_label(rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s", file=log,
-                      flush=True)
-    return rows
+                pl = args.prompt_lookup if mode == "verify" else 0
+                for tau in taus:
+                    key = (name, mode, criterion, layout if mode == "verify" else None, pl if mode == "verify" else None,
+                           float(tau))
+                    if saved.done(key) is not None:
+                        saved.add([saved.done(key)])
+                        continue
+                    if lm is None:   # loaded only when a row of it is left to do
+                        lm = _load_task_model(args, m, name, examples, log)
+                    saved.add(sweep(lm, examples, [tau], args.block_size, max_new_tokens, batch_size=args.batch_size,
+                                    timing_prompts=args.timing_prompts, model_name=name, criterion=criterion,
+                                    mode=mode, draft_layout=layout, prompt_lookup=pl,
+                                    progress=lambda f, msg: print(f"  {msg}", file=log, flush=True)))
+                print(f"{curve_label(saved.rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s",
+                      file=log, flush=True)
+    return saved.rows
+
+
+def _load_task_model(args, m: str, name: str, examples: list[dict], log):
+    """Load one task-suite model (and print its block-phase losses when asked)."""
+    from mars_core import load_model
+
+    lm = load_model(m, device=args.device or "cpu", dtype=args.dtype)
+    if args.block_phase:
+        ces = block_phase_losses(lm, examples, args.block_size)
+        print(f"{name}: mask-loss CE by block offset r = 0..{args.block_size - 1}: "
+              + " ".join(f"{ce:.4f}" for ce in ces) + f" (max/min {max(ces) / min(ces):.2f})",
+              file=log, flush=True)
+    return lm
 
 
 if __name__ == "__main__":

@@ -64,3 +64,73 @@ def model_label(args, i: int, m: str) -> str:
     if Path(m).is_dir() and Path(m).resolve() == Path(ABLATION_DIR).resolve():
         return "tiny-mars ar_weight=0"
     return Path(m).name if Path(m).is_dir() else m
+
+
+ROW_KEYS = ("model", "mode", "criterion", "draft_layout", "prompt_lookup", "tau")   # what tells two rows apart
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ROW_KEYS)
+
+
+class RowLog:
+    """The rows of one evaluate run as they finish. With --json FILE every finished row is saved at once,
+    atomically, as {"partial": true, "rows": [...]}, so a stop loses at most the row in progress; the finished
+    run replaces it with the plain list of rows. `resume` reads a partial (or finished) FILE back: `done(key)`
+    then gives the row an earlier run finished, and the sweep skips it."""
+
+    def __init__(self, path: str | None, resume: bool = False):
+        self.path = Path(path) if path not in (None, "-") else None
+        self.rows: list[dict] = []
+        self.total = 0
+        self.finished: dict[tuple, dict] = {}
+        if resume and self.path is None:
+            raise ValueError("--resume continues the rows saved in --json FILE: give --json FILE as well")
+        earlier = self._read()
+        if earlier is not None and earlier[1] and not resume:
+            raise ValueError(f"--json {str(self.path)!r} holds an interrupted run ({len(earlier[0])} finished rows): "
+                             "add --resume to finish it, or remove the file to start over")
+        if resume and earlier is not None:
+            self.finished = {row_key(r): r for r in earlier[0]}
+
+    def _read(self) -> tuple[list[dict], bool] | None:
+        """(rows, partial) of an existing FILE; None when there is none."""
+        import json
+
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--json {str(self.path)!r} cannot be read as evaluate rows ({e}): remove it or pass "
+                             "another file") from None
+        if isinstance(data, dict) and isinstance(data.get("rows"), list):
+            return data["rows"], bool(data.get("partial"))
+        if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+            return data, False
+        raise ValueError(f"--json {str(self.path)!r} holds no evaluate rows: remove it or pass another file")
+
+    def check(self, **expected) -> None:
+        """Refuse to resume rows measured with other settings (a row mixing them would mean nothing)."""
+        for row in self.finished.values():
+            for key, value in expected.items():
+                if key in row and row[key] != value:
+                    raise ValueError(f"--resume: {str(self.path)!r} was written with {key}={row[key]!r}, this run "
+                                     f"has {value!r}: rerun with the same flags, or drop --resume")
+
+    def done(self, key: tuple) -> dict | None:
+        return self.finished.get(key)
+
+    def add(self, rows: list[dict]) -> None:
+        """Rows just finished (or taken over from the resumed file): keep them and save the partial file."""
+        from finetune.status import write_json
+
+        self.rows += rows
+        if self.path is not None and rows:
+            write_json(self.path, {"partial": True, "rows": self.rows})
+
+    def interrupted(self) -> str:
+        """How far the run got, for the one line a stop prints."""
+        where = f"; the finished rows are in {str(self.path)!r} (flagged partial): rerun with --resume to finish" \
+            if self.path is not None and self.rows else ""
+        return f"after {len(self.rows)} of {self.total} rows{where}"

@@ -279,10 +279,11 @@ def natural_inputs(args) -> tuple[list[str], list, list[dict]]:
     return prompts, items, problems
 
 
-def main_natural(args, log) -> list[dict]:
-    """The natural suite: one natural_sweep per (model, criterion); AR-only models get one AR row."""
-    from finetune.humaneval import RunCache
-    from mars_core import load_model
+def main_natural(args, log, saved=None) -> list[dict]:
+    """The natural suite: one natural_sweep per (model, criterion); AR-only models get one AR row. Rows are saved
+    per finished sweep (`saved`, evaluate_common.RowLog); a resumed run skips the sweeps whose rows it has all and
+    redoes a sweep it has only part of (agreement needs that sweep's τ = 1 answers)."""
+    from finetune.evaluate_common import RowLog
 
     if args.block_phase:
         raise ValueError("--block-phase measures the task suite's mask loss: drop it or use --suite tasks")
@@ -305,23 +306,49 @@ def main_natural(args, log) -> list[dict]:
     if problems:
         print(f"HumanEval: EXECUTING model-written code in python -I subprocesses (temporary directory, "
               f"{args.test_timeout:g}s timeout; not a sandbox)", file=log, flush=True)
+    saved = saved or RowLog(None)
+    saved.check(seed=args.seed, block_size=args.block_size, n_natural=len(prompts), n_checkable=len(items),
+                n_humaneval=len(problems))
+    plan = [(m, name, _natural_sweeps(args, m in ar_only or name in ar_only)) for m, name in zip(models, labels)]
+    saved.total = sum(len(natural_taus(taus, mode == "ar")[0]) for _, _, sw in plan for _, mode, _ in sw)
+    return _sweep_models(args, log, saved, plan, taus, (prompts, items, problems))
+
+
+def _sweep_models(args, log, saved, plan, taus, inputs) -> list[dict]:
+    """Run `plan` ([(model, label, sweeps)]), skipping the sweeps `saved` has all rows of."""
+    from finetune.humaneval import RunCache
+    from mars_core import load_model
+
+    prompts, items, problems = inputs
     runner = RunCache(args.test_timeout)
-    rows: list[dict] = []
-    for m, name in zip(models, labels):
-        lm = load_model(m, device=args.device or "auto", dtype=args.dtype)
-        is_ar = m in ar_only or name in ar_only
-        sweeps = [("prob", "ar", "linear")] if is_ar else (
-            [(c, "mars", "linear") for c in args.criteria]
-            + [(c, "verify", layout) for c in args.criteria for layout in args.draft_layouts if args.lossless])
+    for m, name, sweeps in plan:
+        lm = None
         for criterion, mode, layout in sweeps:
+            verify = mode == "verify"
+            keys = [(name, mode, criterion, layout if verify else None, args.prompt_lookup if verify else None, t)
+                    for t in natural_taus(taus, mode == "ar")[0]]
+            if all(saved.done(k) is not None for k in keys):
+                saved.add([saved.done(k) for k in keys])
+                continue
+            lm = lm or load_model(m, device=args.device or "auto", dtype=args.dtype)
+            is_ar = mode == "ar"
             t0 = time.time()
-            rows += natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
+            rows = natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
                                   max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
                                   checkable_max_new_tokens=args.checkable_max_new_tokens,
                                   batch_size=args.batch_size, model_name=name, criterion=criterion, ar_only=is_ar,
                                   seed=args.seed, runner=runner, mode=mode, draft_layout=layout,
                                   prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
                                   progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
+            saved.add(rows)
             print(f"{curve_label(rows[-1])}: {'AR only' if is_ar else 'swept τ'} in {time.time() - t0:.0f}s",
                   file=log, flush=True)
-    return rows
+    return saved.rows
+
+
+def _natural_sweeps(args, is_ar: bool) -> list[tuple[str, str, str]]:
+    """(criterion, mode, draft layout) of each sweep one model gets: an AR-only model one AR sweep."""
+    if is_ar:
+        return [("prob", "ar", "linear")]
+    return ([(c, "mars", "linear") for c in args.criteria]
+            + [(c, "verify", layout) for c in args.criteria for layout in args.draft_layouts if args.lossless])

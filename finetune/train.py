@@ -427,10 +427,13 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
         status.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
     status.update(state=state)
-    if run.stop.requested and acc.is_main_process:
-        print(f"[finetune.train] {run.stop.signal_name}: stopped at step {status.record.step}; "
-              f"last checkpoint: {status.record.last_checkpoint}", file=sys.stderr)  # fmt: skip
     acc.end_training()
+    if run.stop.requested:   # one line and 130 (SIGINT) / 143 (SIGTERM), as every command stopped by a signal
+        if acc.is_main_process:
+            print(f"interrupted ({run.stop.signal_name}) after step {status.record.step} of {run.total_steps}; "
+                  f"last checkpoint: {status.record.last_checkpoint}: rerun the same command to resume",
+                  file=sys.stderr)  # fmt: skip
+        return 143 if run.stop.signal_name == "SIGTERM" else 130
     return 0
 
 

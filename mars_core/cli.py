@@ -16,7 +16,7 @@ from mars_core.bench import (bench, default_prompts, format_row_costs, format_ta
                              rows_as_dicts)
 from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
-from mars_core.config import CRITERIA, DecodeConfig
+from mars_core.config import CRITERIA, DecodeConfig, interrupt_exit, sigterm_as_interrupt
 from mars_core.decoding import collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.drafts import LAYOUTS
@@ -139,11 +139,7 @@ def cmd_generate(args) -> int:
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
     if cfg.mode == "verify" and cfg.draft_layout == "auto":
         measure_row_costs(lm, prompt_ids, args.block_size, say=None if args.json else _stderr)
-    events = []
-    for event in generate_stream(lm, [prompt_ids], cfg):
-        events.append(event)
-        if not args.json:
-            print(event.rows[0].text + "|", end="", flush=True)
+    events = _stream(lm, prompt_ids, cfg, args)
     result = collect(lm, [prompt_ids], events)[0]
     slow = slow_decoding_warning(lm, result.step_times, 1 if cfg.mode == "ar" or cfg.tau >= 1 else cfg.block_size)
     if slow:
@@ -156,6 +152,27 @@ def cmd_generate(args) -> int:
         print(f"\n\n[{result.forwards} forwards, {len(result.token_ids)} tokens, "
               f"{result.tokens_per_forward:.2f} tokens/forward, {result.wall_time:.2f}s, {result.finish_reason}]")
     return 0
+
+
+def _stream(lm, prompt_ids: list[int], cfg, args) -> list:
+    """Decode, printing each forward's tokens as they come; on SIGINT/SIGTERM the answer so far is kept: the
+    stream gets its line end (with --json: one JSON object flagged partial) and the interrupt goes on with how far
+    it got."""
+    events = []
+    try:
+        for event in generate_stream(lm, [prompt_ids], cfg):
+            events.append(event)
+            if not args.json:
+                print(event.rows[0].text + "|", end="", flush=True)
+    except KeyboardInterrupt as exc:
+        ids = [t for e in events for t in e.rows[0].accepted_ids]
+        if args.json:
+            print(json.dumps({"model": lm.path, "mode": cfg.mode, "partial": True, "token_ids": ids,
+                              "text": lm.tokenizer.decode(ids, skip_special_tokens=True)}))
+        elif events:
+            print(flush=True)
+        raise type(exc)(f"after {len(ids)} of at most {cfg.max_new_tokens} tokens") from None
+    return events
 
 
 def cmd_bench(args) -> int:
@@ -277,9 +294,13 @@ def _bench_row_costs(lm, prompt: str, args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "export":
-            return cmd_export(args)
-        return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
+        with sigterm_as_interrupt():
+            if args.command == "export":
+                return cmd_export(args)
+            return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:   # 130 / 143 with one line, as finetune's run_main
+        early = f"after 0 of at most {args.max_new_tokens} tokens" if args.command == "generate" else ""
+        return interrupt_exit(exc, str(exc) or early)   # stopped before decoding (loading): nothing to show

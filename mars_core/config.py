@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mars_core.drafts import LAYOUTS
@@ -119,3 +122,38 @@ class TauControl:
     @value.setter
     def value(self, tau) -> None:
         self._value = check_tau(tau)
+
+
+# ----------------------------------------------------------------------------- stopping (shared by every CLI)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like SIGINT's KeyboardInterrupt so that one `except KeyboardInterrupt` stops cleanly on both."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Within: SIGTERM raises Terminated (a KeyboardInterrupt) instead of killing the process unannounced; the
+    previous handler comes back on exit. Only the main thread may set handlers, so elsewhere this does nothing."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:   # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupt_exit(exc: BaseException, detail: str = "") -> int:
+    """Print the one line of a stopped command and give its exit code: 143 for SIGTERM, 130 for SIGINT.
+    `detail` (else the exception's own text) says how far it got and how to go on."""
+    name, code = ("SIGTERM", 143) if isinstance(exc, Terminated) else ("SIGINT", 130)
+    detail = detail or str(exc)
+    print(f"interrupted ({name})" + (f" {detail}" if detail else ""), file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,176 @@
+"""Faults: SIGINT/SIGTERM stop every CLI with one line and 130/143, keeping what was finished (evaluate's partial
+JSON, distill's JSONL) so that a rerun (--resume) completes it. Real subprocesses on the embedded tiny-mars."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 90.0) -> None:
+    """Poll `ready()` (a file appearing, a handler installed) instead of sleeping a guessed time."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ready():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"exited ({proc.returncode}) before {what}: {err[-2000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def catches_sigterm(pid: int) -> bool:
+    """The process has a SIGTERM handler (Linux: bit 14 of SigCgt): the CLI entered its clean-stop path."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def one_line(err: str, prefix: str) -> str:
+    """The stop's single line: no traceback, and exactly one `interrupted` line."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1 and lines[0].startswith(prefix), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads SigCgt from /proc")
+def test_generate_sigterm_exits_143_with_one_line():
+    proc = start("mars_core", "generate", "--model", "tiny-mars", "--device", "cpu", "--threads", "1",
+                 "--prompt", "What is 2 + 3?", "--max-new-tokens", "64")
+    wait_until(proc, lambda: catches_sigterm(proc.pid), "the SIGTERM handler")
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    line = one_line(err, "interrupted (SIGTERM) after ")
+    assert "of at most 64 tokens" in line
+
+
+def test_generate_sigint_mid_stream_keeps_the_answer_so_far(monkeypatch, capsys):
+    from mars_core import cli
+
+    real = cli.generate_stream
+
+    def one_step_then_ctrl_c(*args, **kwargs):
+        yield next(iter(real(*args, **kwargs)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "generate_stream", one_step_then_ctrl_c)
+    code = cli.main(["generate", "--model", "tiny-mars", "--device", "cpu", "--threads", "1",
+                     "--prompt", "What is 2 + 3?", "--max-new-tokens", "32"])
+    out, err = capsys.readouterr()
+    assert code == 130
+    assert out.endswith("|\n") and len(out) > 2            # the first step's tokens, and the stream's line end
+    assert one_line(err, "interrupted (SIGINT) after ") .endswith("of at most 32 tokens")
+    code = cli.main(["generate", "--model", "tiny-mars", "--device", "cpu", "--threads", "1", "--json",
+                     "--prompt", "What is 2 + 3?", "--max-new-tokens", "32"])
+    partial = json.loads(capsys.readouterr().out)
+    assert code == 130 and partial["partial"] is True and partial["token_ids"]
+
+
+TAUS = ["0.95", "0.9", "0.85", "0.8", "0.75", "0.7", "0.65", "0.6", "0.55", "0.5"]
+
+
+def evaluate(out: Path, *extra: str) -> subprocess.Popen:
+    return start("finetune.evaluate", "--models", "tiny-mars", "--device", "cpu", "--threads", "1", "--n", "24",
+                 "--timing-prompts", "0", "--taus", *TAUS, "--json", str(out), *extra)
+
+
+def saved_rows(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def test_evaluate_sigint_saves_partial_rows_and_resume_finishes(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = evaluate(out)
+    wait_until(proc, lambda: len(saved_rows(out)) >= 1, "the first finished row")
+    proc.send_signal(signal.SIGINT)
+    _, err = finish(proc)
+    assert proc.returncode == 130, err[-3000:]
+    line = one_line(err, "interrupted (SIGINT) after ")
+    partial = json.loads(out.read_text())
+    assert partial["partial"] is True and 1 <= len(partial["rows"]) < len(TAUS)
+    assert f"after {len(partial['rows'])} of {len(TAUS)} rows" in line and "--resume" in line
+
+    again = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--models", "tiny-mars", "--json", str(out)],
+                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "add --resume" in again.stderr    # the finished rows are not overwritten
+    assert json.loads(out.read_text()) == partial
+
+    _, err = finish(evaluate(out, "--resume"))
+    rows = json.loads(out.read_text())
+    assert isinstance(rows, list) and [r["tau"] for r in rows] == [float(t) for t in TAUS], err[-3000:]
+    assert rows[: len(partial["rows"])] == partial["rows"]    # kept, not redone
+
+
+def test_evaluate_resume_refuses_other_settings_and_needs_json(tmp_path):
+    out = tmp_path / "rows.json"
+    row = {"model": "tiny-mars", "mode": "mars", "criterion": "prob", "draft_layout": None, "prompt_lookup": None,
+           "tau": 0.9, "n": 5, "block_size": 4}
+    out.write_text(json.dumps({"partial": True, "rows": [row]}))
+    for flags, message in ((["--json", str(out), "--resume"], "n=5"), (["--resume"], "--json FILE")):
+        res = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--models", "tiny-mars", "--n", "8",
+                              "--device", "cpu", *flags], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_distill_sigterm_keeps_rows_and_rerun_resumes(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"What is {i} + {i + 1}?" for i in range(60)) + "\n")
+    out = tmp_path / "data.jsonl"
+    cmd = ("finetune.distill", "--model", "tiny-mars", "--device", "cpu", "--threads", "1", "--batch-size", "1",
+           "--max-new-tokens", "48", "--keep-truncated", "--prompts", str(prompts), "--out", str(out))
+
+    def answered() -> int:
+        sidecar = out.with_name(out.name + ".dropped.jsonl")
+        return sum(len(p.read_text().splitlines()) for p in (out, sidecar) if p.exists())
+
+    proc = start(*cmd)
+    wait_until(proc, lambda: answered() >= 1, "the first answered prompt")
+    proc.send_signal(signal.SIGTERM)
+    _, err = finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    assert "of 60 prompts" in one_line(err, "interrupted (SIGTERM) after ")
+    first = answered()
+    assert 1 <= first < 60
+    rerun = start(*cmd)
+    _, err = finish(rerun)
+    assert rerun.returncode == 0, err[-3000:]
+    assert f"{first} already done" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    asked = [r["messages"][0]["content"] for r in rows]
+    assert len(asked) == len(set(asked)) and answered() == 60
