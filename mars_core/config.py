@@ -121,7 +121,12 @@ class TauControl:
 
     @value.setter
     def value(self, tau) -> None:
-        self._value = check_tau(tau)
+        self._value = tau
+
+    def __setattr__(self, name, value) -> None:
+        if name == "_value":   # the stored field too: nothing reaches the decoder past check_tau
+            value = check_tau(value)
+        super().__setattr__(name, value)
 
 
 # ----------------------------------------------------------------------------- stopping (shared by every CLI)

@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def find_assets() -> Path:
     """The embedded models' folder: $MARS_ASSETS if set; else the copy `pip install .` puts inside the
     package (mars_core/assets); else assets/ of this checkout (also what an editable install reads)."""
-    if os.environ.get("MARS_ASSETS"):
+    if os.environ.get("MARS_ASSETS", "").strip():   # empty (or blank) counts as unset
         return Path(os.environ["MARS_ASSETS"]).expanduser().resolve()
     for path in (Path(__file__).resolve().parent / "assets", REPO_ROOT / "assets"):
         if path.is_dir():
@@ -55,8 +55,31 @@ MARS_HUB_PREFIX = "Xalphinions/MARS-"
 
 
 def cache_dir() -> Path:
-    """Where converted checkpoints live (`MARS_CACHE_DIR`, else ~/.cache/mars-playground)."""
-    return Path(os.environ.get("MARS_CACHE_DIR", Path.home() / ".cache" / "mars-playground"))
+    """Where converted checkpoints live (`MARS_CACHE_DIR`, else ~/.cache/mars-playground); an empty value counts
+    as unset. Checked here, at first use, so a bad value is one ValueError naming it, not an OSError deep in a
+    conversion."""
+    value = os.environ.get("MARS_CACHE_DIR", "")
+    if not value.strip():
+        return Path.home() / ".cache" / "mars-playground"
+    path = Path(value).expanduser()
+    fix = "set MARS_CACHE_DIR to a writable folder, or unset it for ~/.cache/mars-playground"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"MARS_CACHE_DIR={value!r} is a file, not a folder: {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"MARS_CACHE_DIR={value!r} cannot be created ({e.strerror or e}): {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"MARS_CACHE_DIR={value!r} is not writable: {fix}")
+    return path
+
+
+def check_assets_env() -> None:
+    """MARS_ASSETS, at first use: a value naming a file is refused by name (a missing folder is left to
+    resolve_source, whose errors name the model it lacks)."""
+    value = os.environ.get("MARS_ASSETS", "")
+    if value.strip() and Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+        raise ValueError(f"MARS_ASSETS={value!r} is a file, not a folder: {ASSETS_HINT}, or unset it")
 
 
 # ----------------------------------------------------------------------------- sources
@@ -66,6 +89,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, str]:
     name = _model_name(name_or_path)
     spec = KNOWN_MODELS.get(name.lower())
     if spec is not None:
+        check_assets_env()
         kind, _, where = spec.partition(":")
         if kind == "adapter":
             path = ASSETS / where

@@ -174,3 +174,56 @@ def test_distill_sigterm_keeps_rows_and_rerun_resumes(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     asked = [r["messages"][0]["content"] for r in rows]
     assert len(asked) == len(set(asked)) and answered() == 60
+
+
+# ----------------------------------------------------------------------------- environment values
+
+
+@pytest.mark.parametrize("var", ["MARS_CACHE_DIR"])
+def test_cache_dir_env_values(monkeypatch, tmp_path, var):
+    from mars_core.sources import cache_dir
+
+    monkeypatch.setenv(var, "")
+    assert cache_dir() == Path.home() / ".cache" / "mars-playground"    # empty means unset
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for bad in (str(a_file), str(a_file / "under")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=f"{var}=.*{bad[-6:]}.*(folder|created)"):
+            cache_dir()
+    monkeypatch.setenv(var, str(tmp_path / "new" / "cache"))
+    assert cache_dir().is_dir()
+
+
+def test_cli_turns_a_bad_env_value_into_exit_2(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    env = {**run_env(), "MARS_ASSETS": str(a_file)}
+    res = subprocess.run([sys.executable, "-m", "mars_core", "generate", "--model", "tiny-mars", "--device", "cpu",
+                          "--prompt", "hi"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"MARS_ASSETS={str(a_file)!r} is a file" in res.stderr
+
+
+# ----------------------------------------------------------------------------- decoder inputs
+
+
+def test_prompt_without_text_is_refused():
+    from mars_core import DecodeConfig, generate, load_model
+
+    lm = load_model("tiny-mars", device="cpu")
+    for ids in ([lm.mask_id] * 3, [lm.mask_id, lm.eos_ids[0]]):
+        with pytest.raises(ValueError, match="only mask-token .* no text"):
+            generate(lm, [ids], DecodeConfig(max_new_tokens=4))
+
+
+def test_tau_control_cannot_store_an_unchecked_value():
+    from mars_core.config import TauControl
+
+    tc = TauControl(0.9)
+    for bad in (0, -1, float("nan"), "x"):
+        with pytest.raises(ValueError, match="tau="):
+            tc.value = bad
+        with pytest.raises(ValueError, match="tau="):
+            tc._value = bad
+    assert tc.value == 0.9
