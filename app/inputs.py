@@ -116,7 +116,11 @@ def check_criterion(criterion) -> str:
 
 
 def check_slow_motion(factor) -> int:
-    if factor not in [v for _, v in SLOW_MOTION]:
-        raise ValueError(f"slow motion {'is empty' if factor is None else repr(factor)}: pick one of "
-                         f"{', '.join(label for label, _ in SLOW_MOTION)}")
-    return factor
+    """The slow-motion factor as an int. The page's dropdown (and so the API, which documents it as
+    '1' | '10' | '50' | '200') sends a string; Python callers may pass the int."""
+    allowed = {str(v): v for _, v in SLOW_MOTION}
+    key = None if isinstance(factor, bool) or not isinstance(factor, (int, str)) else str(factor).strip()
+    if key not in allowed:
+        raise ValueError(f"slow motion {'is empty' if factor in (None, '') else repr(factor)}: pick one of "
+                         f"{', '.join(label for label, _ in SLOW_MOTION)} ({' | '.join(allowed)})")
+    return allowed[key]

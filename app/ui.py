@@ -89,8 +89,12 @@ PANE_TITLES = {"ar": "AR baseline (one token per forward)",
                "verify": "MARS lossless (drafts checked: exactly AR's answer)",
                "mars": "MARS (multi-token, lossy below τ = 1)"}
 
+# The API names what a user does (API_NAMES); every other event only keeps the page in step, so it stays out of
+# the API (private: not listed, not callable by gradio_client), else Gradio lists it as /partial_7, /lambda, …
+API_NAMES = ("load_model", "race", "sweep", "one_step", "mask", "finetune_start", "finetune_stop", "finetune_kill")
+PRIVATE = dict(api_visibility="private")
 # Events that only move page state run outside the model's queue, at once and without a spinner.
-QUICK = dict(show_progress="hidden", concurrency_limit=None)
+QUICK = dict(show_progress="hidden", concurrency_limit=None, **PRIVATE)
 
 
 def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
@@ -171,7 +175,10 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
         with gr.Row():
             gen.go_btn = gr.Button("▶ Race AR vs lossless MARS vs MARS", variant="primary", scale=3,
                                    elem_id="generate-btn")
-            gen.slow_motion = gr.Dropdown(generate.SLOW_MOTION, value=1, show_label=False, scale=1,
+            # string values: the API documents a dropdown's values as strings, and inputs.check_slow_motion
+            # turns them back into the factor
+            gen.slow_motion = gr.Dropdown([(label, str(v)) for label, v in generate.SLOW_MOTION], value="1",
+                                          show_label=False, scale=1,
                                           elem_id="slow-motion", container=False)
             gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
                                             elem_id="measure-after", container=False)
@@ -320,20 +327,21 @@ def _finetune_tab(jobs) -> SimpleNamespace:
 def _wire_model_bar(demo, bar, gen, jobs) -> None:
     model_inputs = [bar.model, bar.free]
     load = partial(generate.load_model_ui, jobs=jobs)
-    bar.load_btn.click(load, model_inputs, bar.model_status)
+    bar.load_btn.click(load, model_inputs, bar.model_status, api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
     for event in (bar.model.change, bar.free.submit):
         event(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [gen.prompt],
-              [gen.examples, gen.prompt], show_progress="hidden").then(load, model_inputs, bar.model_status)
-    gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt)
-    demo.load(load, model_inputs, bar.model_status)
+              [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(
+            load, model_inputs, bar.model_status, **PRIVATE)
+    gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt, **PRIVATE)
+    demo.load(load, model_inputs, bar.model_status, **PRIVATE)
     # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
     bar.model.input(lambda: True, None, bar.picked, **QUICK)
     poll = partial(generate.poll_default_model, jobs=jobs)
     prep_inputs = [bar.model, bar.free, bar.picked]
     prep_outputs = [bar.prep_status, bar.model, gen.examples, bar.prep_timer]
     bar.prep_timer.tick(poll, prep_inputs, prep_outputs, **QUICK)
-    demo.load(poll, prep_inputs, prep_outputs, show_progress="hidden")
+    demo.load(poll, prep_inputs, prep_outputs, show_progress="hidden", **PRIVATE)
 
 
 def _wire_notices(bar, gen, jobs) -> None:
@@ -364,18 +372,19 @@ def _wire_race(bar, gen, jobs) -> None:
     inputs = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size, gen.max_new,
               gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after, gen.draft_layout,
               gen.copy_drafts]
-    for trigger in (gen.go_btn.click, gen.prompt.submit):
+    for trigger, api in ((gen.go_btn.click, dict(api_name="race")), (gen.prompt.submit, PRIVATE)):
         # at once: the waiting line (replaced by the race's first message when the machine is free), then
-        # the race in the shared queue, its queue position shown on the status line
+        # the race in the shared queue, its queue position shown on the status line; Enter in the prompt is
+        # the same race, so the API lists it once
         trigger(generate.waiting_status, None, gen.race_status, **QUICK).then(
             race_fn, inputs, outputs, concurrency_id="model", show_progress="minimal",
-            show_progress_on=[gen.race_status])
+            show_progress_on=[gen.race_status], **api)
     for comp in (gen.tau, gen.tau_off):
         comp.change(generate.set_tau, [gen.tau, gen.tau_off], gen.tau_status, trigger_mode="always_last", **QUICK)
     gen.ledger_step.change(generate.show_ledger, [gen.race_state, gen.ledger_side, gen.ledger_step], gen.ledger,
-                           show_progress="hidden")
+                           show_progress="hidden", **PRIVATE)
     gen.ledger_side.change(generate.ledger_side_changed, [gen.race_state, gen.ledger_side],
-                           [gen.ledger_step, gen.ledger], show_progress="hidden")
+                           [gen.ledger_step, gen.ledger], show_progress="hidden", **PRIVATE)
 
 
 def _wire_explorer(bar, sweep, jobs) -> None:
@@ -383,14 +392,14 @@ def _wire_explorer(bar, sweep, jobs) -> None:
               sweep.block_size, sweep.max_new, sweep.criterion, sweep.lossless, bar.picked]
     sweep.sweep_btn.click(generate.waiting_status, None, sweep.status, **QUICK).then(
         partial(explorer.run_sweep, jobs=jobs), inputs, [sweep.status, sweep.pareto, sweep.table, sweep.export],
-        concurrency_id="model", api_name="run_sweep")
+        concurrency_id="model", api_name="sweep")
 
 
 def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
     mask_inputs = [lesson.mask_n, lesson.mask_b]
-    for comp in mask_inputs:
-        comp.change(learn.show_mask, mask_inputs, lesson.mask_plot, show_progress="hidden")
-    demo.load(learn.show_mask, mask_inputs, lesson.mask_plot)
+    for comp, api in ((lesson.mask_n, dict(api_name="mask")), (lesson.mask_b, PRIVATE)):   # one entry for both
+        comp.change(learn.show_mask, mask_inputs, lesson.mask_plot, show_progress="hidden", **api)
+    demo.load(learn.show_mask, mask_inputs, lesson.mask_plot, **PRIVATE)
     # the Generate tab's prompt, τ and confidence criterion, with the Learn tab's own B
     step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
     lesson.step_btn.click(partial(learn.one_step, jobs=jobs), step_inputs, [lesson.step_view, lesson.conf_plot],
@@ -413,17 +422,17 @@ def _clear_warnings_on_change(bar, gen, sweep, lesson, ft) -> None:
 def _wire_finetune(demo, bar, ft, jobs) -> None:
     preview = partial(finetune_ui.command_preview, jobs)
     for comp in ft.inputs:
-        comp.change(preview, ft.inputs, ft.command, show_progress="hidden")
-    ft.upload.change(finetune_ui.upload_report, ft.upload, ft.data_report)
+        comp.change(preview, ft.inputs, ft.command, show_progress="hidden", **PRIVATE)
+    ft.upload.change(finetune_ui.upload_report, ft.upload, ft.data_report, **PRIVATE)
     # switching the dataset replaces what was said about the other one (report, start error)
     ft.data_source.change(finetune_ui.data_source_changed, [ft.data_source, ft.upload],
-                          [ft.upload, ft.data_report, ft.msg], show_progress="hidden")
-    demo.load(preview, ft.inputs, ft.command)
-    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg)
-    ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg)
-    ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg)
+                          [ft.upload, ft.data_report, ft.msg], show_progress="hidden", **PRIVATE)
+    demo.load(preview, ft.inputs, ft.command, **PRIVATE)
+    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg, api_name="finetune_start")
+    ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg, api_name="finetune_stop")
+    ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg, api_name="finetune_kill")
     # a finished run joins both model lists: the picker above and the base models here
     poll = partial(finetune_ui.poll, jobs)
     poll_outputs = [ft.job_status, ft.loss_plot, ft.log_box, bar.model, ft.base, ft.seen]
     ft.timer.tick(poll, ft.seen, poll_outputs, **QUICK)
-    demo.load(poll, ft.seen, poll_outputs)
+    demo.load(poll, ft.seen, poll_outputs, **PRIVATE)
