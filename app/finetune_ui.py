@@ -29,6 +29,22 @@ def base_choices(jobs) -> list[tuple[str, str]]:
     return BASE_MODELS + [(f"run: {n}", f"run:{n}") for n, _ in jobs.finished_checkpoints()]
 
 
+# A tenth of the tab's default run (600 steps, docs/experiments.md): a run stopped before this has hardly moved
+# from its base, so the picker says so rather than let it pass for a trained model.
+BARELY_TRAINED_STEPS = 60
+
+
+def picker_choices(jobs) -> list[tuple[str, str]]:
+    """The model picker's (label, value) pairs: models.model_choices, with a barely trained run's label saying so."""
+    out = []
+    for label, value in models.model_choices(jobs):
+        step = jobs.status(value[4:]).get("step") if value.startswith("run:") else None
+        if step is not None and step < BARELY_TRAINED_STEPS:
+            label += f" ⚠ barely trained: {step} step{'' if step == 1 else 's'}"
+        out.append((label, value))
+    return out
+
+
 def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
     """(ok, markdown): every line checked with finetune.data.validate_conversation; preview of the first rows."""
     if not path:
@@ -135,6 +151,9 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
         data = "<run dir>/data.jsonl"
     else:
         data = "builtin"
+    if steps is not None and not isinstance(steps, str) and steps == 0:   # the likeliest slip: say what it means
+        raise ValueError("steps 0 would train nothing: type a whole number in 1..100000 (the default is "
+                         f"{DEFAULTS['steps']})")
     steps = _number(steps, "steps", 1, 100000, integer=True)
     lr = _number(lr, "learning rate", 1e-7, 1.0, integer=False)
     return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=int(block_size),
@@ -249,7 +268,7 @@ def poll(jobs, seen: dict | None):
     picker = gr.skip()
     base = gr.skip()
     if finished != seen.get("finished"):
-        picker = gr.update(choices=models.model_choices(jobs))
+        picker = gr.update(choices=picker_choices(jobs))
         base = gr.update(choices=base_choices(jobs))
     seen.update(key=list(key), finished=finished)
     return status_html(st), fig, tail, picker, base, seen

@@ -129,7 +129,7 @@ def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
     bar = SimpleNamespace()
     listed = start_model in models.builtin_names()   # else a path or hub id: it goes in the free field
     with gr.Row(equal_height=True):
-        bar.model = gr.Dropdown(models.model_choices(jobs), value=start_model if listed else models.DEFAULT_MODEL,
+        bar.model = gr.Dropdown(finetune_ui.picker_choices(jobs), value=start_model if listed else models.DEFAULT_MODEL,
                                 label="Model", scale=3, elem_id="model-picker")
         bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=3,
                               max_length=300, placeholder="/path/to/checkpoint or owner/model (overrides the list)")
@@ -301,9 +301,10 @@ def _finetune_tab(jobs) -> SimpleNamespace:
                                 value=finetune_ui.DEFAULTS["stage"], label="stage")
             ft.block_size = gr.Slider(1, 8, value=4, step=1, label="block size B")
             ft.ar_weight = gr.Slider(0.0, 2.0, value=1.0, step=0.1, label="ar_weight (1 = MARS, 0 = ablation)")
-            ft.steps = gr.Number(finetune_ui.DEFAULTS["steps"], label="steps", precision=0, minimum=1,
-                                 maximum=100000, elem_id="ft-steps")
-            ft.lr = gr.Number(finetune_ui.DEFAULTS["lr"], label="learning rate", minimum=1e-7, maximum=1.0)
+            # no minimum/maximum here: Gradio would refuse an out-of-range number before the handler, as a
+            # passing toast while the command shown stayed the old one; finetune_ui says what is wrong in the tab
+            ft.steps = gr.Number(finetune_ui.DEFAULTS["steps"], label="steps", precision=0, elem_id="ft-steps")
+            ft.lr = gr.Number(finetune_ui.DEFAULTS["lr"], label="learning rate")
             ft.lora = gr.Checkbox(False, label="LoRA")
         ft.inputs = [ft.base, ft.data_source, ft.upload, ft.stage, ft.block_size, ft.ar_weight, ft.steps, ft.lr,
                      ft.lora]

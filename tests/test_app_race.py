@@ -268,6 +268,38 @@ def test_finetune_messages_never_show_none_and_long_runs_are_warned_not_refused(
     assert "over an hour" in html and "1063 min" in html
 
 
+def test_zero_finetune_steps_get_a_message_in_the_tab_not_a_silent_pass(tmp_path):
+    import json
+    jobs = JobManager(tmp_path / "runs")
+    args = ["tiny-ar-sft", "builtin", None, "mars", 4, 1.0]
+    for zero in (0, 0.0):
+        preview = finetune_ui.command_preview(jobs, *args, zero, 1e-3, False)
+        assert preview.startswith("⚠ steps 0 would train nothing") and "--max-steps" not in preview
+        msg = finetune_ui.start(jobs, *args, zero, 1e-3, False)
+        assert msg.startswith("⚠ steps 0 would train nothing") and "1..100000" in msg
+    assert jobs.list_runs() == []                         # nothing was started
+    assert "steps -3 is out of range" in finetune_ui.command_preview(jobs, *args, -3, 1e-3, False)
+    # the field hands a 0 to those handlers: no Gradio bound refuses it first with a toast the tab never shows
+    from app.ui import build_ui
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    steps = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "ft-steps")
+    assert steps.preprocess(0) == 0
+    (run := jobs.runs_dir / "20261202-000000-mars").mkdir()   # a 1-step run joins the picker marked as such
+    (ckpt := run / "checkpoint-1").mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (run / "status.json").write_text(json.dumps({"state": "finished", "step": 1, "max_steps": 1,
+                                                 "last_checkpoint": str(ckpt)}))
+    labels = dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))
+    assert labels["run:20261202-000000-mars"] == "run: 20261202-000000-mars (your finetune) ⚠ barely trained: 1 step"
+    assert labels["tiny-mars"] == dict((v, lab) for lab, v in models.model_choices(jobs))["tiny-mars"]
+    (run / "status.json").write_text(json.dumps({"state": "stopped", "step": finetune_ui.BARELY_TRAINED_STEPS,
+                                                 "max_steps": 600, "last_checkpoint": str(ckpt)}))
+    assert "barely" not in dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))["run:20261202-000000-mars"]
+    (run / "job.json").write_text(json.dumps({"pid": -1}))   # as the tab's own runs have (no live process)
+    picker = finetune_ui.poll(jobs, {})[3]                 # the poll that adds runs to the picker labels them too
+    assert picker["choices"] == finetune_ui.picker_choices(jobs)
+
+
 def test_load_estimates_are_honest(monkeypatch):
     from mars_core import loading
     assert models.load_estimate("tiny-mars") == "(about 2 s)"
