@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from finetune.config import STAGES, native_bf16_cpu
-from finetune.status import METRICS_FILE, RunStatus, read_metrics_rows, read_status
+from finetune.status import METRICS_FILE, STOP_REQUEST, RunStatus, read_metrics_rows, read_status
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
@@ -324,6 +324,7 @@ class JobManager:
                 pass
         if not targets:
             targets = _children(pgid) or [pgid]
+        (self.run_dir(name) / STOP_REQUEST).touch()   # the trainer then ends with exit 0, as a requested stop
         for p in targets:
             os.kill(p, signal.SIGTERM)
         return f"sent SIGTERM to pid {', '.join(map(str, targets))}: the trainer saves a checkpoint, then exits"

@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+# Written into the run folder by the app's Stop button (app/runs.py) just before its SIGTERM: a stop asked for from
+# the page is how that run is meant to end, so the trainer exits 0; a signal from elsewhere exits 143 / 130.
+STOP_REQUEST = "stop-requested"
+
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 

@@ -52,7 +52,7 @@ from finetune.checkpoint import (
 from finetune.config import TrainConfig, config_from_args, refuse_file_above
 from finetune.data import build_examples, collate, epoch_batches, load_conversations, pad_id_of
 from finetune.status import (
-    METRICS_FILE, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
+    METRICS_FILE, STOP_REQUEST, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
 )
 from finetune.train_model import Run, StopFlag, load_base, make_optimizer, prepare_model, wrap_model
 from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
@@ -400,6 +400,10 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(argv)
+    try:   # a request left by an earlier run in this folder is not this run's
+        (Path(cfg.output_dir).expanduser() / STOP_REQUEST).unlink(missing_ok=True)
+    except OSError:
+        pass
     stop = StopFlag()
     stop.install()  # before setup: a stop during a slow model load is honoured once it finishes
     try:
@@ -429,6 +433,8 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
     status.update(state=state)
     acc.end_training()
     if run.stop.requested:   # one line and 130 (SIGINT) / 143 (SIGTERM), as every command stopped by a signal
+        if (run.out / STOP_REQUEST).exists():   # the app's Stop asked for "save and end": a normal end, exit 0
+            return 0
         if acc.is_main_process:
             print(f"interrupted ({run.stop.signal_name}) after step {status.record.step} of {run.total_steps}; "
                   f"last checkpoint: {status.record.last_checkpoint}: rerun the same command to resume",
