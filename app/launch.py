@@ -2,7 +2,7 @@
 
 Without --model the page starts on tiny-mars at once while smollm2-mars (when its adapter is in the
 assets) is built and loaded in the background; free text then moves to it, unless the user picked
-a model. The task-suite parts stay on tiny-mars.
+a model. Every tab runs the picked model (the explorer's built-in tasks say when it was not trained on them).
 """
 import argparse
 import os

@@ -26,7 +26,7 @@ SMOLLM2_MARS = catalogue.names(prompts=catalogue.NATURAL, mars=True)[0]
 SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
 SMOLLM2_MARS_DIR = find_assets() / SMOLLM2_MARS   # a checkout's assets/, an installed copy's, or $MARS_ASSETS
 ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
-DEFAULT_MODEL = catalogue.DEFAULT_MODEL   # the page starts here; the task-suite parts (built-in sweep, Learn) stay here
+DEFAULT_MODEL = catalogue.DEFAULT_MODEL   # the page starts here
 TASK_MODEL = catalogue.names(prompts=catalogue.TASKS, mars=True)[0]   # the MARS model trained on the task suite
 FREE_TEXT_DEFAULT = SMOLLM2_MARS  # the default for free text once PREPARER has it ready
 SAME_MODEL = "same"  # AR baseline = the selected checkpoint in one-token mode
