@@ -1,6 +1,6 @@
 """τ explorer: sweep τ over prompts, plot the speed/quality trade-off, export JSON.
 
-Built-in held-out tasks go through F1's evaluator (`finetune.evaluate.sweep`: exact-answer
+Built-in held-out tasks go through the task-suite evaluator (`finetune.evaluate.sweep`: exact-answer
 accuracy, tokens/forward, speedup). Free prompts have no answer key, so quality there is
 agreement with the model's own AR output (MARS at τ → 1 must agree 100%).
 """
@@ -69,7 +69,7 @@ def _decode_all(lm, ids, cfg, batch_size: int = 16):
 
 def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None,
                   criterion: str = "prob", lossless: bool = False) -> list[dict]:
-    """Lossy MARS per τ through F1's evaluator (`finetune.evaluate.sweep`); with `lossless`, verify mode per
+    """Lossy MARS per τ through the task-suite evaluator (`finetune.evaluate.sweep`); with `lossless`, verify mode per
     τ < 1 too, scored the same way (its accuracy is AR's by construction, and is measured, not assumed)."""
     from finetune.evaluate import score, sweep, time_against_ar
     from finetune.tasks import make_examples

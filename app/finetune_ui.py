@@ -119,8 +119,8 @@ def _number(value, name: str, lo, hi, integer: bool):
     return v
 
 
-# Seconds per optimizer step measured here (2-core CPU, batch 16, other work alongside; see DEFAULTS and
-# docs/smollm2-mars.md: SmolLM2 + LoRA took 4.4 s/step). Full SmolLM2 training is slower still.
+# Seconds per optimizer step behind the page's time estimate (a 2-core CPU, batch 16; the measurements:
+# docs/experiments.md, "The app's default Finetune run", and docs/smollm2-mars.md). Full SmolLM2 training is slower.
 SECONDS_PER_STEP = {catalogue.TINY: 0.35, catalogue.SMOLLM2: 4.4}   # by catalogue kind
 ETA_WARN_S = 3600
 

@@ -310,8 +310,7 @@ def prepare_status() -> dict:
     return PREPARER.status()
 
 
-# Load times measured on this project's 2-core CPU with other work running (load + warm-up, 2026-12-01):
-# tiny-mars ~1-2 s; smollm2-mars 12 s once merged; the one-time GGUF conversion / LoRA merge 30-40 s.
+# What the page promises while a model loads; the load times behind them: docs/experiments.md, "Load times".
 LOAD_ESTIMATES = {"tiny": "(about 2 s)", "prepared": "(about 10-15 s on a small CPU)",
                   "build": "(the first load converts or merges the model once: 30-40 s, then about 10-15 s to load)"}
 
