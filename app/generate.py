@@ -18,7 +18,8 @@ from app import models, notices, plots, timing
 # the limits and `lenient` through this module, so they are imported by name here.
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
                         check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
-from app.race import LANE_LABELS, LANES, SideRecord, race, render_chunks, render_ledger, render_stats, tau_summary
+from app.race import LANE_LABELS, LANES, SideRecord, race
+from app.render import render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
 from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
 from mars_core.config import CRITERIA

@@ -5,7 +5,8 @@ import difflib
 
 import plotly.graph_objects as go
 
-from app.race import SideRecord, chunk_colour
+from app.race import SideRecord
+from app.render import chunk_colour
 
 _LAYOUT = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40), height=300,
                font=dict(size=12))

@@ -9,8 +9,8 @@ import gradio as gr
 
 from app import explorer, finetune_ui, generate, learn, models, notices
 from app.plots import empty_figure
-from app.race import (LANE_LABELS, LANES, STAT_DEFINITIONS, SideRecord, legend_html, render_chunks,
-                      render_ledger, render_stats)
+from app.race import LANE_LABELS, LANES, SideRecord
+from app.render import STAT_DEFINITIONS, legend_html, render_chunks, render_ledger, render_stats
 from app.runs import JobManager
 
 CSS = """

@@ -17,7 +17,8 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from app import explorer, finetune_ui, generate, inputs, learn, models, plots  # noqa: E402
-from app.race import SideRecord, compare, race, render_chunks, render_ledger, render_stats, stop_reason  # noqa: E402
+from app.race import SideRecord, compare, race  # noqa: E402
+from app.render import render_chunks, render_ledger, render_stats, stop_reason  # noqa: E402
 from app.runs import FinetuneRequest, JobManager, build_command  # noqa: E402
 
 
@@ -293,7 +294,7 @@ def test_race_outputs_equal_mars_core_generate(tiny_dir):
 def test_the_lossless_lane_races_in_the_chosen_draft_layout_and_marks_copied_drafts(tiny_dir):
     # quadratic layout + prompt lookup: the lane is still exactly AR's answer, the decoder's own run, and drafts
     # that came from the text so far are marked in the pane (with a key) and explained in the ledger
-    from app.race import render_ledger
+    from app.render import render_ledger
     from mars_core import DecodeConfig, generate as core_generate
     prompt = "Hello there, tell me a long story about cats."
     outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.9, False, 8, 48, 0.0,
@@ -315,7 +316,7 @@ def test_the_lossless_lane_races_in_the_chosen_draft_layout_and_marks_copied_dra
 
 
 def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tiny_dir):
-    from app.race import render_ledger
+    from app.render import render_ledger
     # the embedded tiny-mars (its masks are trained, so some runner-up tokens are likely enough to be tried)
     prompt = "Sort these numbers: 42, 7, 19, 3"
     outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 60, 0.0,

@@ -13,7 +13,8 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from app import explorer, finetune_ui, generate, inputs, learn, models, notices, timing  # noqa: E402
-from app.race import SideRecord, compare, render_chunks, render_ledger, render_stats  # noqa: E402
+from app.race import SideRecord, compare  # noqa: E402
+from app.render import render_chunks, render_ledger, render_stats  # noqa: E402
 from app.runs import JobManager  # noqa: E402
 from tests.test_app import Event, Row  # noqa: E402  (the hand-made events both files feed the race)
 
