@@ -20,6 +20,7 @@ from app import inputs, models
 
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
+BATCH = 16               # prompts decoded together in a lossless sweep
 
 
 def parse_taus(text: str) -> list[float]:
@@ -59,19 +60,12 @@ def _verify_cfg(tau, block_size, max_new_tokens, criterion):
                         criterion=criterion)
 
 
-def _decode_all(lm, ids, cfg, batch_size: int = 16):
-    from mars_core import generate
-    out = []
-    for i in range(0, len(ids), batch_size):
-        out.extend(generate(lm, ids[i:i + batch_size], cfg))
-    return out
-
-
 def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None,
                   criterion: str = "prob", lossless: bool = False) -> list[dict]:
     """Lossy MARS per τ through the task-suite evaluator (`finetune.evaluate.sweep`); with `lossless`, verify mode per
     τ < 1 too, scored the same way (its accuracy is AR's by construction, and is measured, not assumed)."""
     from finetune.evaluate import score, sweep, time_against_ar
+    from finetune.evaluate_common import decode_batches
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
@@ -84,7 +78,7 @@ def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progre
         ids = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
         for tau in [t for t in taus if t < 1.0]:
             cfg = _verify_cfg(tau, block_size, max_new_tokens, criterion)
-            out = _decode_all(lm, ids, cfg)
+            out = decode_batches(lm, ids, cfg, BATCH)
             accuracy, per_family = score(examples, [r.text for r in out])
             ar_t, v_t = time_against_ar(lm, ids[:min(int(n), 8)], cfg)
             rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
