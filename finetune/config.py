@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from mars_core.storage import check_writable, storage_error   # standard library only: no torch
+
 STAGES = ("ar-sft", "mars")
 DECAYS = ("cosine", "linear", "constant")
 OVERLONG = ("drop", "truncate")
@@ -211,22 +213,14 @@ def check_output_file(flag: str, path: str | Path) -> Path:
     writable. Checked before any long work, so results are never lost to a bad path at the end. The file itself
     is left as it was (a probe file next to it is created and removed)."""
     p = Path(path).expanduser()
-    if p.is_dir():
+    try:
+        is_dir = p.is_dir()
+    except OSError:   # e.g. a name too long: check_writable below words it
+        is_dir = False
+    if is_dir:
         raise ValueError(f"{flag} {str(path)!r} is a directory: pass a file path")
     refuse_file_above(p, f"{flag} {str(path)!r}", "pass a path inside a directory")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if p.exists():
-            with p.open("ab"):
-                pass
-        else:
-            probe = p.with_name(f".{p.name}.write-test")
-            probe.write_bytes(b"")
-            probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r} cannot be written ({exc.strerror or exc}): pass a path you can "
-                         "write to") from None
-    return p
+    return check_writable(path, flag)
 
 
 def native_bf16_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
@@ -320,7 +314,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 def run_main(main) -> None:
     """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
-    without a traceback; SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a
+    without a traceback, as does an OSError (a full or read-only disk); SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a
     command that can save its work catches it, saves, and re-raises with that text) and exit 130/143; otherwise
     exit with main()'s return code when it returns one (an int), else 0."""
     from mars_core.config import interrupt_exit, sigterm_as_interrupt   # here: mars_core imports torch
@@ -330,6 +324,9 @@ def run_main(main) -> None:
             code = main()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:   # a full or read-only disk a writer did not word itself: still one line, not a traceback
+        print(f"error: {storage_error(exc)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         sys.exit(interrupt_exit(exc))

@@ -1,0 +1,95 @@
+"""Storage faults as one line: pre-flight checks (a writable folder, enough free space), atomic writes that leave
+no temp file behind, and `storage_error`, which turns a full, read-only or otherwise refusing disk into a sentence
+naming the path and what to free or change. Standard library only, so finetune/ and the CLIs can import it cheaply.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+WHERE_ELSE = "point MARS_CACHE_DIR / --output-dir / --out elsewhere"
+
+# errno -> (what happened, the fix); EFBIG is what a file-size limit (ulimit -f) gives
+_FAULTS = {
+    errno.ENOSPC: ("no space left on the device holding", f"free space there or {WHERE_ELSE}"),
+    errno.EDQUOT: ("the disk quota is used up on", f"free space in your quota or {WHERE_ELSE}"),
+    errno.EFBIG: ("a file grew past the allowed size (ulimit -f) at", f"raise the limit or {WHERE_ELSE}"),
+    errno.EROFS: ("the file system is read-only at", f"remount it writable or {WHERE_ELSE}"),
+    errno.ENAMETOOLONG: ("the file name is too long:", "use a shorter path"),
+    errno.EACCES: ("permission denied for", f"make it writable (chmod/chown) or {WHERE_ELSE}"),
+    errno.EPERM: ("the operation is not permitted on", f"make it writable (chmod/chown) or {WHERE_ELSE}"),
+}
+
+
+def storage_error(exc: OSError, path: str | os.PathLike | None = None, what: str | None = None) -> str:
+    """One line for an OSError met while writing: what happened, at which path, while writing what, and the fix.
+    ``path`` defaults to the path the OSError names."""
+    where = str(path if path is not None else (exc.filename or "?"))
+    doing = f" while writing {what}" if what else ""
+    fault = _FAULTS.get(exc.errno)
+    if fault is None:
+        return f"{where} could not be written{doing} ({exc.strerror or exc}): check the path and the disk"
+    happened, fix = fault
+    return f"{happened} {where}{doing}: {fix}"
+
+
+def check_writable(path: str | os.PathLike, what: str, fix: str = "pass a path you can write to",
+                   folder: bool = False) -> Path:
+    """Pre-flight: ``path`` (a file, or a folder when ``folder``) can be created and written. Its folders are
+    created; an existing file is opened for appending (left unchanged), else a probe file is made and removed.
+    Raises ValueError '<what> '<path>' cannot be written (<reason>): <fix>'."""
+    p = Path(path).expanduser()
+    try:
+        if folder:
+            p.mkdir(parents=True, exist_ok=True)
+            probe = p / f".write-test-{os.getpid()}"
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            probe = p.with_name(f".{p.name}.write-test")
+        if not folder and p.exists():
+            with p.open("ab"):
+                pass
+        else:
+            probe.write_bytes(b"")
+            probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r} cannot be written ({exc.strerror or exc}): {fix}") from None
+    return p
+
+
+def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """Pre-flight: the device holding ``path`` (or its nearest existing folder) has ``need_bytes`` free."""
+    p = Path(path).expanduser().resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < need_bytes:
+        raise ValueError(f"{what} needs about {need_bytes / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free on the "
+                         f"device holding {p}: free space there or {WHERE_ELSE}")
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, what: str | None = None):
+    """Yield a temp path next to ``path``; once the block finishes it is renamed onto ``path``. On any failure the
+    temp file is removed, ``path`` keeps its old content, and an OSError becomes a one-line ValueError."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ValueError(storage_error(exc, path, what or path.name)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, what: str | None = None) -> None:
+    with atomic_path(path, what) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, what: str | None = None) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), what)
