@@ -22,6 +22,7 @@ from torch import nn
 
 from finetune.config import TrainConfig
 from finetune.status import METRICS_FILE, read_metrics_rows, write_json
+from mars_core.storage import storage_error
 
 if TYPE_CHECKING:
     from finetune.train_model import Run, TrainModule
@@ -85,9 +86,16 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
     if acc.is_main_process:
         tmp = run.out / f".{final.name}.tmp"  # renamed into place once complete: a kill leaves no half checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
-        write_checkpoint(run, tmp, step, elapsed)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        try:
+            write_checkpoint(run, tmp, step, elapsed)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except BaseException as exc:   # no half checkpoint left behind (a full disk would stay full)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(exc, OSError):
+                raise
+            raise ValueError(storage_error(exc, tmp if exc.filename is None else exc.filename,
+                                           f"checkpoint {final.name} of --output-dir {str(run.out)!r}")) from None
         for old in list_checkpoints(run.out)[: -run.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()

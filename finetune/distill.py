@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from mars_core.storage import storage_error   # standard library only: --help stays quick
+
 MAX_NEW_TOKENS = 256
 
 
@@ -129,10 +131,18 @@ def parse_shard(text: str) -> tuple[int, int]:
 def _append(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        fh.flush()
-        os.fsync(fh.fileno())
+    size = path.stat().st_size if path.exists() else None
+    try:
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:   # a full disk: undo this batch (no torn line, no empty new file), say so in one line
+        try:
+            path.unlink(missing_ok=True) if size is None else os.truncate(path, size)
+        except OSError:
+            pass
+        raise ValueError(storage_error(exc, path, f"{len(rows)} distilled rows")) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -62,6 +62,7 @@ from finetune.evaluate_natural import (  # noqa: F401
 )
 from finetune.tasks import FAMILIES, check_answer, make_examples
 from mars_core import catalogue
+from mars_core.storage import atomic_write_text
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 # The task suite's default sweep: tiny-ar-sft, tiny-mars (the ablation joins it in _main_tasks when present).
@@ -323,13 +324,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print()
     else:
         print(format_natural_table(rows) if args.suite == "natural" else format_table(rows))
-        if args.json:
-            from finetune.status import write_json
-
-            write_json(Path(args.json), rows)   # atomic: the partial file stays until the whole one is there
+        if args.json:   # atomic: the partial file stays until the whole one is there; a full disk is one line
+            atomic_write_text(args.json, json.dumps(rows, indent=1), f"--json {args.json}")
     if args.html:
         fig = natural_pareto_figure(rows) if args.suite == "natural" else pareto_figure(rows)
-        fig.write_html(args.html, include_plotlyjs=True)
+        atomic_write_text(args.html, fig.to_html(include_plotlyjs=True), f"--html {args.html}")
         print(f"wrote {args.html}", file=log)
     return rows
 

@@ -6,7 +6,10 @@ A module of its own so that the natural suite (finetune.evaluate_natural) and th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from mars_core.storage import atomic_write_text
 
 ABLATION_DIR = "runs/tiny-mars-arw0"   # the ar_weight = 0 model the recipe trains; not committed
 
@@ -123,11 +126,10 @@ class RowLog:
 
     def add(self, rows: list[dict]) -> None:
         """Rows just finished (or taken over from the resumed file): keep them and save the partial file."""
-        from finetune.status import write_json
-
         self.rows += rows
-        if self.path is not None and rows:
-            write_json(self.path, {"partial": True, "rows": self.rows})
+        if self.path is not None and rows:   # atomic: a full disk leaves the last good partial file, no temp file
+            atomic_write_text(self.path, json.dumps({"partial": True, "rows": self.rows}, indent=1),
+                              f"--json {self.path}")
 
     def interrupted(self) -> str:
         """How far the run got, for the one line a stop prints."""
