@@ -22,6 +22,7 @@ from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.drafts import LAYOUTS
 from mars_core.threads import parse_threads, set_threads
 from mars_core.loading import DEFAULT_MODEL, load_model, pick_device, pick_dtype
+from mars_core.storage import storage_error
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -300,6 +301,9 @@ def main(argv=None) -> int:
             return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # a full or read-only disk a writer did not word itself: one line, not a traceback
+        print(f"error: {storage_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:   # 130 / 143 with one line, as finetune's run_main
         early = f"after 0 of at most {args.max_new_tokens} tokens" if args.command == "generate" else ""

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mars_core import loading
+from mars_core.storage import check_free_space, storage_error
 
 EXPORT_INFO = "mars_export.json"
 
@@ -106,8 +107,8 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
             "model_type": config.model_type, "mask_token_id": lm.mask_id, "mask_token": mask_text,
             "mask_source": lm.mask_source, "mars_block_size": block, "eos_token_ids": list(lm.eos_ids),
             "dtype": str(torch_dtype).replace("torch.", ""), "exported_by": "python -m mars_core export"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.export-"))
+    what = f"the export to --out {out}"
+    tmp = _temp_folder(out, net, what)
     try:
         net.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -120,9 +121,23 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
         if out.exists():
             shutil.rmtree(out)                           # --force (check_out refused a non-empty one without it)
         os.replace(tmp, out)
+    except OSError as exc:   # a full or read-only disk: one line; the temp folder goes in finally
+        raise ValueError(storage_error(exc, exc.filename or out, what)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {**info, "out": str(out.resolve())}
+
+
+def _temp_folder(out: Path, net, what: str) -> Path:
+    """A temp folder beside ``out``, after checking the disk has room for the weights in the dtype saved
+    (+ tokenizer): a full disk is refused before a byte is written."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        need = sum(p.numel() * p.element_size() for p in net.parameters()) + 50_000_000
+        check_free_space(out.resolve().parent, need, what)
+        return Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.export-"))
+    except OSError as exc:
+        raise ValueError(storage_error(exc, out, what)) from None
 
 
 def _plain_permissions(folder: Path) -> None:

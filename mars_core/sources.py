@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
 from mars_core.adapter import merge_adapter, read_adapter_config
 from mars_core.catalogue import CATALOGUE, DEFAULT_MODEL, SMOLLM2_GGUF, SMOLLM2_RECIPE, TINY_RECIPE  # noqa: F401
+from mars_core.storage import check_free_space, storage_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,16 +184,31 @@ def gguf_to_checkpoint(gguf_path: str) -> str:
     plain.load_state_dict(model.state_dict(), strict=False)
     plain.tie_weights()
     plain.generation_config = model.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with _cache_build(target, plain, f"the conversion of {src.name}") as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(src)}))
         os.replace(tmp, target)  # atomic: a half-written cache never looks complete
+    return str(target)
+
+
+@contextmanager
+def _cache_build(target: Path, model, what: str):
+    """A temp folder next to ``target`` for a build, after checking the disk has room for ``model``'s fp32
+    weights (~1.5 GB for SmolLM2); removed on any failure, and a full or read-only disk becomes one line."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        need = sum(p.numel() * p.element_size() for p in model.parameters()) + 50_000_000   # + tokenizer, slack
+        check_free_space(target.parent, need, what)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    except OSError as exc:
+        raise ValueError(storage_error(exc, target.parent, what)) from None
+    try:
+        yield tmp
+    except OSError as exc:
+        raise ValueError(storage_error(exc, target.parent, what)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
 
 
 def _stock_config(path: str):
@@ -301,9 +318,7 @@ def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
         # Merge in fp32 into the stock modules (no CPU layout), whatever dtype the user loads it in later.
         model = _from_pretrained(base_dir, _stock_config(base_dir), torch.float32)
         merge_adapter(model, adapter_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-        try:
+        with _cache_build(target, model, f"the merge of {adapter_dir.name} into {cfg['base']}") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             source = {"base": cfg["base"], "base_dir": str(base_dir), "adapter": str(adapter_dir.resolve()),
@@ -317,8 +332,6 @@ def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
                 if not (target / "source.json").exists():
                     raise
                 # another process finished the same build first: its folder is as good as ours
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
 
 
@@ -331,7 +344,9 @@ def _checkpoint_dir(kind: str, where: str, name: str | None) -> str:
             return gguf_to_checkpoint(where)
     if kind == "adapter":
         return merge_adapter_to_checkpoint(where)
-    from huggingface_hub import snapshot_download  # network: only when the user named a hub id
+    from huggingface_hub import (
+        snapshot_download,  # network: only when the user named a hub id
+    )
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ValueError(f"{name!r} is a hub id but downloads are off (HF_HUB_OFFLINE=1; start the app "
                          "with --allow-hub): download it elsewhere and pass the local folder")
