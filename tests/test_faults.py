@@ -227,3 +227,154 @@ def test_tau_control_cannot_store_an_unchecked_value():
         with pytest.raises(ValueError, match="tau="):
             tc._value = bad
     assert tc.value == 0.9
+
+
+# ----------------------------------------------------------------------------- storage faults
+# A full, read-only or refusing disk: one line naming the path (exit 2 from a CLI), no temp file or folder and no
+# empty output file left behind. ENOSPC is simulated by patching the write path (or by a file-size limit in a
+# child), since tests cannot fill a real disk; tests may run as root, where chmod does not stop writes.
+
+import errno  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from mars_core import storage  # noqa: E402
+
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if ".tmp" in p.name or p.name.startswith(".tmp-")
+                  or "write-test" in p.name or "export-" in p.name)
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
+                                         (errno.ENAMETOOLONG, "too long"), (errno.EACCES, "permission denied"),
+                                         (errno.EPERM, "not permitted"), (errno.EDQUOT, "quota"),
+                                         (errno.EIO, "could not be written")])
+def test_storage_error_is_one_line_naming_the_path_and_the_fix(code, words):
+    msg = storage.storage_error(OSError(code, os.strerror(code)), "/data/run/x.json", "--json x.json")
+    assert "\n" not in msg and words in msg and "/data/run/x.json" in msg and "--json x.json" in msg
+    assert ": " in msg   # what happened, then the fix
+
+
+def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    target = tmp_path / "rows.json"
+    target.write_text("old")
+    monkeypatch.setattr(storage.os, "replace", enospc)
+    with pytest.raises(ValueError, match="no space left") as info:
+        storage.atomic_write_text(target, "new", "--json rows.json")
+    assert str(target) in str(info.value) and "\n" not in str(info.value)
+    assert target.read_text() == "old" and leftovers(tmp_path) == []
+
+
+def test_check_writable_refuses_a_too_long_name_and_a_read_only_folder(tmp_path, monkeypatch):
+    from finetune.config import check_output_file
+
+    long = tmp_path / ("x" * 300 + ".jsonl")
+    with pytest.raises(ValueError, match="cannot be written .*pass a path you can write to") as info:
+        check_output_file("--out", long)
+    assert str(long) in str(info.value) and "\n" not in str(info.value)
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):   # root: chmod does not stop writes, so refuse the probe's write instead
+            monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(
+                OSError(errno.EACCES, os.strerror(errno.EACCES), str(self))))
+        with pytest.raises(ValueError, match="--output-dir .*cannot be written"):
+            storage.check_writable(folder / "run", "--output-dir", folder=True)
+    finally:
+        folder.chmod(0o755)
+    assert leftovers(tmp_path) == []
+
+
+def test_check_free_space_refuses_before_writing(tmp_path, monkeypatch):
+    storage.check_free_space(tmp_path / "new" / "deeper", 1, "a build")   # a folder not made yet: its parent counts
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9, free=10**6))
+    with pytest.raises(ValueError, match=r"a build needs about 1\.2 GB but only 0\.0 GB is free") as info:
+        storage.check_free_space(tmp_path, 1_200_000_000, "a build")
+    assert str(tmp_path) in str(info.value) and "MARS_CACHE_DIR" in str(info.value)
+
+
+def test_distill_full_disk_leaves_no_empty_file_and_no_torn_batch(tmp_path, monkeypatch):
+    from finetune import distill
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(distill.os, "fsync", enospc)
+    with pytest.raises(ValueError, match="no space left") as info:
+        distill._append(out, [{"prompt": "p", "answer": "a"}])
+    assert str(out) in str(info.value) and not out.exists()
+    out.write_text('{"prompt": "q"}\n')
+    with pytest.raises(ValueError, match="no space left"):
+        distill._append(out, [{"prompt": "p", "answer": "a"}])
+    assert out.read_text() == '{"prompt": "q"}\n'
+
+
+def test_checkpoint_save_on_a_full_disk_leaves_no_temp_folder(tmp_path, monkeypatch):
+    from finetune import checkpoint
+
+    def half_write(run, directory, step, elapsed):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"half")
+        enospc()
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", half_write)
+    acc = SimpleNamespace(wait_for_everyone=lambda: None, num_processes=1, is_main_process=True)
+    run = SimpleNamespace(accelerator=acc, out=tmp_path, cfg=SimpleNamespace(keep_checkpoints=2))
+    with pytest.raises(ValueError, match="no space left .*checkpoint-5") as info:
+        checkpoint.save_checkpoint(run, 5, 1.0)
+    assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_build_refuses_a_full_disk_and_removes_its_temp_folder(tmp_path, monkeypatch):
+    import torch
+
+    from mars_core import sources
+
+    model, target = torch.nn.Linear(4, 4), tmp_path / "cache" / "smollm2"
+    with pytest.raises(ValueError, match="no space left .*the conversion of x.gguf"):
+        with sources._cache_build(target, model, "the conversion of x.gguf") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            enospc()
+    assert list(target.parent.iterdir()) == []
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: SimpleNamespace(total=1, used=1, free=0))
+    with pytest.raises(ValueError, match="needs about 0.1 GB but only 0.0 GB is free"):
+        with sources._cache_build(target, model, "the conversion of x.gguf"):
+            pytest.fail("built without room")
+    assert list(target.parent.iterdir()) == []
+
+
+def test_clis_turn_an_oserror_into_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from finetune.config import run_main
+    from mars_core import cli
+
+    def full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "rows.json"))
+
+    with pytest.raises(SystemExit) as info:
+        run_main(full)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "no space left" in err and "rows.json" in err
+    monkeypatch.setattr(cli, "cmd_export", lambda args: full())
+    assert cli.main(["export", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no space left") and "rows.json" in err
+
+
+def test_a_file_size_limit_in_a_child_is_one_line_and_leaves_no_temp(tmp_path):
+    """A real failing write (not a patched one): RLIMIT_FSIZE makes the write fail with EFBIG, as a full disk does."""
+    target = tmp_path / "big.json"
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+            "from finetune.config import run_main\n"
+            "from mars_core.storage import atomic_write_text\n"
+            f"run_main(lambda: atomic_write_text({str(target)!r}, 'x' * 100_000, '--json big.json'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and str(target) in proc.stderr
+    assert list(tmp_path.iterdir()) == []
