@@ -88,3 +88,19 @@ def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")   # a "compiler" on PATH that fails
     assert not vnni.load() and vnni.why_not().startswith("building it failed")
     assert not list(tmp_path.rglob("*.so"))                                   # nothing half-written is kept
+
+
+@pytest.mark.slow
+def test_a_fresh_machine_builds_the_kernel_from_source(tmp_path):
+    """The cached library hides the build from every other test: here a new process with an empty cache compiles
+    vnni.cpp with g++ and loads it, as on a user's first w8a8 load."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MARS_CACHE_DIR=str(tmp_path))
+    env.pop("MARS_VNNI", None)
+    code = "import mars_core.vnni as v, sys; ok = v.load(); print(v.why_not()); sys.exit(0 if ok else 1)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list((tmp_path / "kernels").glob("mars_vnni-*.so"))) == 1
