@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-m
          "-ffp-contract=off", "-fno-math-errno"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
 _STATE: dict = {}   # "ok": bool, "why": str (the reason it is not available)
+_LOCK = threading.Lock()   # the app may load two w8a8 models from two threads: one build, one load
 
 
 def cpu_supported() -> bool:
@@ -76,26 +78,31 @@ def _build(cxx: str, target: Path) -> None:
 def load() -> bool:
     """Build (once) and load the kernel; True where `torch.ops.mars_vnni` is ready. Never raises: a reason it is
     not available is kept for `why_not()`, and w8a8 then runs fbgemm."""
-    if "ok" in _STATE:
+    with _LOCK:
+        if "ok" not in _STATE:
+            _STATE.update(_load())
         return _STATE["ok"]
-    _STATE["ok"], _STATE["why"] = False, ""
+
+
+def _load() -> dict:
+    state = {"ok": False, "why": ""}
     cxx = _compiler()
     if os.environ.get("MARS_VNNI", "1") == "0":
-        _STATE["why"] = "MARS_VNNI=0"
+        state["why"] = "MARS_VNNI=0"
     elif not sys.platform.startswith("linux") or not cpu_supported():
-        _STATE["why"] = f"this CPU lacks one of {', '.join(CPU_FLAGS)}"
+        state["why"] = f"this CPU lacks one of {', '.join(CPU_FLAGS)}"
     elif cxx is None:
-        _STATE["why"] = "no C++ compiler (g++ or $CXX) on PATH"
+        state["why"] = "no C++ compiler (g++ or $CXX) on PATH"
     else:
         try:
             path = _library_path(cxx)
             if not path.exists():
                 _build(cxx, path)
             torch.ops.load_library(str(path))
-            _STATE["ok"] = True
-        except (OSError, RuntimeError) as e:
-            _STATE["why"] = f"building it failed: {e}"
-    return _STATE["ok"]
+            state["ok"] = True
+        except (OSError, RuntimeError, ValueError) as e:
+            state["why"] = f"building it failed: {e}"
+    return state
 
 
 def why_not() -> str:
