@@ -543,6 +543,15 @@ def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: t
     return torch.minimum(n, first_eos)
 
 
+def _check_has_text(lm, ids: list[int]) -> None:
+    """A prompt of mask and special ids only gives the model nothing to answer (and masks in a prompt read as
+    holes to fill): refuse it by name."""
+    special = set(getattr(lm.tokenizer, "all_special_ids", None) or []) | {lm.mask_id}
+    if all(t in special for t in ids):
+        raise ValueError(f"the prompt {ids[:8]!r}{'...' if len(ids) > 8 else ''} holds only mask-token "
+                         f"(id {lm.mask_id}) or special ids, no text: pass a prompt with text")
+
+
 def _prompt_ids(lm, prompts) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or of token-id lists")
@@ -562,6 +571,7 @@ def _prompt_ids(lm, prompts) -> list[list[int]]:
             raise ValueError(f"prompt {p!r} must be a string or a list of token ids (decode bytes to str first)")
         if not ids:
             raise ValueError("a prompt has no tokens: pass a non-empty prompt")
+        _check_has_text(lm, ids)
         if len(ids) + 2 > lm.context_length:
             raise ValueError(f"a prompt of {len(ids)} tokens does not fit the context of {lm.context_length}: shorten it")
         out.append(ids)
