@@ -25,10 +25,9 @@
 namespace {
 
 constexpr int LANES = 16;   // output channels per block: one zmm of int32 sums
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
-constexpr int PREFETCH = PREFETCH_BYTES;   // bytes of weights fetched ahead while the rows' products run
+// Bytes of weights fetched ahead while the rows' products run: within noise at 1-7 rows, faster at 16 in one noisy
+// A/B (docs/experiments.md, "The VNNI kernel").
+constexpr int PREFETCH = 1024;
 constexpr int ROWS = 24;    // activation rows per pass over the weights: 24 accumulators + weights + broadcast
 
 // w int8 [N, K] -> uint8 w + 128, laid out [ceil(N / 16)][ceil(K / 4)][16][4]: a block's 16 channels x 4 inputs are
