@@ -33,12 +33,16 @@ def test_the_faster_one_token_forward_decides_and_a_tie_goes_to_the_cheaper_step
     monkeypatch.setattr(dtype_probe, "forward_ms", lambda models: fake(models, timings))
     built = []
     nets = {name: (lambda name=name: built.append(name) or torch.nn.Linear(4, 4)) for name in ("float32", "w8a8")}
-    choice, net = dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9)
+    # the model folder is not the cache folder: writing the cache must not change the model's key
+    where = tmp_path / "model"
+    where.mkdir()
+    (where / "model.safetensors").write_bytes(b"weights")
+    choice, net = dtype_probe.choose_cpu_format(nets, str(where), n_params=10**9)
     assert choice == want and isinstance(net, torch.nn.Linear) and built == ["float32", "w8a8"]
     saved = json.loads((cache / "dtype-probe.json").read_text())
     assert [v["dtype"] for v in saved.values()] == [want]
     # measured once: the second call reads the cache and builds nothing
-    assert dtype_probe.choose_cpu_format(nets, str(tmp_path), n_params=10**9) == (want, None)
+    assert dtype_probe.choose_cpu_format(nets, str(where), n_params=10**9) == (want, None)
     assert len(calls) == 1 and len(built) == 2
 
 
