@@ -34,7 +34,7 @@ CONFIG_FILE = "train_config.json"
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
 RESUME_KEYS = ("base_model", "stage", "lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
-               "ar_weight", "mask_label_smoothing", "random_block_offset", "data", "builtin_weights", "seed",
+               "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed",
                "batch_size", "grad_accum", "max_length", "overlong")
 
 

@@ -48,6 +48,12 @@ class TrainConfig:
     mask_label_smoothing: float = 0.0
     """Label smoothing on the noisy-stream (mask) loss only; 0 = off, the paper. Not in the paper: an experiment
     in calibrating the mask predictions' confidence (see docs/experiments.md, "Confidence criteria")."""
+    soft_target_weight: float = 0.0
+    """MARS: weight w of a soft target for the mask stream, mask term = (1 - w) * CE + w * KL(clean || mask), the
+    teacher being the clean stream's detached next-token distribution at the same target; 0 = off (the paper),
+    1 = KL alone. Not in the paper (issue 29)."""
+    soft_target_top_k: int = 0
+    """With --soft-target-weight: keep the teacher's top k tokens (renormalised); 0 = the whole vocabulary."""
     random_block_offset: bool = False
     """MARS: shift the block grid by a random r in [0, B) at every step (block(i) = (i + r) // B) instead of
     the fixed grid (docs/algorithm.md), so the mask runs the decoder appends at any position are in the training
@@ -129,6 +135,9 @@ class TrainConfig:
         need(self.ar_weight >= 0, f"ar_weight={self.ar_weight}; use a value >= 0 (1.0 is MARS, 0.0 the ablation)")
         need(0 <= self.mask_label_smoothing < 1,
              f"mask_label_smoothing={self.mask_label_smoothing}; use a value in [0, 1) (0 = off)")
+        need(0 <= self.soft_target_weight <= 1,
+             f"soft_target_weight={self.soft_target_weight}; use a value in [0, 1] (0 = off, 1 = KL alone)")
+        need(self.soft_target_top_k >= 0, f"soft_target_top_k={self.soft_target_top_k}; use 0 (all) or more")
         need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
         need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")

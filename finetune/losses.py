@@ -21,7 +21,10 @@ afresh every step (``finetune.train --random-block-offset``) removes that
 mismatch (docs/experiments.md, "Block phase").
 
 Loss: ``CE(noisy) + ar_weight * CE(clean)``, each the mean over labelled
-tokens, with the usual causal shift inside each half. Logits are computed only
+tokens, with the usual causal shift inside each half. With ``soft_weight = w`` (not in the paper; 0 = off) the
+mask term becomes ``(1 - w) * CE(noisy) + w * KL(teacher || noisy)``: the teacher is the clean stream's detached
+next-token distribution at the same target (computed in the same forward, so it costs one LM-head pass that the
+AR loss already makes), over the whole vocabulary or its top-k renormalised. Logits are computed only
 for the rows that carry a label: the hidden states of those rows are gathered
 first and only then multiplied by the LM head (with SmolLM2's 49k-token
 vocabulary that matmul would otherwise be the largest single cost).
@@ -159,6 +162,48 @@ def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head,
     return F.cross_entropy(logits, targets[rows], label_smoothing=label_smoothing)
 
 
+def soft_target_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+    """Mean over rows of ``KL(p || q)``: ``p`` the teacher's distribution (detached here, so no gradient ever
+    reaches the teacher's stream through this term), ``q`` the student's. Both are ``[m, vocab]``.
+
+    ``top_k > 0`` keeps the teacher's k most likely tokens, renormalised, so the student is pulled toward the
+    teacher's plausible continuations only; 0 uses the whole vocabulary. A one-hot teacher gives exactly the hard
+    CE of its token (KL(onehot || q) = -log q(token)).
+    """
+    log_q = F.log_softmax(student_logits.float(), dim=-1)  # [m, vocab]
+    teacher = teacher_logits.detach().float()
+    if top_k > 0:
+        top, idx = teacher.topk(min(top_k, teacher.shape[-1]), dim=-1)  # [m, k]
+        log_p = F.log_softmax(top, dim=-1)
+        log_q = log_q.gather(-1, idx)
+    else:
+        log_p = F.log_softmax(teacher, dim=-1)
+    p = log_p.exp()
+    # 0 * log 0 is 0: a teacher probability that underflows contributes nothing.
+    kl = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)  # [m]
+    return kl.mean()
+
+
+def mask_stream_loss(hidden_noisy: torch.Tensor, hidden_clean: torch.Tensor, targets_noisy: torch.Tensor,
+                     targets_clean: torch.Tensor, lm_head, soft_weight: float, top_k: int,
+                     label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask term to optimise, hard mask CE, clean-stream CE), each over the labelled rows.
+
+    The noisy rows (``[b, m]``, from ``start``) and the clean rows (``[b, n]``) carry the same labelled
+    (row, position) pairs in the same row-major order, because no label lies before ``start``; so the gathered
+    rows line up one to one and the clean logits serve both as the AR loss and as the teacher.
+    """
+    rows_noisy, rows_clean = targets_noisy != IGNORE_INDEX, targets_clean != IGNORE_INDEX
+    assert int(rows_noisy.sum()) == int(rows_clean.sum()), "a label lies before the noisy half's start"
+    student = lm_head(hidden_noisy[rows_noisy]).float()  # [L, vocab]
+    teacher = lm_head(hidden_clean[rows_clean]).float()  # [L, vocab]
+    labels = targets_clean[rows_clean]
+    hard = F.cross_entropy(student, labels, label_smoothing=label_smoothing)
+    loss_ar = F.cross_entropy(teacher, labels)
+    mask_term = (1 - soft_weight) * hard + soft_weight * soft_target_loss(student, teacher, top_k)
+    return mask_term, hard, loss_ar
+
+
 def ar_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> LossOutput:
     """Plain AR-SFT loss: causal forward, CE on the labelled rows only.
 
@@ -210,6 +255,8 @@ def mars_loss(
     skip_prompt_blocks: bool = True,
     mask_label_smoothing: float = 0.0,
     block_offset: int = 0,
+    soft_weight: float = 0.0,
+    soft_top_k: int = 0,
 ) -> LossOutput:
     """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
 
@@ -222,6 +269,10 @@ def mars_loss(
     ``mask_label_smoothing`` (not in the paper; 0 = off) smooths the noisy-stream targets only, which caps
     the mask predictions' confidence below 1 (the clean stream, the one-token path, is untouched);
     ``loss_mask`` then reports the smoothed CE.
+
+    ``soft_weight`` > 0 mixes in the clean stream's detached distribution as a soft target for the masks
+    (``soft_target_loss``; ``soft_top_k`` its vocabulary); ``loss_mask`` still reports the hard mask CE, so runs
+    with and without it compare on one number.
     """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
@@ -233,6 +284,9 @@ def mars_loss(
         input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
     ).last_hidden_state  # [b, m + n, d]
     m = n - start
+    if soft_weight > 0:
+        return _soft_mars_loss(hidden, m, targets, start, model.lm_head, ar_weight, soft_weight, soft_top_k,
+                               mask_label_smoothing, n_labels)
     loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head, mask_label_smoothing)
     if ar_weight == 0.0:
         # The ablation (paper Table 2): no gradient from the clean stream; its CE
@@ -243,3 +297,12 @@ def mars_loss(
     loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
     loss = loss_mask + ar_weight * loss_ar
     return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)
+
+
+def _soft_mars_loss(hidden, m, targets, start, lm_head, ar_weight, soft_weight, top_k, label_smoothing,
+                    n_labels) -> LossOutput:
+    """``mars_loss`` with a soft mask target: the clean logits are the teacher whatever ``ar_weight`` is."""
+    mask_term, hard, loss_ar = mask_stream_loss(hidden[:, :m], hidden[:, m:], targets[:, start:], targets, lm_head,
+                                                soft_weight, top_k, label_smoothing)
+    loss = mask_term + ar_weight * loss_ar if ar_weight else mask_term
+    return LossOutput(loss, hard.detach(), loss_ar.detach(), n_labels)

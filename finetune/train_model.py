@@ -119,6 +119,7 @@ class TrainModule(nn.Module):
         self.model = model
         self.stage, self.block_size, self.ar_weight, self.mask_id = cfg.stage, cfg.block_size, cfg.ar_weight, mask_id
         self.mask_label_smoothing = cfg.mask_label_smoothing
+        self.soft_target_weight, self.soft_target_top_k = cfg.soft_target_weight, cfg.soft_target_top_k
         self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
 
     def causal_lm(self) -> nn.Module:
@@ -131,6 +132,7 @@ class TrainModule(nn.Module):
             return mars_loss(
                 lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
                 mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
+                soft_weight=self.soft_target_weight, soft_top_k=self.soft_target_top_k,
             )
         return ar_loss(lm, input_ids, labels, valid)
 

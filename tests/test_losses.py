@@ -285,3 +285,97 @@ def test_random_block_offsets_reach_the_loss_and_depend_only_on_seed_and_step(mo
     got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid, block_offset=2)
     want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=2)
     torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- soft targets (issue 29)
+
+def test_a_one_hot_teacher_gives_exactly_the_hard_cross_entropy():
+    from finetune.losses import soft_target_loss
+
+    g = torch.Generator().manual_seed(7)
+    student = torch.randn(6, VOCAB, generator=g)
+    labels = torch.randint(0, VOCAB, (6,), generator=g)
+    one_hot = torch.full((6, VOCAB), -1e4).scatter(1, labels.unsqueeze(1), 1e4)   # softmax is exactly one-hot
+    want = F.cross_entropy(student, labels)
+    torch.testing.assert_close(soft_target_loss(student, one_hot), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(soft_target_loss(student, one_hot, top_k=5), want, atol=1e-6, rtol=0)
+
+
+def test_the_soft_target_loss_is_kl_and_top_k_renormalises_the_teacher():
+    from finetune.losses import soft_target_loss
+
+    g = torch.Generator().manual_seed(8)
+    student, teacher = torch.randn(5, VOCAB, generator=g), torch.randn(5, VOCAB, generator=g)
+    p, log_q = teacher.softmax(-1), student.log_softmax(-1)
+    torch.testing.assert_close(soft_target_loss(student, teacher), (p * (p.log() - log_q)).sum(-1).mean(),
+                               atol=1e-6, rtol=0)
+    assert float(soft_target_loss(teacher, teacher)) < 1e-6
+    top, idx = teacher.topk(3, dim=-1)
+    p3 = top.softmax(-1)
+    want = (p3 * (p3.log() - log_q.gather(-1, idx))).sum(-1).mean()
+    torch.testing.assert_close(soft_target_loss(student, teacher, top_k=3), want, atol=1e-6, rtol=0)
+
+
+def test_no_gradient_reaches_the_teacher_through_the_soft_target():
+    from finetune.losses import soft_target_loss
+
+    g = torch.Generator().manual_seed(9)
+    student = torch.randn(4, VOCAB, generator=g, requires_grad=True)
+    teacher = torch.randn(4, VOCAB, generator=g, requires_grad=True)
+    (soft_target_loss(student, teacher) + 0 * teacher.sum()).backward()   # 0 * sum: the teacher gets a .grad
+    assert student.grad.abs().sum() > 0
+    assert torch.equal(teacher.grad, torch.zeros_like(teacher))
+
+
+def test_soft_weight_mixes_hard_ce_and_kl_to_the_clean_stream_and_reports_the_hard_ce(model):
+    from finetune.losses import soft_target_loss
+
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    n = input_ids.shape[1]
+    with torch.no_grad():
+        logits = all_logits(model, *mars_inputs(input_ids, labels, valid, MASK_ID, 4))
+    rows = shift_rows(labels)
+    kl = soft_target_loss(logits[:, :n][rows], logits[:, n:][rows])
+    hard = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    for w in (0.5, 1.0):
+        soft = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0, soft_weight=w)
+        torch.testing.assert_close(soft.loss, (1 - w) * hard.loss_mask + w * kl + hard.loss_ar, atol=1e-5, rtol=0)
+        torch.testing.assert_close(soft.loss_mask, hard.loss_mask, atol=1e-5, rtol=0)   # comparable across runs
+    alone = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0)
+    torch.testing.assert_close(alone.loss, kl, atol=1e-5, rtol=0)
+
+
+def shift_rows(labels):
+    """Positions whose output predicts a label: the output at i predicts label i + 1."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1) != IGNORE_INDEX
+
+
+def test_with_kl_alone_and_no_ar_loss_the_clean_logits_get_no_gradient_of_their_own():
+    """ar_weight 0 and soft weight 1: the loss still moves the weights, but only through the mask rows' outputs —
+    the clean rows' logits, the teacher, are no input of the backward pass."""
+    model = tiny_causal_lm(VOCAB, context=128)
+    input_ids, labels, valid = make_batch([14, 9], [5, 3], seed=4)
+    seen = []
+    model.lm_head.register_full_backward_hook(lambda mod, gin, gout: seen.append(gout[0]))
+    out = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0)
+    out.loss.backward()
+    rows = int(shift_rows(labels).sum())
+    # one LM-head call per stream; only the mask stream's output carries a gradient
+    assert len(seen) == 1 and seen[0].shape[0] == rows and seen[0].abs().sum() > 0
+    assert model.lm_head.weight.grad is not None
+
+
+def test_the_training_module_passes_the_soft_target_settings_and_bad_values_name_the_fix(model):
+    from finetune.config import TrainConfig
+    from finetune.train import TrainModule
+
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    cfg = TrainConfig(stage="mars", soft_target_weight=0.5, soft_target_top_k=4)
+    with torch.no_grad():
+        got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid)
+        want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, soft_weight=0.5, soft_top_k=4)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="soft_target_weight=1.5"):
+        TrainConfig(soft_target_weight=1.5)
+    with pytest.raises(ValueError, match="soft_target_top_k=-1"):
+        TrainConfig(soft_target_top_k=-1)
