@@ -56,6 +56,7 @@ from finetune.status import (
 )
 from finetune.train_model import Run, StopFlag, load_base, make_optimizer, prepare_model, wrap_model
 from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
+from mars_core.storage import check_writable
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -90,14 +91,7 @@ def check_output_dir(output_dir: str) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {output_dir!r} is a file, not a directory: pass a new or existing directory")
     refuse_file_above(out, f"--output-dir {output_dir!r}", "pass a directory path")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"--output-dir {output_dir!r} cannot be written ({exc.strerror or exc}): "
-                         "pass a directory you can write to") from None
+    check_writable(output_dir, "--output-dir", "pass a directory you can write to", folder=True)
     return out
 
 

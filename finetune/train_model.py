@@ -178,7 +178,10 @@ class StopFlag:
 
     def handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            # Abort with the signal actually received: run_main maps Terminated to 143, KeyboardInterrupt to 130.
+            from mars_core.config import Terminated
+
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 

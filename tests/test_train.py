@@ -398,3 +398,40 @@ def test_training_with_the_mask_row_sees_the_model_it_saves(tiny):
         want = plain(input_ids=ids).logits
     torch.testing.assert_close(hooked, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(hooked, lm.model(input_ids=ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("first,second,exc_name,code", [
+    (signal.SIGTERM, signal.SIGTERM, "Terminated", 143), (signal.SIGINT, signal.SIGTERM, "Terminated", 143),
+    (signal.SIGTERM, signal.SIGINT, "KeyboardInterrupt", 130), (signal.SIGINT, signal.SIGINT, "KeyboardInterrupt", 130),
+])
+def test_a_second_signal_aborts_with_the_signal_it_actually_was(first, second, exc_name, code, capsys):
+    from finetune.train_model import StopFlag
+    from mars_core.config import interrupt_exit
+
+    flag = StopFlag()
+    flag.handle(first, None)   # the first only asks for a checkpoint and a clean stop
+    assert flag.requested and flag.signal_name == signal.Signals(first).name
+    with pytest.raises(KeyboardInterrupt) as info:
+        flag.handle(second, None)
+    assert type(info.value).__name__ == exc_name
+    assert interrupt_exit(info.value) == code
+    assert f"interrupted ({signal.Signals(second).name})" in capsys.readouterr().err
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch):
+    import errno
+
+    from finetune.train import check_output_dir
+    from mars_core import storage
+
+    assert check_output_dir(str(tmp_path / "new" / "run")) == (tmp_path / "new" / "run").resolve()
+    assert not list((tmp_path / "new" / "run").iterdir())   # the probe file is gone
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        check_output_dir(str(tmp_path / "afile"))
+    refuse = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(storage.Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(refuse))
+    given = str(tmp_path / "ro")
+    with pytest.raises(ValueError, match=r"--output-dir .*cannot be written \(Read-only file system\): pass a") as info:
+        check_output_dir(given)
+    assert repr(given) in str(info.value) and "\n" not in str(info.value)
