@@ -25,9 +25,11 @@
 namespace {
 
 constexpr int LANES = 16;   // output channels per block: one zmm of int32 sums
-// Bytes of weights fetched ahead while the rows' products run: within noise at 1-7 rows, faster at 16 in one noisy
-// A/B (docs/experiments.md, "The VNNI kernel").
+// Bytes of weights fetched ahead while the rows' products run: into L1 a little ahead, and into L2 far enough ahead
+// to cover the memory's latency. Without the far one, 5-7 rows (compute-bound stretches) did not overlap their
+// weight reads with their products and cost the sum of both (docs/experiments.md, "The VNNI kernel").
 constexpr int PREFETCH = 1024;
+constexpr int FAR = 8192;
 constexpr int ROWS = 24;    // activation rows per pass over the weights: 24 accumulators + weights + broadcast
 
 // w int8 [N, K] -> uint8 w + 128, laid out [ceil(N / 16)][ceil(K / 4)][16][4]: a block's 16 channels x 4 inputs are
@@ -128,6 +130,7 @@ void block(const int8_t* a, int64_t kp, const int8_t* w, int64_t k4, int32_t* su
   for (int64_t i = 0; i < k4; ++i) {
     const __m512i b = _mm512_loadu_si512(w + i * LANES * 4);
     _mm_prefetch(reinterpret_cast<const char*>(w + i * LANES * 4 + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * LANES * 4 + FAR), _MM_HINT_T1);
 #define MARS_DOT(r) if constexpr (R > r) dpbusd(c##r, b, a + r * kp + 4 * i);
     MARS_ROWS(MARS_DOT)
   }
