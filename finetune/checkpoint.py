@@ -33,7 +33,7 @@ CONFIG_FILE = "train_config.json"
 
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
-RESUME_KEYS = ("base_model", "stage", "lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
+RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
                "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed",
                "batch_size", "grad_accum", "max_length", "overlong")
 
@@ -120,8 +120,11 @@ def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float) -> No
 
 
 def plain_model(train_module: TrainModule, lora: bool) -> nn.Module:
-    """The model as a stock transformers model: LoRA merged, the trained mask row in the embedding."""
+    """The model as a stock transformers model: LoRA merged, the trained mask row in the embedding. A gated
+    adapter cannot be merged (it acts on mask positions only): its plain model is the base, unchanged."""
     model = train_module.model
+    if lora and getattr(train_module, "gate", None) is not None:
+        return copy.deepcopy(model).unload()
     if lora:
         # Merge into a copy so training continues on the unmerged adapter; the copy must not
         # carry a --compile wrapper (it is bound to the original module).

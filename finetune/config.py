@@ -94,6 +94,10 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
+    gated_lora: bool = False
+    """MARS with --lora: apply the LoRA delta only where the input token is the mask (Samragh et al., arXiv
+    2507.11851), so every real token, hence the one-token path, is the base model exactly. Checkpoints then hold
+    the base weights plus the adapter in trainer_state.pt (a merged model would apply the delta everywhere)."""
     train_mask_row: bool = False
     """MARS: also train the mask token's embedding row (one vector of hidden-size numbers). For a reused special
     token (SmolLM2's <repo_name>) that row was never trained for anything; with tied embeddings the LM head's
@@ -157,6 +161,8 @@ class TrainConfig:
         need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
         need(not self.train_mask_row or self.stage == "mars",
              "train_mask_row applies to --stage mars only (AR-SFT never feeds the mask token): drop it")
+        need(not self.gated_lora or (self.lora and self.stage == "mars"),
+             "gated_lora gates a LoRA delta by the mask token: use it with --lora and --stage mars")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
         need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")

@@ -98,7 +98,7 @@ def check_output_dir(output_dir: str) -> Path:
 # TrainConfig's own defaults of the settings only the MARS loss reads
 MARS_ONLY_DEFAULTS = {k: v for k, v in vars(TrainConfig()).items()
                       if k in ("block_size", "ar_weight", "mask_label_smoothing", "random_block_offset",
-                                "soft_target_weight", "soft_target_top_k")}
+                                "soft_target_weight", "soft_target_top_k", "gated_lora")}
 
 
 def ignored_settings(cfg: TrainConfig) -> list[str]:

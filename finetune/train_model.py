@@ -106,6 +106,35 @@ class MaskRow(nn.Module):
         lm.get_input_embeddings().weight[self.mask_id] = self.row.to(lm.get_input_embeddings().weight.dtype)
 
 
+class MaskGate:
+    """--gated-lora: every LoRA delta is multiplied by (input token == mask_id), so real tokens run the base model.
+
+    A hook on the input embedding reads the ids of each forward (training's [noisy | clean] or a decoding step's
+    [tokens | masks]) and hooks on the LoRA B projections apply the gate, position by position. Nothing but a
+    forward through the input ids may run the model (an inputs_embeds call would meet a stale gate: refused)."""
+
+    def __init__(self, lm: nn.Module, mask_id: int):
+        from peft.tuners.lora import LoraLayer
+
+        self.mask_id, self.gate = mask_id, None
+        lm.get_input_embeddings().register_forward_hook(self._read_ids)
+        self.n_gated = 0
+        for module in lm.modules():
+            if isinstance(module, LoraLayer):
+                for b in module.lora_B.values():
+                    b.register_forward_hook(self._apply)
+                    self.n_gated += 1
+        assert self.n_gated, "gated_lora found no LoRA layer to gate"
+
+    def _read_ids(self, module, args, output):
+        self.gate = (args[0] == self.mask_id).unsqueeze(-1)  # [b, L, 1]
+
+    def _apply(self, module, args, output):
+        assert self.gate is not None and self.gate.shape[:-1] == output.shape[:-1], \
+            "gated LoRA saw a forward without its input ids"
+        return output * self.gate.to(output.dtype)
+
+
 class TrainModule(nn.Module):
     """Wraps the LM so that the loss runs inside ``forward``.
 
@@ -121,6 +150,7 @@ class TrainModule(nn.Module):
         self.mask_label_smoothing = cfg.mask_label_smoothing
         self.soft_target_weight, self.soft_target_top_k = cfg.soft_target_weight, cfg.soft_target_top_k
         self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
+        self.gate = MaskGate(self.causal_lm(), mask_id) if cfg.gated_lora else None
 
     def causal_lm(self) -> nn.Module:
         """The transformers model (with LoRA layers injected in place when training LoRA)."""

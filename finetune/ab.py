@@ -1,0 +1,243 @@
+"""Fixed-budget A/B of MARS training options: ``python -m finetune.ab --data DATA.jsonl --steps 150``.
+
+Every arm is one ``finetune.train`` run of the same N steps on the same examples in the same order with the same
+seed (today's smollm2 recipe, ``finetune.recipe_smollm2.TRAIN``, with the arm's settings on top), trained from
+the base model, then scored on development data only:
+
+- held-out examples: the first ``--dev-examples`` rows of --data, never trained on: mask CE (as training logs
+  it), AR CE, and the per-slot agreement of the mask top-1 with AR's top-1 (finetune.ab_score.mask_metrics);
+- development prompts: ``natural_prompts("heldout", --prompts, seed=--prompt-seed)`` (seed 77 by default; the
+  report seed 1 is refused): tokens/forward of lossless MARS at τ 0.3 and lossy MARS at τ 0.95.
+
+One command, one markdown table (printed and written to WORK/table.md; every arm's numbers in
+WORK/<arm>/score.json). Resumable: a finished arm is not trained again (an interrupted one resumes from its last
+checkpoint), and a scored arm is not scored again unless the scoring settings changed.
+
+    nohup nice -n 19 python -m finetune.ab --data runs/ab29/data.jsonl --work runs/ab29 --steps 150 \\
+        --arms baseline,soft,gated --threads 1 > runs/ab29/ab.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The options compared; each is finetune.train's settings on top of the recipe's.
+ARMS = {
+    "baseline": {},                                                   # today's recipe
+    "soft": {"soft_target_weight": 0.5},                              # half hard CE, half KL to the clean stream
+    "soft-kl": {"soft_target_weight": 1.0},                           # KL to the clean stream alone
+    "soft-top32": {"soft_target_weight": 0.5, "soft_target_top_k": 32},
+    "gated": {"gated_lora": True, "train_mask_row": False},          # delta at masks only: clean = base exactly
+    "gated-row": {"gated_lora": True},                                # the same with the mask row trained
+}
+REPORT_SEED = 1   # the seed of the published tables (finetune.recipe_smollm2.EVAL_SEED): never tuned on
+
+
+def log(msg: str) -> None:
+    print(f"[finetune.ab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m finetune.ab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="chat JSONL (finetune.distill's output); its first rows are dev")
+    ap.add_argument("--work", default="runs/ab", help="run folder: the split, one folder per arm, table.md")
+    ap.add_argument("--base", default="smollm2", help="the model every arm starts from")
+    ap.add_argument("--arms", default="baseline,soft", help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps of every arm (the fixed budget)")
+    ap.add_argument("--dev-examples", type=int, default=48, help="rows of --data held out for the mask metrics")
+    ap.add_argument("--prompts", type=int, default=32, help="development prompts to decode")
+    ap.add_argument("--prompt-seed", type=int, default=77, help=f"their seed (not {REPORT_SEED}, the report seed)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="decoding cap per prompt")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for training and scoring")
+    args = ap.parse_args(argv)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown or not args.arms:
+        raise ValueError(f"--arms {','.join(args.arms)!r} names unknown arms {unknown}: use some of {','.join(ARMS)}")
+    if args.prompt_seed == REPORT_SEED:
+        raise ValueError(f"--prompt-seed {REPORT_SEED} is the report seed, kept for the final table: use another "
+                         "(default 77)")
+    for flag in ("steps", "dev_examples", "prompts", "max_new_tokens", "threads"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use 1 or more")
+    if not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data!r} is not a file: pass finetune.distill's chat JSONL")
+
+
+# ----------------------------------------------------------------------------- data split
+
+
+def split_data(data: Path, work: Path, n_dev: int) -> tuple[Path, Path]:
+    """WORK/train.jsonl and WORK/dev.jsonl: the first ``n_dev`` rows are dev. Made once; a later call with other
+    data or another ``n_dev`` is refused, since the arms already trained would not be comparable."""
+    rows = [line for line in data.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(rows) <= n_dev:
+        raise ValueError(f"--data {str(data)!r} has {len(rows)} rows, not more than --dev-examples {n_dev}: "
+                         "lower --dev-examples or distil more")
+    train, dev, record = work / "train.jsonl", work / "dev.jsonl", work / "split.json"
+    meta = {"data": str(data.resolve()), "rows": len(rows), "dev": n_dev}
+    if record.is_file():
+        before = json.loads(record.read_text())
+        if before != meta:
+            raise ValueError(f"{work} was split from {before}, this call gives {meta}: use a new --work")
+        return train, dev
+    from mars_core.storage import atomic_write_text
+
+    atomic_write_text(dev, "".join(r + "\n" for r in rows[:n_dev]))
+    atomic_write_text(train, "".join(r + "\n" for r in rows[n_dev:]))
+    atomic_write_text(record, json.dumps(meta, indent=1))
+    return train, dev
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def arm_settings(arm: str, steps: int) -> dict:
+    """The recipe's finetune.train settings for this CPU, N steps, the arm's options on top."""
+    from finetune.config import native_bf16_cpu
+    from finetune.recipe_smollm2 import train_settings
+
+    settings = train_settings(False, native_bf16_cpu(), steps, 1.0)
+    settings.update(ARMS[arm], keep_checkpoints=1)
+    return settings
+
+
+def train_arm(args, arm: str, train_data: Path) -> dict:
+    """Train (or resume) the arm; returns its status and wall time. A finished run is left alone."""
+    from finetune.recipe_smollm2 import flags
+    from finetune.status import read_status
+
+    out = Path(args.work) / arm / "train"
+    st = read_status(out)
+    if st and st.state == "finished" and st.step == args.steps:
+        log(f"{arm}: trained before ({args.steps} steps), skipped")
+        return {"trained_before": True}
+    cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(train_data),
+           "--output-dir", str(out), *flags(arm_settings(arm, args.steps)), "--threads", str(args.threads)]
+    log(f"{arm}: $ {shlex.join(cmd)}")
+    t0 = time.perf_counter()
+    with (Path(args.work) / arm / "train.log").open("a") as fh:
+        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if code:
+        raise SystemExit(f"{arm}: finetune.train failed (exit {code}): see {Path(args.work) / arm / 'train.log'}")
+    return {"train_s": round(time.perf_counter() - t0, 1)}
+
+
+def train_summary(out: Path, last: int = 25) -> dict:
+    """Mean mask / AR CE of the last ``last`` logged steps and the run's training seconds."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tail = rows[-last:]
+    mean = lambda key: sum(r[key] for r in tail) / len(tail)   # noqa: E731
+    return {"train_mask_ce": mean("loss_mask"), "train_ar_ce": mean("loss_ar"), "train_elapsed_s": rows[-1]["elapsed"],
+            "steps": rows[-1]["step"]}
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score_key(args, checkpoint: Path) -> dict:
+    """What a score depends on: a saved score with another key is redone."""
+    return {"checkpoint": str(checkpoint), "dev_examples": args.dev_examples, "prompts": args.prompts,
+            "prompt_seed": args.prompt_seed, "max_new_tokens": args.max_new_tokens}
+
+
+def score_arm(args, arm: str, dev_data: Path) -> dict:
+    """The arm's score.json, computed unless a saved one has the same key."""
+    import torch
+
+    from finetune.ab_score import decode_metrics, mask_metrics, trained_model
+    from finetune.checkpoint import list_checkpoints
+    from finetune.config import native_bf16_cpu
+    from finetune.data import build_examples, load_conversations, pad_id_of
+    from finetune.natural import natural_prompts
+    from finetune.train_model import load_base
+    from mars_core.loading import wrap_model
+    from mars_core.storage import atomic_write_text
+
+    folder = Path(args.work) / arm
+    checkpoint = list_checkpoints(folder / "train")[-1]
+    key = score_key(args, checkpoint)
+    path = folder / "score.json"
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        log(f"{arm}: scored before, skipped")
+        return json.loads(path.read_text())
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    base = load_base(args.base)
+    model = trained_model(checkpoint, base)
+    settings = arm_settings(arm, args.steps)
+    dev = build_examples(load_conversations(str(dev_data)), base.tokenizer, max_length=settings["max_length"],
+                         block_size=settings["block_size"], eos_ids=base.eos_ids, overlong="drop")
+    masks = mask_metrics(model, dev, base.mask_id, pad_id_of(base.tokenizer, base.eos_ids), settings["block_size"])
+    log(f"{arm}: held-out mask CE {masks['mask_ce']:.3f}, agreement {masks['agreement']}")
+    dtype = torch.bfloat16 if native_bf16_cpu() else torch.float32   # as the recipe decodes on this CPU
+    lm = wrap_model(model.to(dtype), base.tokenizer, name=arm,
+                    mask_token=base.tokenizer.convert_ids_to_tokens(base.mask_id))
+    assert lm.mask_id == base.mask_id, "the scored model resolved another mask token than training used"
+    prompts = natural_prompts("heldout", args.prompts, seed=args.prompt_seed)
+    decoded = decode_metrics(lm, prompts, block_size=settings["block_size"], max_new_tokens=args.max_new_tokens)
+    result = {"key": key, "arm": arm, "settings": ARMS[arm], "dtype": str(dtype).replace("torch.", ""),
+              **train_summary(folder / "train"), **masks, **decoded, "score_s": round(time.perf_counter() - t0, 1)}
+    atomic_write_text(path, json.dumps(result, indent=1))
+    log(f"{arm}: lossless {decoded['lossless_tpf']:.3f}, lossy {decoded['lossy_tpf']:.3f} tokens/forward")
+    return result
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def format_table(results: list[dict], block_size: int = 4) -> str:
+    slots = " / ".join(str(j) for j in range(1, block_size))
+    head = (f"| arm | settings | steps | train min | train mask CE (last 25) | held-out mask CE | held-out AR CE | "
+            f"agreement slot {slots} | lossless τ 0.3 tok/fwd | lossy τ 0.95 tok/fwd | lossy = lossless "
+            "(answers / prefix) |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        agree = " / ".join(f"{100 * r['agreement'].get(f'slot{j}', float('nan')):.1f}%" for j in range(1, block_size))
+        settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "recipe"
+        lines.append(f"| {r['arm']} | {settings} | {r['steps']} | {r['train_elapsed_s'] / 60:.1f} | "
+                     f"{r['train_mask_ce']:.3f} | {r['mask_ce']:.3f} | {r['ar_ce']:.3f} | {agree} | "
+                     f"{r['lossless_tpf']:.3f} | {r['lossy_tpf']:.3f} | "
+                     f"{100 * r['lossy_same_answer']:.0f}% / {100 * r['lossy_prefix_share']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from finetune.config import check_output_file
+
+    args = parse_args(argv)
+    work = Path(args.work)
+    check_output_file("--work", work / "table.md")
+    train_data, dev_data = split_data(Path(args.data), work, args.dev_examples)
+    results = []
+    for arm in args.arms:
+        (work / arm).mkdir(parents=True, exist_ok=True)
+        train_arm(args, arm, train_data)
+        results.append(score_arm(args, arm, dev_data))
+        table = format_table(results)
+        header = (f"Development A/B, {args.steps} steps per arm from {args.base}; held-out: {args.dev_examples} "
+                  f"examples of --data; prompts: natural_prompts('heldout', {args.prompts}, seed={args.prompt_seed}),"
+                  f" {args.max_new_tokens} new tokens, {results[0]['dtype']}.\n\n")
+        from mars_core.storage import atomic_write_text
+
+        atomic_write_text(work / "table.md", header + table + "\n")
+    print(header + table)
+    return 0
+
+
+if __name__ == "__main__":
+    from finetune.config import run_main
+
+    run_main(main)

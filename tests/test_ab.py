@@ -1,0 +1,148 @@
+"""finetune.ab (the fixed-budget A/B harness), its scoring (finetune.ab_score) and gated LoRA, on a tiny model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.tiny_fixtures import make_tiny_model_dir
+
+from finetune.train import main as train_main
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["What is 3 + 4?", "What is 12 + 5?", "Sort 3, 1, 2.", "Reverse the word cat."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = make_tiny_model_dir(root / "model")
+    data = root / "data.jsonl"
+    with data.open("w") as f:
+        for a in range(40):
+            b = (a * 7) % 10
+            question = {"role": "user", "content": f"What is {a} + {b}?"}
+            answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+            f.write(json.dumps({"messages": [question, answer]}) + "\n")
+    return model_dir, data
+
+
+@pytest.fixture(scope="module")
+def gated_run(tiny, tmp_path_factory):
+    model_dir, data = tiny
+    out = tmp_path_factory.mktemp("gated") / "run"
+    train_main(["--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--batch-size", "4",
+                "--max-length", "64", "--threads", "1", "--stage", "mars", "--lora", "--lora-r", "4", "--gated-lora",
+                "--lr", "3e-2", "--decay", "constant", "--max-steps", "3"])
+    return out / "checkpoint-3"
+
+
+def loaded(model, tokenizer, mask_id):
+    from mars_core.loading import wrap_model
+
+    lm = wrap_model(model, tokenizer, mask_token=tokenizer.convert_ids_to_tokens(mask_id))
+    assert lm.mask_id == mask_id
+    return lm
+
+
+def test_mask_slots_count_the_masks_after_the_last_real_token_in_each_block():
+    from finetune.ab_score import mask_slots
+
+    labels = torch.tensor([[-100, -100, -100, 5, 6, 7, 8, 9, 1, 2, -100, -100]])   # prompt 0..2, answer 3..9, pad
+    assert mask_slots(labels, 4, 0).tolist() == [[0, 0, 0, 1, 1, 2, 3, 4, 1, 2, 0, 0]]
+    assert mask_slots(labels, 4, 1).tolist() == [[0, 0, 0, 1, 2, 3, 4, 1, 2, 3, 0, 0]]
+
+
+def test_held_out_mask_ce_is_the_training_loss_mask_and_agreement_is_per_slot(tiny):
+    from finetune.ab_score import MaskTally, mask_metrics, tally_batch
+    from finetune.data import build_examples, collate, load_conversations
+    from finetune.losses import mars_loss
+    from finetune.train_model import load_base
+
+    model_dir, data = tiny
+    base = load_base(str(model_dir))
+    examples = build_examples(load_conversations(str(data))[:8], base.tokenizer, max_length=64, block_size=4,
+                              eos_ids=base.eos_ids)
+    batch = collate(examples, 0)
+    for offset in (0, 3):
+        tally = MaskTally(4)
+        tally_batch(base.model, batch, base.mask_id, 4, offset, tally)
+        with torch.no_grad():
+            want = mars_loss(base.model, **batch, block_size=4, mask_id=base.mask_id, block_offset=offset)
+        assert tally.ce_mask / tally.labels == pytest.approx(float(want.loss_mask), abs=1e-5)
+        assert tally.ce_ar / tally.labels == pytest.approx(float(want.loss_ar), abs=1e-5)
+    got = mask_metrics(base.model, examples, base.mask_id, 0, 4, batch_size=3)
+    assert set(got["agreement"]) == {"slot1", "slot2", "slot3"}
+    assert all(0 <= v <= 1 for v in got["agreement"].values())
+
+
+def test_gated_lora_keeps_the_one_token_path_the_base_model_and_changes_the_masks(tiny, gated_run):
+    from finetune.ab_score import trained_model
+    from finetune.train_model import load_base
+    from mars_core import DecodeConfig, generate
+
+    model_dir, _ = tiny
+    plain = load_file(str(gated_run / "model.safetensors"))
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():   # the checkpoint is the base
+        assert torch.equal(plain[name], tensor), name
+    base = load_base(str(model_dir))
+    gated = loaded(trained_model(gated_run, load_base(str(model_dir))), base.tokenizer, base.mask_id)
+    reference = loaded(base.model.eval(), base.tokenizer, base.mask_id)
+    for cfg in (DecodeConfig(mode="ar", max_new_tokens=24), DecodeConfig(mode="verify", tau=0.3, max_new_tokens=24)):
+        want = [r.token_ids for r in generate(reference, PROMPTS, DecodeConfig(mode="ar", max_new_tokens=24))]
+        assert [r.token_ids for r in generate(gated, PROMPTS, cfg)] == want, cfg.mode
+    ids = torch.tensor([gated.encode(PROMPTS[0]) + [base.mask_id] * 3])
+    with torch.no_grad():
+        a, b = gated.model(input_ids=ids).logits, reference.model(input_ids=ids).logits
+    n = ids.shape[1] - 3
+    torch.testing.assert_close(a[:, :n], b[:, :n], atol=0, rtol=0)   # real tokens: the base model, bit for bit
+    assert (a[:, n:] - b[:, n:]).abs().max() > 1e-3                  # masks: the adapter
+
+
+def test_gated_lora_needs_lora_and_mars():
+    from finetune.config import TrainConfig
+
+    with pytest.raises(ValueError, match="gated_lora .*--lora and --stage mars"):
+        TrainConfig(gated_lora=True)
+    with pytest.raises(ValueError, match="gated_lora"):
+        TrainConfig(gated_lora=True, lora=True, stage="ar-sft")
+
+
+def run_ab(*args):
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    return subprocess.run([sys.executable, "-m", "finetune.ab", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args,fix", [
+    (["--arms", "baseline,warp"], "unknown arms ['warp']"),
+    (["--prompt-seed", "1"], "report seed"),
+    (["--steps", "0"], "--steps 0: use 1 or more"),
+])
+def test_bad_flags_are_one_line_naming_the_fix_and_exit_2(tiny, tmp_path, args, fix):
+    _, data = tiny
+    done = run_ab("--data", str(data), "--work", str(tmp_path / "w"), *args)
+    assert done.returncode == 2 and fix in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_one_command_trains_and_scores_every_arm_and_a_rerun_redoes_nothing(tiny, tmp_path):
+    model_dir, data = tiny
+    work = tmp_path / "ab"
+    args = ["--data", str(data), "--work", str(work), "--base", str(model_dir), "--arms", "baseline,gated",
+            "--steps", "2", "--dev-examples", "8", "--prompts", "2", "--max-new-tokens", "8"]
+    first = run_ab(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    table = (work / "table.md").read_text()
+    assert "| baseline | recipe | 2 |" in table and "| gated | gated_lora=True, train_mask_row=False | 2 |" in table
+    assert len((work / "dev.jsonl").read_text().splitlines()) == 8
+    assert len((work / "train.jsonl").read_text().splitlines()) == 32
+    scores = {arm: (work / arm / "score.json").read_text() for arm in ("baseline", "gated")}
+    again = run_ab(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("trained before") == 2 and again.stdout.count("scored before") == 2
+    assert {arm: (work / arm / "score.json").read_text() for arm in scores} == scores
+    other = run_ab(*args[:-6], "--dev-examples", "9", "--prompts", "2", "--max-new-tokens", "8")
+    assert other.returncode == 2 and "use a new --work" in other.stderr
