@@ -17,10 +17,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from app import inputs, models
+from app.machine import MACHINE, take_turn
 
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
 BATCH = 16               # prompts decoded together in a lossless sweep
+# A pasted-prompt row times MARS against AR on the first few prompts, each twice (the faster run kept): a row
+# then takes seconds on a real-language model instead of minutes, so the rows arrive while a class watches.
+TIMING_PROMPTS, TIMING_REPEATS = 4, 2
 
 
 def parse_taus(text: str) -> list[float]:
@@ -60,49 +64,55 @@ def _verify_cfg(tau, block_size, max_new_tokens, criterion):
                         criterion=criterion)
 
 
-def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, progress=None,
-                  criterion: str = "prob", lossless: bool = False) -> list[dict]:
-    """Lossy MARS per τ through the task-suite evaluator (`finetune.evaluate.sweep`); with `lossless`, verify mode per
-    τ < 1 too, scored the same way (its accuracy is AR's by construction, and is measured, not assumed)."""
+def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
+                 lossless: bool = False):
+    """A generator of sweep rows, one per τ as each finishes: lossy MARS through the task-suite evaluator
+    (`finetune.evaluate.sweep`); with `lossless`, verify mode per τ < 1 too, scored the same way (its accuracy is
+    AR's by construction, and is measured, not assumed)."""
     from finetune.evaluate import score, sweep, time_against_ar
     from finetune.evaluate_common import decode_batches
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
     examples = make_examples("heldout", int(n), seed=0)
-    rows = sweep(lm, examples, taus, block_size=block_size, max_new_tokens=max_new_tokens, progress=progress,
-                 timing_prompts=min(int(n), 8), criterion=criterion)
-    for r in rows:
-        r.update(quality=r["accuracy"], quality_name="accuracy", mode="mars")
-    if lossless:
-        ids = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
-        for tau in [t for t in taus if t < 1.0]:
-            cfg = _verify_cfg(tau, block_size, max_new_tokens, criterion)
-            out = decode_batches(lm, ids, cfg, BATCH)
-            accuracy, per_family = score(examples, [r.text for r in out])
-            ar_t, v_t = time_against_ar(lm, ids[:min(int(n), 8)], cfg)
-            rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
-                         "n": len(examples), "mode": "verify", "accuracy": accuracy, "per_family": per_family,
-                         "quality": accuracy, "quality_name": "accuracy",
-                         "tokens_per_forward": sum(r.tokens_per_forward for r in out) / len(out),
-                         "speedup": ar_t / v_t if v_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": v_t,
-                         "timing_prompts": min(int(n), 8)})
-            if progress is not None:
-                progress(1.0, f"lossless τ={tau}: accuracy {accuracy:.1%}")
-    return rows
+    for tau in taus:
+        for r in sweep(lm, examples, [tau], block_size=block_size, max_new_tokens=max_new_tokens,
+                       timing_prompts=min(int(n), 8), criterion=criterion):
+            r.update(quality=r["accuracy"], quality_name="accuracy", mode="mars")
+            yield r
+    if not lossless:
+        return
+    ids = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
+    for tau in [t for t in taus if t < 1.0]:
+        cfg = _verify_cfg(tau, block_size, max_new_tokens, criterion)
+        out = decode_batches(lm, ids, cfg, BATCH)
+        accuracy, per_family = score(examples, [r.text for r in out])
+        ar_t, v_t = time_against_ar(lm, ids[:min(int(n), 8)], cfg)
+        yield {"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
+               "n": len(examples), "mode": "verify", "accuracy": accuracy, "per_family": per_family,
+               "quality": accuracy, "quality_name": "accuracy",
+               "tokens_per_forward": sum(r.tokens_per_forward for r in out) / len(out),
+               "speedup": ar_t / v_t if v_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": v_t,
+               "timing_prompts": min(int(n), 8)}
 
 
-def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, progress=None,
-               criterion: str = "prob", lossless: bool = False) -> list[dict]:
-    """Agreement of MARS with the model's own AR output, tokens/forward and speedup, per τ; with `lossless`,
-    the same for verify mode at each τ < 1 (its agreement is 100% by construction, and is measured)."""
+def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
+                  lossless: bool = False) -> list[dict]:
+    """builtin_rows as a list."""
+    return list(builtin_rows(lm, n, taus, block_size, max_new_tokens, criterion, lossless))
+
+
+def free_rows(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
+              lossless: bool = False):
+    """A generator of sweep rows, one per τ as each finishes: agreement of MARS with the model's own AR output,
+    tokens/forward and speedup; with `lossless`, the same for verify mode at each τ < 1 (its agreement is 100% by
+    construction, and is measured)."""
     from mars_core import DecodeConfig, generate
     from finetune.evaluate import time_against_ar
     ids = [lm.encode(p) for p in prompts]
     ar = generate(lm, ids, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
-    runs = [("mars", t) for t in taus] + ([("verify", t) for t in taus if t < 1.0] if lossless else [])
-    rows = []
-    for k, (mode, tau) in enumerate(runs):
+    timed = ids[:TIMING_PROMPTS]
+    for mode, tau in [("mars", t) for t in taus] + ([("verify", t) for t in taus if t < 1.0] if lossless else []):
         cfg = (_verify_cfg(tau, block_size, max_new_tokens, criterion) if mode == "verify" else
                DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                             criterion=criterion))
@@ -110,17 +120,20 @@ def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: in
         exact = sum(a.token_ids == m.token_ids for a, m in zip(ar, out)) / len(out)
         token_agree = sum(difflib.SequenceMatcher(a=a.token_ids, b=m.token_ids, autojunk=False).ratio()
                           for a, m in zip(ar, out)) / len(out)
-        ar_t, mars_t = time_against_ar(lm, ids, cfg)
-        rows.append({"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
-                     "n": len(prompts), "mode": mode,
-                     "quality": exact, "quality_name": "agreement with AR", "exact_agreement": exact,
-                     "token_agreement": token_agree,
-                     "tokens_per_forward": sum(m.tokens_per_forward for m in out) / len(out),
-                     "speedup": ar_t / mars_t if mars_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": mars_t,
-                     "outputs": [m.text for m in out]})
-        if progress is not None:
-            progress((k + 1) / len(runs), f"{'lossless ' if mode == 'verify' else ''}τ={tau}: agreement {exact:.0%}")
-    return rows
+        ar_t, mars_t = time_against_ar(lm, timed, cfg, repeats=TIMING_REPEATS)
+        yield {"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
+               "n": len(prompts), "mode": mode,
+               "quality": exact, "quality_name": "agreement with AR", "exact_agreement": exact,
+               "token_agreement": token_agree,
+               "tokens_per_forward": sum(m.tokens_per_forward for m in out) / len(out),
+               "speedup": ar_t / mars_t if mars_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": mars_t,
+               "timing_prompts": len(timed), "outputs": [m.text for m in out]}
+
+
+def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
+               lossless: bool = False) -> list[dict]:
+    """free_rows as a list."""
+    return list(free_rows(lm, prompts, taus, block_size, max_new_tokens, criterion, lossless))
 
 
 def knows_the_tasks(name: str) -> bool:
@@ -139,32 +152,74 @@ def not_a_task_model(choice, free_text, name: str) -> str:
             f"to sweep the tasks, or choose \"my prompts\" to sweep {label}")
 
 
+def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
+                jobs=None) -> dict:
+    """The explorer's values, checked before the sweep waits for the machine; ValueError naming the fix."""
+    if source not in ("builtin", "free"):
+        raise ValueError(f"prompts {source!r} is unknown: use 'builtin' (the held-out tasks) or 'free' (your own)")
+    spec = dict(taus=parse_taus(taus_text), criterion=inputs.check_criterion(criterion),
+                block_size=_whole(block_size, "block size B", 2, 8), max_new=_whole(max_new_tokens, "max new tokens",
+                                                                                   8, 256))
+    # the model the picker shows, for both sources: the page never switches models behind the user's back
+    spec["name"] = name = models.resolve(choice, free_text, jobs)
+    if source == "free":
+        spec["prompts"] = parse_prompts(prompts_text)
+    elif not knows_the_tasks(name):
+        raise ValueError(not_a_task_model(choice, free_text, name))
+    else:
+        spec["n"] = _whole(n, "number of built-in tasks", 1, MAX_BUILTIN)
+    return spec
+
+
+def _whole(value, name: str, lo: int, hi: int) -> int:
+    notes: list[str] = []
+    v = inputs.clamp(value, lo, hi, name, notes, integer=True)
+    if notes:
+        raise ValueError(f"{name} {value!r} is out of range: use {lo}..{hi}")
+    return v
+
+
 def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
-              lossless, picked, progress=gr.Progress(), jobs=None):
-    """The Run sweep button: (status line, Pareto figure, table rows, JSON export); a ⚠ line for bad input."""
+              lossless, picked=True, jobs=None, machine=MACHINE):
+    """The Run sweep button: a generator of (status line, Pareto figure, table rows, JSON export); it waits for
+    the machine saying where it stands, then a row per τ as each finishes; a ⚠ line for bad input.
+    (`picked` stays in the signature for the page's wiring and API only.)"""
     try:
-        taus = parse_taus(taus_text)
-        criterion = inputs.check_criterion(criterion)
-        # the model the picker shows, for both sources: the page never switches models behind the user's back
-        # (`picked` stays in the signature for the wiring only)
-        name = models.resolve(choice, free_text, jobs)
-        if source != "free" and not knows_the_tasks(name):
-            return f"⚠ {not_a_task_model(choice, free_text, name)}", gr.skip(), gr.skip(), gr.skip()
-        lm = models.get_model(name)
-        kw = dict(criterion=criterion, lossless=bool(lossless))
-        if source == "free":
-            rows = sweep_free(lm, parse_prompts(prompts_text), taus, int(block_size), int(max_new_tokens),
-                              progress, **kw)
-        else:
-            rows = sweep_builtin(lm, int(n), taus, int(block_size), int(max_new_tokens), progress, **kw)
+        spec = check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens,
+                           criterion, jobs)
     except Exception as exc:
-        return f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
-    path = export_json(rows, {"model": name, "source": source, "block_size": int(block_size),
-                              "max_new_tokens": int(max_new_tokens), "criterion": criterion})
-    n_tau = len({r["tau"] for r in rows})
+        yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
+        return
+    ticket = yield from take_turn(machine, "a τ sweep", lambda line: (line, gr.skip(), gr.skip(), gr.skip()))
+    try:
+        yield from _sweep_rows(spec, source, bool(lossless))
+    finally:   # also when Gradio closes this generator because its page went away
+        machine.leave(ticket)
+
+
+def _sweep_rows(spec: dict, source: str, lossless: bool):
+    name, taus, criterion = spec["name"], spec["taus"], spec["criterion"]
+    total = len(taus) + (sum(t < 1.0 for t in taus) if lossless else 0)
+    rows: list[dict] = []
+    try:
+        yield f"◔ loading **{name}** …", gr.skip(), gr.skip(), gr.skip()
+        lm = models.get_model(name)
+        kw = dict(criterion=criterion, lossless=lossless)
+        yield f"◔ sweeping: row 1 of {total} …", gr.skip(), gr.skip(), gr.skip()
+        it = (free_rows(lm, spec["prompts"], taus, spec["block_size"], spec["max_new"], **kw) if source == "free"
+              else builtin_rows(lm, spec["n"], taus, spec["block_size"], spec["max_new"], **kw))
+        for row in it:
+            rows.append(row)
+            more = f" · row {len(rows) + 1} of {total} …" if len(rows) < total else ""
+            yield (f"◔ {len(rows)} of {total} rows done{more}", pareto_figure(rows), table_rows(rows), gr.skip())
+    except Exception as exc:
+        yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
+        return
+    path = export_json(rows, {"model": name, "source": source, "block_size": spec["block_size"],
+                              "max_new_tokens": spec["max_new"], "criterion": criterion})
     both = ", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else ""
-    return (f"✓ {n_tau} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {criterion}){both}.",
-            pareto_figure(rows), table_rows(rows), path)
+    yield (f"✓ {len(taus)} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {criterion}){both}.",
+           pareto_figure(rows), table_rows(rows), path)
 
 
 # Label placement: plotly does not avoid overlaps, so each τ label gets the first nearby offset whose box

@@ -16,6 +16,7 @@ import gradio as gr
 from app import models, notices, plots, timing
 # The input checks live in app.inputs (the Learn and Explorer tabs use them too); ui.py builds its sliders from
 # the limits and `lenient` through this module, so they are imported by name here.
+from app.machine import MACHINE, Machine, take_turn
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
                         check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
 from app.race import LANE_LABELS, LANES, SideRecord, race
@@ -40,6 +41,11 @@ _tau_lock = threading.Lock()
 # The last clamp note of the τ field, by session: the page may hand the race the clamped value only, so the
 # race repeats the note when it runs at that value.
 _tau_notes: dict[str, tuple[float, str] | None] = {}
+# The τ each session's page last set, and when: a race that waited for the machine starts with a τ set after it
+# was asked for.
+_tau_latest: dict[str, tuple[float, float]] = {}
+# Each session's newest race: an older race of the same page (Race pressed again) stops at its next forward.
+_newest: dict[str, object] = {}
 
 
 def token_texts(lm):
@@ -82,6 +88,7 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
         return f"⚠ {exc}"
     key = _session(request)
     with _tau_lock:
+        _tau_latest[key] = (value, time.monotonic())
         kept = _tau_notes.get(key)
         if notes:
             _tau_notes[key] = (value, notes[0])
@@ -93,7 +100,7 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
     with _tau_lock:
         controls = _tau_controls.get(key)
     if controls is None:
-        return f"τ = {_tau_text(value)} (applies to the next run){note}"
+        return f"τ = {_tau_text(value)} (applies to the next run, and to a race waiting for the machine){note}"
     for control in controls:
         control.value = value
     return f"τ → {_tau_text(value)} from the next forward pass{note}"
@@ -117,7 +124,7 @@ def empty_sides() -> dict[str, SideRecord]:
     return {n: SideRecord(LANE_LABELS[n], n) for n in LANES}
 
 
-def _outputs(status, sides, final=False, measured=None, measuring="", tau_line=None):
+def _outputs(status, sides, final=False, measured=None, measuring="", tau_line=None, with_state=False):
     """The tuple of values the race yields, in the order of the outputs in ui._wire_race:
     status, τ line, AR pane, lossless pane, MARS pane, stats, 3 plots, ledger step, ledger, state."""
     vals = [status, gr.skip() if tau_line is None else tau_line]
@@ -131,8 +138,8 @@ def _outputs(status, sides, final=False, measured=None, measuring="", tau_line=N
                  plots.diff_figure(mars.token_strings, ar.token_strings),
                  gr.update(minimum=0, maximum=max(1, last), value=0, interactive=mars.forwards > 1),
                  render_ledger(mars, 0), dict(sides)]
-    else:
-        vals += [gr.skip()] * 6
+    else:   # the race state again at the end (plots and ledger stay as the user left them)
+        vals += [gr.skip()] * 5 + [dict(sides) if with_state else gr.skip()]
     return tuple(vals)
 
 
@@ -151,11 +158,6 @@ def clear_warning(message):
     text = message if isinstance(message, str) else ""
     stripped = re.sub(r"<[^>]+>", "", text).strip()
     return "" if stripped.startswith("⚠") else gr.skip()
-
-
-def waiting_status():
-    """Shown the moment Race is pressed: replaced by the race's own first message once it starts."""
-    return "⏳ waiting for the machine — another race or sweep is running; this one starts when it ends"
 
 
 def _repeat_tau_note(session: str, tau: float, notes: list[str]) -> None:
@@ -261,8 +263,36 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
     yield from race_models(settings, name, ar_name, session, jobs)
 
 
-def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = "default", jobs=None):
-    """The race once its inputs are checked: load the models, stream the lanes, time them again."""
+class _Superseded(Exception):
+    """The page pressed Race again: this race stops quietly and the newer one takes its panes."""
+
+
+def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = "default", jobs=None,
+                machine: Machine = MACHINE):
+    """The race once its inputs are checked: wait for the machine (saying where it stands), then load the
+    models, stream the lanes, show the answers, and time the decoders again within a budget."""
+    asked = time.monotonic()
+    mine = object()
+    with _tau_lock:
+        _newest[session] = mine   # an older race of this page stops at its next forward
+    ticket = yield from take_turn(machine, "a race", _status_only)
+    try:
+        if _newest.get(session) is not mine:
+            return
+        _take_tau_moved_while_waiting(settings, session, asked)
+
+        def superseded() -> bool:
+            return _newest.get(session) is not mine
+
+        yield from _race_on_machine(settings, name, ar_name, session, jobs, superseded,
+                                    lambda: superseded() or machine.others_waiting(ticket) > 0)
+    except _Superseded:
+        return
+    finally:
+        machine.leave(ticket)
+
+
+def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, jobs, superseded, give_way):
     page = _Page(empty_sides(), _notes_text(settings, name, jobs))
     page.sides["ar"].label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
     page.sides["verify"].layout = settings.draft_layout
@@ -276,21 +306,45 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
                                      "set temperature to 0 to race it")
     try:
         lanes = _make_lanes(settings, lm, ar_lm)
-        yield from _stream_lanes(page, settings, lanes, session)
+        yield from _stream_lanes(page, settings, lanes, session, superseded)
+    except _Superseded:
+        raise
     except Exception as exc:
         yield page.show(f"⚠ Generation failed: {models.friendly_error(exc)}")
         return
     summary, tau_line = _summary(page.sides, lanes), _ran_tau_line(page.sides)
-    measured = None
-    if settings.measure_after:
-        try:
-            measured = yield from _time_again(page, settings, lanes, summary, tau_line)
-        except Exception as exc:
-            yield page.show(f"✓ Done: {summary}. ⚠ the timing after the race failed: {models.friendly_error(exc)}",
-                            final=True, tau_line=tau_line)
-            return
+    if not settings.measure_after:
+        yield page.show(f"✓ Done: {summary}.", final=True, tau_line=tau_line)
+        return
+    # the answers, tokens/forward, plots and ledger go out now; the timing follows within its budget
+    yield page.show(f"✓ Race finished: {summary}. ◔ timing the decoders again for a speedup you can quote …",
+                    final=True, tau_line=tau_line, measuring="◔ timing again …")
+    try:
+        measured = yield from _time_again(page, settings, lanes, summary, tau_line, give_way)
+    except Exception as exc:
+        yield page.show(f"✓ Done: {summary}. ⚠ the timing after the race failed: {models.friendly_error(exc)}",
+                        tau_line=tau_line, with_state=True)
+        return
+    if superseded():
+        raise _Superseded
     yield page.show(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else ""),
-                    final=True, measured=measured, tau_line=tau_line)
+                    measured=measured, tau_line=tau_line, with_state=True)
+
+
+def _status_only(status: str) -> tuple:
+    """Outputs that change the status line only (a waiting race leaves the panes of the last one alone)."""
+    return (status,) + (gr.skip(),) * (N_OUTPUTS - 1)
+
+
+def _take_tau_moved_while_waiting(settings: RaceSettings, session: str, asked: float) -> None:
+    """A τ set on the page after the race was asked for (it waited for the machine) is the τ it starts with."""
+    with _tau_lock:
+        moved = _tau_latest.get(session)
+    if moved is None or moved[1] <= asked or abs(moved[0] - settings.tau) < 1e-9:
+        return
+    before, settings.tau = settings.tau, moved[0]
+    settings.notes.append(f"τ moved from {_tau_text(before)} to {_tau_text(settings.tau)} while the race waited: "
+                          f"it ran at {_tau_text(settings.tau)}")
 
 
 def _notes_text(settings: RaceSettings, name: str, jobs=None) -> str:
@@ -308,9 +362,11 @@ def _load_models(page: _Page, name: str, ar_name: str):
     return models.get_model(name), models.get_model(ar_name)
 
 
-def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], session: str):
+def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], session: str,
+                  superseded=lambda: False):
     """Race the decoders (app.race.race: the lane with the least compute so far runs the next forward); the page
-    gets at most one update per YIELD_EVERY_S, and the τ slider steers the MARS lanes meanwhile."""
+    gets at most one update per YIELD_EVERY_S, and the τ slider steers the MARS lanes meanwhile. Raises
+    _Superseded after the forward during which the page asked for a newer race."""
     controls = [lane.control for lane in lanes.values() if lane.control is not None]
     with _tau_lock:
         _tau_controls[session] = controls
@@ -321,6 +377,8 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
         yield page.show("▶ Racing …")
         last = 0.0
         for n, event in racing:
+            if superseded():
+                raise _Superseded
             page.sides[n].add(event, *words[n])
             if settings.slow_motion > 1:
                 time.sleep((settings.slow_motion - 1) * event.step_time)
@@ -352,20 +410,23 @@ def _ran_tau_line(sides) -> str:
     return "ran at " + " · ".join(parts) if parts else ""
 
 
-def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], summary: str, tau_line: str):
-    """Time the lanes' decoders again (app.timing), a status line per progress message; returns the measurements."""
+def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], summary: str, tau_line: str,
+                give_way=lambda: False):
+    """Time the lanes' decoders again (app.timing), each repeat's numbers shown as they arrive; returns the
+    measurements. `give_way()` true (a newer race, another job waiting) ends the repeats early."""
+    if give_way():
+        return {}
     prompt_ids = lanes["mars"].lm.encode(settings.prompt)
     runs = {n: lane.rerun(prompt_ids, page.sides[n].taus) for n, lane in lanes.items()}
     progress = timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
-                                   settings.block_size)
-    first = True   # the plots, the ledger and the state go out once, with the first progress line
+                                   settings.block_size, stop=give_way)
     while True:
         try:
-            msg = next(progress)
+            msg, so_far = next(progress)
         except StopIteration as done:
             return done.value
-        yield page.show(f"▶ Race finished: {summary}. {msg}", final=first, measuring=msg, tau_line=tau_line)
-        first = False
+        yield page.show(f"✓ Race finished: {summary}. {msg}", measured=so_far or None, measuring=msg,
+                        tau_line=tau_line)
 
 
 def _decoder(lm):

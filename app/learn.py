@@ -12,6 +12,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app import inputs, models
+from app.machine import MACHINE
 from app.plots import empty_figure
 
 MASK_TEXT = """
@@ -111,8 +112,13 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
         block_size = int(block_size)
         criterion = inputs.check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
-        lm = models.get_model(name)
-        event = first_step(lm, prompt, tau, block_size, criterion)
+        ticket = MACHINE.join("a Learn step")
+        try:   # one forward: it waits its turn without a line of its own
+            MACHINE.wait_turn(ticket, None)
+            lm = models.get_model(name)
+            event = first_step(lm, prompt, tau, block_size, criterion)
+        finally:
+            MACHINE.leave(ticket)
         note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
         ran_on = f"<p class='defs'>model: <b>{html.escape(model_label(choice, free_text, name))}</b></p>"
         return ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)

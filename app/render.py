@@ -210,30 +210,7 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     cmp = compare(side.token_strings, ar.token_strings) if done else None
     word = "speedup" if cmp is None or cmp.identical else "time ratio"
     if m is not None:
-        # full precision in the data attributes, so whoever reads them rounds exactly as the text does
-        value = (f'<b id="{vid}" data-median="{float(m.median)!r}" data-min="{float(m.low)!r}" '
-                 f'data-max="{float(m.high)!r}" data-bound="{float(m.bound)!r}" data-repeats="{m.repeats}">'
-                 f'{m.median:.2f}×</b>')
-        how = (f"measured: median of {m.repeats} alternating runs after the race, "
-               f"min {m.low:.2f}× – max {m.high:.2f}× ({_esc(m.clock)})")
-        bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "
-                 f"(after the prompt pass) × cost(1) ÷ cost({m.mean_fed:.1f} positions fed) = "
-                 f"{m.forward_ratio:.2f} ÷ {m.mean_cost:.2f}; cost = the forward (measured after the race: "
-                 f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it (AR's "
-                 f"timed run per forward − its forward)")
-        if m.forward_ratio_label:
-            bound += f" ({_esc(m.forward_ratio_label)})"
-        note = ""
-        if m.median > m.bound * 1.0005:
-            note = (f"<div class='exceeds'>The measurement exceeds the bound by {m.median / m.bound - 1:.0%}: the "
-                    f"bound and the timing were measured at different moments on a machine shared with other work, "
-                    f"and the spread (min–max) shows how much that moves a run; a MARS step cannot really cost less "
-                    f"than its forward.</div>")
-        if m.note:
-            note += f"<div class='exceeds'>{_esc(m.note)}</div>"
-        return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: {value}'
-                f'<span class="how">{how}</span><div class="bound-line">{bound}</div>'
-                f'<div class="equal-work">{comparison_html(cmp, label)}</div>{note}</div>')
+        return _measured_html(lane, vid, label, word, cmp, m)
     race_ratio = ""
     if done and side.compute_time > 0:
         race_ratio = (f"this race, one run: {ar.compute_time / side.compute_time:.2f}× "
@@ -243,6 +220,37 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: <b id="{vid}">—</b>'
             f'<span class="how">{_esc(" · ".join(x for x in (race_ratio, wait) if x))}</span>'
             f'<div class="equal-work">{comparison_html(cmp, label)}</div></div>')
+
+
+def _measured_html(lane: str, vid: str, label: str, word: str, cmp, m) -> str:
+    """The speedup line once timed: the median and spread of the repeats so far, and the bound once measured."""
+    # full precision in the data attributes, so whoever reads them rounds exactly as the text does
+    bound_attr = "" if m.bound is None else f' data-bound="{float(m.bound)!r}"'
+    value = (f'<b id="{vid}" data-median="{float(m.median)!r}" data-min="{float(m.low)!r}" '
+             f'data-max="{float(m.high)!r}"{bound_attr} data-repeats="{m.repeats}">{m.median:.2f}×</b>')
+    how = (f"measured: median of {m.repeats} alternating run{'s' if m.repeats != 1 else ''} after the race, "
+           f"min {m.low:.2f}× – max {m.high:.2f}× ({_esc(m.clock)})")
+    note = f"<div class='exceeds'>{_esc(m.note)}</div>" if m.note else ""
+    if m.bound is None:
+        bound = "" if m.note else "the bound follows once the repeats are done"
+        return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: {value}'
+                f'<span class="how">{how}</span><div class="bound-line">{bound}</div>'
+                f'<div class="equal-work">{comparison_html(cmp, label)}</div>{note}</div>')
+    bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "
+             f"(after the prompt pass) × cost(1) ÷ cost({m.mean_fed:.1f} positions fed) = "
+             f"{m.forward_ratio:.2f} ÷ {m.mean_cost:.2f}; cost = the forward (measured after the race: "
+             f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it (AR's "
+             f"timed run per forward − its forward)")
+    if m.forward_ratio_label:
+        bound += f" ({_esc(m.forward_ratio_label)})"
+    if m.median > m.bound * 1.0005:
+        note = (f"<div class='exceeds'>The measurement exceeds the bound by {m.median / m.bound - 1:.0%}: the "
+                f"bound and the timing were measured at different moments on a machine shared with other work, "
+                f"and the spread (min–max) shows how much that moves a run; a MARS step cannot really cost less "
+                f"than its forward.</div>") + note
+    return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: {value}'
+            f'<span class="how">{how}</span><div class="bound-line">{bound}</div>'
+            f'<div class="equal-work">{comparison_html(cmp, label)}</div>{note}</div>')
 
 
 # ----------------------------------------------------------------------------- ledger

@@ -5,7 +5,9 @@ milliseconds of noise decide a short race. `measure()` therefore times the same 
 same prompt (the race was their warm-up), by the CPU time of the decoding thread where that is the decoder's
 own compute (one torch thread on a CPU; see clock_for), else by the wall clock: alternating (the order rotates every repeat, so drift on a
 shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
-whichever is more. Each repeat gives AR time ÷ lane time; the page shows the median with its min–max.
+whichever is more, but only as many as fit in `budget_s` (a long answer gets fewer repeats, at least one), and
+a job waiting for the machine ends them early. Each repeat gives AR time ÷ lane time; the page shows the median
+with its min–max as the repeats arrive.
 
 The bound is what the model's forward costs allow (mars_core.bench.row_costs: the decoder's cached forward
 alone, for 1, 2, ... new positions): AR feeds 1 position per step, a MARS step feeds the tokens it accepted
@@ -34,6 +36,7 @@ from typing import Callable, Iterator
 TARGET_S = 1.0       # about a second of compute ...
 MIN_REPEATS = 5      # ... or five repeats, whichever is more
 MAX_REPEATS = 40
+BUDGET_S = 10.0      # ... but no more repeats than fit in this: a class waits for the quotable number
 ROW_COST_TARGET_S = 1.0   # time for the row-cost measurement (rounds adapt to the forward's cost)
 
 
@@ -44,7 +47,7 @@ class Measurement:
     ratios: list[float]          # AR time ÷ lane time, one per repeat
     ar_times: list[float]
     lane_times: list[float]
-    bound: float
+    bound: float | None          # None until the forward costs are measured (or when the timing gave way)
     forward_ratio: float         # AR forwards after the prompt ÷ lane forwards after the prompt
     mean_fed: float              # positions a lane step feeds, mean over its steps after the prompt
     mean_cost: float             # cost(positions fed) ÷ cost(1), mean over those steps
@@ -140,21 +143,55 @@ def bound(ar_forwards: int, fed: list[int], cost_ar1: float, costs: dict[int, fl
     return (ar_forwards - 1) * ar1 / total, forward_ratio, sum(fed) / len(fed), mean_cost
 
 
+def repeats_within(round_s: float, budget_s: float = BUDGET_S, target_s: float = TARGET_S,
+                   min_repeats: int = MIN_REPEATS) -> int:
+    """repeats_for, cut to what fits in `budget_s` (at least one): the timing must not keep a class waiting."""
+    wanted = repeats_for(round_s, target_s, min_repeats)
+    if not round_s > 0 or not math.isfinite(round_s):
+        return wanted
+    return max(1, min(wanted, int(budget_s // round_s)))
+
+
+def _ratios(times: dict[str, list[float]], lane: str) -> list[float]:
+    return [a / t for a, t in zip(times["ar"], times[lane]) if t > 0]
+
+
+def _so_far(runs, times: dict[str, list[float]], clock_name: str) -> dict[str, Measurement]:
+    """The lanes' measurements after the repeats done so far, before the bound is known."""
+    return {n: Measurement(n, len(times[n]), _ratios(times, n), list(times["ar"]), list(times[n]), None, 0.0, 0.0,
+                           0.0, clock=clock_name)
+            for n in runs if n != "ar" and _ratios(times, n)}
+
+
 def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane_lm, prompt_ids: list[int],
-                 block_size: int, target_s: float = TARGET_S, min_repeats: int = MIN_REPEATS):
-    """Time the lanes again and bound each MARS lane: a generator of progress lines whose return value is
-    {lane: Measurement}. `lanes` maps lane -> its SideRecord from the race (its steps, and the time of one
-    round); `runs` maps lane -> a function decoding the prompt once ("ar" among them)."""
+                 block_size: int, target_s: float = TARGET_S, min_repeats: int = MIN_REPEATS,
+                 budget_s: float = BUDGET_S, stop: Callable[[], bool] | None = None):
+    """Time the lanes again and bound each MARS lane: a generator of (progress line, {lane: Measurement so far})
+    whose return value is {lane: Measurement}. `lanes` maps lane -> its SideRecord from the race (its steps,
+    and the time of one round); `runs` maps lane -> a function decoding the prompt once ("ar" among them).
+    The repeats fit in about `budget_s`; `stop()`, asked after each repeat, ends them early (a new job is
+    waiting): the measurements then have the repeats done and no bound."""
     round_s = sum(lanes[n].compute_time for n in runs)
-    repeats = repeats_for(round_s, target_s, min_repeats)
-    times, results = {}, {}
+    repeats = repeats_within(round_s, budget_s, target_s, min_repeats)
+    times, results = {n: [] for n in runs}, {}
     clock, clock_name = clock_for(lane_lm)
     if ar_lm is not lane_lm and clock_for(ar_lm)[1] != clock_name:
         clock, clock_name = time.perf_counter, "wall clock"
     for done, times, results in time_lanes(runs, repeats, clock):
-        yield (f"⏱ measuring the speedup: repeat {done} of {repeats} (the decoders again, alternating; "
-               f"about {round_s * repeats:.0f} s in all)")
-    yield "⏱ measuring the forward costs for the bound …"
+        partial = _so_far(runs, times, clock_name)
+        if stop is not None and stop():
+            cut = f"timed {done} of {repeats} times only" if done < repeats else "the bound was not measured"
+            for m in partial.values():
+                m.note = f"{cut}: a new job was waiting, so the timing gave way"
+            return partial
+        yield (f"◔ timing again: repeat {done} of {repeats} (the decoders alternating; about {round_s * repeats:.0f} s "
+               f"in all)"), partial
+    yield "◔ measuring the forward costs for the bound …", _so_far(runs, times, clock_name)
+    return _bounded(lanes, runs, ar_lm, lane_lm, prompt_ids, block_size, times, results, clock_name)
+
+
+def _bounded(lanes, runs, ar_lm, lane_lm, prompt_ids, block_size, times, results, clock_name):
+    """The finished measurements: each MARS lane's ratios with its bound (see the module docstring)."""
     ar = lanes["ar"]
     ar_steps = [s.step_time for s in ar.steps[1:]] or [s.step_time for s in ar.steps]
     est = statistics.median(ar_steps) if ar_steps else 0.01
@@ -175,12 +212,11 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
                  else "AR forwards per lane forward: the answers differ, so this is not the lane's tokens/forward")
         if ar_lm is not lane_lm:
             label = (label + "; " if label else "") + "AR is another model: cost(1) is its own forward"
-        ratios = [a / t for a, t in zip(times["ar"], times[n]) if t > 0]
         again = [list(res[0].token_ids) for res in results.get(n, []) if res and hasattr(res[0], "token_ids")]
         note = ("" if all(ids == side.token_ids for ids in again) else
                 "the timed runs wrote another answer than the race's (the race moved τ or sampled differently)")
-        out[n] = Measurement(n, repeats, ratios, times["ar"], times[n], b, fr, fed, mc, label, note,
-                             forward_ms=1000 * cost_ar1, overhead_ms=1000 * overhead, clock=clock_name)
+        out[n] = Measurement(n, len(times[n]), _ratios(times, n), times["ar"], times[n], b, fr, fed, mc, label,
+                             note, forward_ms=1000 * cost_ar1, overhead_ms=1000 * overhead, clock=clock_name)
     return out
 
 

@@ -374,12 +374,11 @@ def _wire_race(bar, gen, jobs) -> None:
               gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after, gen.draft_layout,
               gen.copy_drafts]
     for trigger, api in ((gen.go_btn.click, dict(api_name="race")), (gen.prompt.submit, PRIVATE)):
-        # at once: the waiting line (replaced by the race's first message when the machine is free), then
-        # the race in the shared queue, its queue position shown on the status line; Enter in the prompt is
-        # the same race, so the API lists it once
-        trigger(generate.waiting_status, None, gen.race_status, **QUICK).then(
-            race_fn, inputs, outputs, concurrency_id="model", show_progress="minimal",
-            show_progress_on=[gen.race_status], **api)
+        # Outside Gradio's queue: the race waits for the machine itself (app.machine), saying where it stands,
+        # without Gradio's timer text. "multiple": Race pressed again reaches the server, whose newer race stops
+        # this page's older one. Enter in the prompt is the same race, so the API lists it once.
+        trigger(race_fn, inputs, outputs, concurrency_limit=None, show_progress="hidden", trigger_mode="multiple",
+                **api)
     for comp in (gen.tau, gen.tau_off):
         comp.change(generate.set_tau, [gen.tau, gen.tau_off], gen.tau_status, trigger_mode="always_last", **QUICK)
     gen.ledger_step.change(generate.show_ledger, [gen.race_state, gen.ledger_side, gen.ledger_step], gen.ledger,
@@ -391,9 +390,10 @@ def _wire_race(bar, gen, jobs) -> None:
 def _wire_explorer(bar, sweep, jobs) -> None:
     inputs = [bar.model, bar.free, sweep.source, sweep.n_tasks, sweep.taus_text, sweep.free_prompts,
               sweep.block_size, sweep.max_new, sweep.criterion, sweep.lossless, bar.picked]
-    sweep.sweep_btn.click(generate.waiting_status, None, sweep.status, **QUICK).then(
-        partial(explorer.run_sweep, jobs=jobs), inputs, [sweep.status, sweep.pareto, sweep.table, sweep.export],
-        concurrency_id="model", api_name="sweep")
+    # outside Gradio's queue, like the race: the sweep waits for the machine itself and streams its rows
+    sweep.sweep_btn.click(partial(explorer.run_sweep, jobs=jobs), inputs,
+                          [sweep.status, sweep.pareto, sweep.table, sweep.export], concurrency_limit=None,
+                          show_progress="hidden", api_name="sweep")
 
 
 def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
@@ -404,7 +404,7 @@ def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
     # the Generate tab's prompt, τ and confidence criterion, with the Learn tab's own B
     step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
     lesson.step_btn.click(partial(learn.one_step, jobs=jobs), step_inputs, [lesson.step_view, lesson.conf_plot],
-                          concurrency_id="model", api_name="one_step")
+                          concurrency_limit=None, api_name="one_step")   # waits for app.machine's turn
 
 
 def _clear_warnings_on_change(bar, gen, sweep, lesson, ft) -> None:

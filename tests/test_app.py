@@ -727,11 +727,11 @@ def test_explorer_runs_the_picked_model_or_says_plainly_why_not(monkeypatch, tmp
     lm = models.get_model(tiny_dir)
     loaded = _record_loads(monkeypatch, lm)
     sweep = dict(n=2, taus_text="1.0", block_size=4, max_new_tokens=8, criterion="prob", lossless=False,
-                 picked=False, progress=None)
-    status, *rest = explorer.run_sweep("smollm2-mars", "", "builtin", prompts_text="", **sweep)
+                 picked=False)
+    *_, (status, *rest) = explorer.run_sweep("smollm2-mars", "", "builtin", prompts_text="", **sweep)
     assert status.startswith("⚠") and "smollm2-mars was not" in status and "my prompts" in status
     assert "tiny-mars" in status and loaded == []          # nothing ran, and nothing switched models
-    status, *rest = explorer.run_sweep("smollm2-mars", "", "free", prompts_text="What is 2 + 2?", **sweep)
+    *_, (status, *rest) = explorer.run_sweep("smollm2-mars", "", "free", prompts_text="What is 2 + 2?", **sweep)
     assert status.startswith("✓") and "**smollm2-mars**" in status and loaded == ["smollm2-mars"]
     # a finetune checkpoint trained on the built-in suite knows the tasks; one trained on uploads does not
     for data, knows in (("builtin", True), ("<run dir>/data.jsonl", False)):

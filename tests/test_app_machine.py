@@ -1,0 +1,135 @@
+"""Jobs follow their page (issue 32, items 2 and 4): one job at a time on the machine, in order, each waiting job
+showing its place; a newer race of the same page stops the older one; a waiting job cuts the timing short; a
+job whose page closed (its generator closed by Gradio) leaves the line; τ moved while waiting applies.
+"""
+from __future__ import annotations
+
+import os
+import re
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from app import explorer, generate, models  # noqa: E402
+from app.machine import Machine, take_turn, waiting_line  # noqa: E402
+
+PROMPT = "What is 12 + 30?"
+
+
+@pytest.fixture(scope="module")
+def tiny_mars():
+    return models.get_model("tiny-mars")
+
+
+def _settings(tau=0.9, max_new=16, measure_after=False):
+    return generate.RaceSettings.from_inputs(PROMPT, tau, False, 4, max_new, 0.0, measure_after=measure_after)
+
+
+def test_the_line_runs_jobs_in_order_and_tells_each_its_place():
+    m = Machine()
+    a, b, c = m.join("a race"), m.join("a τ sweep"), m.join("a race")
+    assert m.wait_turn(a, 0) and not m.wait_turn(b, 0)
+    assert m.ahead(b) == ["a race"] and m.ahead(c) == ["a race", "a τ sweep"] and m.others_waiting(a) == 2
+    line = waiting_line(m.ahead(c))
+    assert "position 2" in line and "a race is running" in line and "1 more job" in line
+    m.leave(a)
+    assert m.wait_turn(b, 0) and m.others_waiting(b) == 1
+    m.leave(a)   # twice is harmless
+    m.leave(b), m.leave(c)
+    assert not m.busy()
+
+
+def test_a_job_closed_while_it_waits_leaves_the_line():
+    m = Machine()
+    held = m.join("a race")
+    gen = take_turn(m, "a τ sweep", lambda line: line)
+    assert next(gen).startswith("◷ Waiting for the machine: position 1")
+    gen.close()   # what Gradio does with the generator of a page that went away
+    assert m.others_waiting(held) == 0
+    m.leave(held)
+    assert not m.busy()
+
+
+def test_a_sweep_whose_page_closed_frees_the_machine(tiny_mars):
+    m = Machine()
+    held = m.join("a race")
+    args = ("tiny-mars", "", "free", 2, "1.0, 0.8", PROMPT, 4, 8, "prob", False)
+    waiting = explorer.run_sweep(*args, machine=m)
+    status, *_ = next(waiting)
+    assert "position 1" in status and "a race is running" in status
+    waiting.close()
+    m.leave(held)
+    running = explorer.run_sweep(*args, machine=m)
+    next(running)               # its turn at once: it holds the machine now
+    assert m.busy()
+    running.close()             # the page closed mid-sweep
+    assert not m.busy()
+    outs = list(explorer.run_sweep(*args, machine=m))   # the next sweep runs, a row at a time
+    statuses = [o[0] for o in outs]
+    assert any("1 of 2 rows done" in s for s in statuses) and statuses[-1].startswith("✓ 2 τ values")
+    assert not m.busy()
+
+
+def test_a_newer_race_of_the_same_page_stops_the_older_one(tiny_mars):
+    m = Machine()
+    old = generate.race_models(_settings(max_new=64), "tiny-mars", "tiny-mars", "page-1", machine=m)
+    while not next(old)[0].startswith("▶ Racing"):
+        pass
+    new = generate.race_models(_settings(max_new=16), "tiny-mars", "tiny-mars", "page-1", machine=m)
+    assert "position 1" in next(new)[0]          # the new race waits for the old one's next forward
+    rest = list(old)
+    assert not any(o[0].startswith("✓") for o in rest)   # stopped quietly: its panes are the new race's now
+    last = list(new)[-1]
+    assert last[0].startswith("✓ Done") and last[-1]["ar"].forwards == 16
+    assert not m.busy()
+
+
+def test_tau_moved_while_the_race_waits_is_the_tau_it_runs_at(tiny_mars):
+    m = Machine()
+    held = m.join("a τ sweep")
+    race = generate.race_models(_settings(tau=0.9), "tiny-mars", "tiny-mars", "page-2", machine=m)
+    first = next(race)
+    assert "position 1" in first[0] and "a τ sweep is running" in first[0]
+    assert all(v == gr.skip() for v in first[1:])   # the panes of the page's last race stay while it waits
+    line = generate.set_tau(0.5, False, SimpleNamespace(session_hash="page-2"))
+    assert "waiting for the machine" in line
+    m.leave(held)
+    last = list(race)[-1]
+    assert "ran at MARS τ = 0.50" in last[1]
+    assert "τ moved from 0.90 to 0.50 while the race waited" in last[0]
+    assert {s.tau for s in last[-1]["mars"].steps} == {0.5}
+
+
+class _OneWaiterAfter(Machine):
+    """A machine on which another job joins the line after the race's first timing repeat."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def others_waiting(self, ticket):
+        self.asked += 1
+        return int(self.asked > 1)
+
+
+def test_a_job_waiting_cuts_the_timing_short_and_the_race_says_so(tiny_mars):
+    outs = list(generate.race_models(_settings(max_new=32, measure_after=True), "tiny-mars", "tiny-mars", "page-3",
+                                     machine=_OneWaiterAfter()))
+    last = outs[-1]
+    assert last[0].startswith("✓ Done") and "Measured speedups" in last[0]
+    stats = last[5]
+    assert 'data-repeats="1"' in stats and 'data-bound="' not in stats
+    assert re.search("timed 1 of [2-9]|the bound was not measured", stats) and "a new job was waiting" in stats
+    assert last[-1]["mars"].finished
+
+
+def test_a_job_already_waiting_skips_the_timing(tiny_mars):
+    class Busy(Machine):
+        def others_waiting(self, ticket):
+            return 1
+    last = list(generate.race_models(_settings(max_new=16, measure_after=True), "tiny-mars", "tiny-mars", "page-4",
+                                     machine=Busy()))[-1]
+    assert last[0].startswith("✓ Done") and "Measured" not in last[0] and "data-repeats" not in last[5]
