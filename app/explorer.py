@@ -155,10 +155,10 @@ def not_a_task_model(choice, free_text, name: str) -> str:
 def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
                 jobs=None) -> dict:
     """The explorer's values, checked before the sweep waits for the machine; ValueError naming the fix."""
-    if source not in ("builtin", "free"):
+    if not isinstance(source, str) or source not in ("builtin", "free"):
         raise ValueError(f"prompts {source!r} is unknown: use 'builtin' (the held-out tasks) or 'free' (your own)")
     spec = dict(taus=parse_taus(taus_text), criterion=inputs.check_criterion(criterion),
-                block_size=_whole(block_size, "block size B", 2, 8), max_new=_whole(max_new_tokens, "max new tokens",
+                block_size=inputs.whole(block_size, "block size B", 2, 8), max_new=inputs.whole(max_new_tokens, "max new tokens",
                                                                                    8, 256))
     # the model the picker shows, for both sources: the page never switches models behind the user's back
     spec["name"] = name = models.resolve(choice, free_text, jobs)
@@ -167,16 +167,8 @@ def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_siz
     elif not knows_the_tasks(name):
         raise ValueError(not_a_task_model(choice, free_text, name))
     else:
-        spec["n"] = _whole(n, "number of built-in tasks", 1, MAX_BUILTIN)
+        spec["n"] = inputs.whole(n, "number of built-in tasks", 1, MAX_BUILTIN)
     return spec
-
-
-def _whole(value, name: str, lo: int, hi: int) -> int:
-    notes: list[str] = []
-    v = inputs.clamp(value, lo, hi, name, notes, integer=True)
-    if notes:
-        raise ValueError(f"{name} {value!r} is out of range: use {lo}..{hi}")
-    return v
 
 
 def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
@@ -187,6 +179,7 @@ def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size,
     try:
         spec = check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens,
                            criterion, jobs)
+        lossless = inputs.check_flag(lossless, "add the lossless curve")
     except Exception as exc:
         yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
         return

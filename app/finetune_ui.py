@@ -14,6 +14,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app import models
+from app.inputs import check_flag
 from app.plots import empty_figure
 from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail, read_metrics, shell_quote
 from mars_core import catalogue
@@ -144,6 +145,10 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
     if not str(base).startswith("run:") and base not in [v for _, v in BASE_MODELS]:
         raise ValueError("no base model is chosen: pick one from the list" if base in (None, "") else
                          f"base model {base!r} is not in the list")
+    if data_source not in ("builtin", "upload"):
+        raise ValueError(f"dataset {data_source!r} is unknown: use 'builtin' (the task suite) or 'upload'")
+    if stage not in ("ar-sft", "mars"):
+        raise ValueError(f"stage {stage!r} is unknown: use 'ar-sft' (stage 1) or 'mars' (stage 2)")
     if data_source == "upload":
         ok, report = validate_jsonl(upload)
         if not ok:
@@ -156,8 +161,10 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
                          f"{DEFAULTS['steps']})")
     steps = _number(steps, "steps", 1, 100000, integer=True)
     lr = _number(lr, "learning rate", 1e-7, 1.0, integer=False)
-    return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=int(block_size),
-                           ar_weight=float(ar_weight), max_steps=steps, lr=lr, lora=bool(lora),
+    block_size = _number(block_size, "block size B", 1, 8, integer=True)
+    ar_weight = _number(ar_weight, "ar_weight", 0.0, 2.0, integer=False)
+    return FinetuneRequest(base_model=base_model, data=data, stage=stage, block_size=block_size,
+                           ar_weight=ar_weight, max_steps=steps, lr=lr, lora=check_flag(lora, "LoRA"),
                            batch_size=DEFAULTS["batch_size"])
 
 

@@ -18,7 +18,7 @@ from app import models, notices, plots, timing
 # the limits and `lenient` through this module, so they are imported by name here.
 from app.machine import MACHINE, Machine, take_turn
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
-                        check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
+                        check_flag, check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
 from app.race import LANE_LABELS, LANES, SideRecord, race
 from app.render import render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
@@ -189,12 +189,14 @@ class RaceSettings:
                     criterion="prob", seed=0, measure_after=True, session: str = "default",
                     draft_layout="linear", copy_drafts=False) -> RaceSettings:
         """The Generate tab's values, made runnable (see check_inputs); ValueError for what cannot run."""
+        tau_off, measure_after = check_flag(tau_off, "τ off"), check_flag(measure_after, "then time again")
+        copy_drafts = check_flag(copy_drafts, "copy drafts from the prompt")
         prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
             prompt, tau, tau_off, block_size, max_new_tokens, temperature)
         seed = check_seed(seed, temperature, notes)
         if not tau_off:
             _repeat_tau_note(session, tau, notes)
-        if draft_layout not in LAYOUTS:
+        if not isinstance(draft_layout, str) or draft_layout not in LAYOUTS:
             raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of {', '.join(LAYOUTS)}")
         return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
                    slow_motion=check_slow_motion(slow_motion), criterion=check_criterion(criterion),

@@ -18,23 +18,42 @@ MAX_NEW_TOKENS = 512
 SLOW_MOTION = [("real time", 1), ("slow motion ×10", 10), ("slow motion ×50", 50), ("slow motion ×200", 200)]
 
 
-def lenient(slider: gr.Slider) -> gr.Slider:
-    """Let a slider's typed value reach the handler even outside the range (the handler clamps it, with a note).
+def lenient(component):
+    """Let a value the component refuses reach the handler as sent; the handler checks it and says in the page
+    what is wrong (a slider's out-of-range value is clamped there, with a note).
 
-    gr.Slider refuses such a value with an error toast for every event that reads it (τ typed as 1.5 gave two
-    or three stacked toasts). The instance's preprocess is replaced: subclassing a Gradio component would make
-    Gradio write a .pyi stub next to this file at import.
+    Gradio's own checks raise before the handler: a slider refuses an out-of-range value with an error toast for
+    every event that reads it (τ typed as 1.5 gave two or three stacked toasts), and a non-number sent through
+    the API to a number field reaches the client only as "the upstream Gradio app has raised an exception".
+    The instance's preprocess is wrapped: subclassing a Gradio component would make Gradio write a .pyi stub
+    next to this file at import.
     """
+    checked = component.preprocess
+
     def preprocess(payload):
-        if payload is None:
-            return None
         try:
-            return float(payload)
-        except (TypeError, ValueError):
+            return checked(payload)
+        except Exception:
             return payload
 
-    slider.preprocess = preprocess
-    return slider
+    component.preprocess = preprocess
+    return component
+
+
+def check_flag(value, name: str) -> bool:
+    """A checkbox's value: True or False (a client may send anything else, which `bool()` would take as True)."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} is {'empty' if value in (None, '') else repr(value)}: send true or false")
+
+
+def whole(value, name: str, lo: int, hi: int) -> int:
+    """A whole number in lo..hi, or ValueError naming the field and the range (nothing is clamped)."""
+    notes: list[str] = []
+    v = clamp(value, lo, hi, name, notes, integer=True, fmt="{:g}")
+    if notes or float(value) != v:
+        raise ValueError(f"{name} {value!r} is not a whole number in {lo}..{hi}: type one")
+    return v
 
 
 def clamp(value, lo, hi, name: str, notes: list[str], integer: bool = False, fmt="{:g}"):
@@ -99,7 +118,9 @@ def effective_tau(tau, tau_off, notes: list[str] | None = None) -> float:
 
 def check_seed(seed, temperature, notes) -> int | None:
     """The sampling seed (None when greedy); an empty field means 0, said in a note."""
-    if temperature <= 0:
+    if temperature <= 0:   # greedy: no seed is used, but a value that is not a number is still named
+        if seed not in (None, ""):
+            clamp(seed, 0, 2**31 - 1, "seed", [], integer=True, fmt="{:.0f}")
         return None
     if seed in (None, ""):
         notes.append("the seed field is empty: sampled with seed 0")

@@ -96,7 +96,7 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
 def show_mask(n, block_size):
     """The mask figure for the sliders' n and B, or an empty figure saying what is wrong with them."""
     try:
-        return mask_figure(int(n), int(block_size))
+        return mask_figure(inputs.whole(n, "sequence length n", 2, 32), inputs.whole(block_size, "block size B", 1, 8))
     except Exception as exc:
         return empty_figure(models.friendly_error(exc))
 
@@ -108,8 +108,8 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
     It runs the model the picker shows, like every other tab: one step needs no answer key, so any model will
     do. `picked` no longer changes the model; it stays so that the page's wiring and API keep their shape."""
     try:
-        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, tau_off)
-        block_size = int(block_size)
+        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
+        block_size = inputs.whole(block_size, "block size B", 1, 8)
         criterion = inputs.check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
         ticket = MACHINE.join("a Learn step")

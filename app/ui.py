@@ -119,8 +119,19 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         _wire_learn(demo, bar, gen, lesson, jobs)
         _clear_warnings_on_change(bar, gen, sweep, lesson, ft)
         _wire_finetune(demo, bar, ft, jobs)
+    _lenient_api_inputs(demo)
     demo.jobs = jobs  # for tests and app.py
     return demo
+
+
+def _lenient_api_inputs(demo: gr.Blocks) -> None:
+    """Every input of the named API reaches its handler as sent, so a bad value (a word in a number field, a name
+    not in a list) gets the handler's own message in the page, never Gradio's generic exception (inputs.lenient)."""
+    for fn in demo.fns.values():
+        if fn.api_name in API_NAMES:
+            for comp in fn.inputs:
+                if not isinstance(comp, (gr.State, gr.File)) and not getattr(comp, "lenient", False):
+                    generate.lenient(comp).lenient = True
 
 
 # ---------------------------------------------------------------------------------------------------- layout

@@ -5,6 +5,7 @@ user does on the page; one test launches the real page on 127.0.0.1 and calls it
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -76,3 +77,72 @@ def test_a_client_sees_and_calls_the_named_endpoints(client):
     assert out[0].startswith("✓ Done") and "AR 8 forwards" in out[0], out[0]
     with pytest.raises(Exception):          # internal events are not callable
         client.predict(api_name="/clear_warning")
+
+
+GOOD_RACE = dict(choice="tiny-mars", free_text="", ar_choice="same", prompt="What is 12 + 30?", tau=0.9,
+                 tau_off=False, block_size=4, max_new_tokens=8, temperature=0.0, slow_motion="1", criterion="prob",
+                 seed=0, measure_after=False, draft_layout="linear", copy_drafts=False)
+GOOD_SWEEP = dict(choice="tiny-mars", free_text="", source="builtin", n=2, taus_text="1.0", prompts_text="",
+                  block_size=4, max_new_tokens=8, criterion="prob", lossless=False)
+GOOD_STEP = dict(choice="tiny-mars", free_text="", prompt="What is 12 + 30?", tau=0.9, tau_off=False, block_size=4,
+                 criterion="prob")
+GOOD_START = dict(base="tiny-ar-sft", data_source="builtin", upload=None, stage="mars", block_size=4, ar_weight=1.0,
+                  steps=10, lr=1e-3, lora=False)
+# (endpoint, good values, field, bad value, words the message must hold): a bad value in each kind of field
+BAD_VALUES = [
+    ("/race", GOOD_RACE, "choice", "nope", "model 'nope' is not in the list"),
+    ("/race", GOOD_RACE, "ar_choice", 5, "the model is 5"),
+    ("/race", GOOD_RACE, "prompt", "", "the prompt is empty"),
+    ("/race", GOOD_RACE, "tau", "abc", "τ is 'abc': type a number"),
+    ("/race", GOOD_RACE, "tau_off", "maybe", "τ off is 'maybe': send true or false"),
+    ("/race", GOOD_RACE, "block_size", "x", "block size B is 'x'"),
+    ("/race", GOOD_RACE, "max_new_tokens", "many", "max new tokens is 'many'"),
+    ("/race", GOOD_RACE, "temperature", "hot", "temperature is 'hot'"),
+    ("/race", GOOD_RACE, "slow_motion", "7", "slow motion '7': pick one of"),
+    ("/race", GOOD_RACE, "criterion", "nope", "confidence criterion 'nope' is unknown"),
+    ("/race", GOOD_RACE, "seed", "seed", "seed is 'seed'"),
+    ("/race", GOOD_RACE, "measure_after", "yes", "then time again is 'yes'"),
+    ("/race", GOOD_RACE, "draft_layout", "zigzag", "draft layout 'zigzag' is unknown"),
+    ("/race", GOOD_RACE, "copy_drafts", 3, "copy drafts from the prompt is 3"),
+    ("/sweep", GOOD_SWEEP, "source", "sideways", "prompts 'sideways' is unknown"),
+    ("/sweep", GOOD_SWEEP, "n", "many", "number of built-in tasks is 'many'"),
+    ("/sweep", GOOD_SWEEP, "taus_text", "0.9, fast", "τ value 'fast' is not a number"),
+    ("/sweep", GOOD_SWEEP, "block_size", "b", "block size B is 'b'"),
+    ("/sweep", GOOD_SWEEP, "max_new_tokens", 1000, "max new tokens 1000 is not a whole number in 8..256"),
+    ("/sweep", GOOD_SWEEP, "criterion", 1, "confidence criterion 1 is unknown"),
+    ("/sweep", GOOD_SWEEP, "lossless", "yes", "add the lossless curve is 'yes'"),
+    ("/one_step", GOOD_STEP, "tau", "abc", "τ is &#x27;abc&#x27;"),
+    ("/one_step", GOOD_STEP, "tau_off", "no", "τ off is &#x27;no&#x27;"),
+    ("/one_step", GOOD_STEP, "block_size", "four", "block size B is &#x27;four&#x27;"),
+    ("/one_step", GOOD_STEP, "criterion", "nope", "confidence criterion &#x27;nope&#x27; is unknown"),
+    ("/load_model", dict(choice="tiny-mars", free_text=""), "free_text", "/no/such/dir", "does not exist"),
+    ("/finetune_start", GOOD_START, "steps", "ten", "steps 'ten' is not a number"),
+    ("/finetune_start", GOOD_START, "lr", "fast", "learning rate 'fast' is not a number"),
+    ("/finetune_start", GOOD_START, "block_size", "b", "block size B 'b' is not a number"),
+    ("/finetune_start", GOOD_START, "ar_weight", 7, "ar_weight 7 is out of range"),
+    ("/finetune_start", GOOD_START, "stage", "stage9", "stage 'stage9' is unknown"),
+    ("/finetune_start", GOOD_START, "data_source", "sideways", "dataset 'sideways' is unknown"),
+    ("/finetune_start", GOOD_START, "lora", "maybe", "LoRA is 'maybe'"),
+    ("/finetune_start", GOOD_START, "base", "gpt-9", "base model 'gpt-9' is not in the list"),
+]
+
+
+@pytest.mark.parametrize("endpoint, good, field, bad, words", BAD_VALUES,
+                         ids=[f"{e[1:]}-{f}" for e, _, f, _, _ in BAD_VALUES])
+def test_a_bad_value_sent_to_an_endpoint_gets_the_handlers_message_in_the_page(client, endpoint, good, field, bad,
+                                                                               words):
+    out = client.predict(**{**good, field: bad}, api_name=endpoint)   # never Gradio's generic exception
+    message = out[0] if isinstance(out, (list, tuple)) else out
+    assert "⚠" in message and words in message, message
+
+
+def test_the_mask_endpoint_names_a_bad_value_in_its_figure(client):
+    for n, b, words in (("x", 4, "sequence length n is 'x'"), (12, "y", "block size B is 'y'"),
+                        (1000, 4, "sequence length n 1000 is not a whole number in 2..32")):
+        fig = json.loads(client.predict(n=n, block_size=b, api_name="/mask")["plot"])
+        texts = " ".join(a["text"] for a in fig["layout"].get("annotations", []))
+        assert words in texts and not fig["data"], texts
+
+
+def test_a_bad_value_starts_no_finetune_run(demo):
+    assert demo.jobs.latest_job() is None
