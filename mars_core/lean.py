@@ -158,6 +158,8 @@ class LeanCache:
 class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
+    takes_draft_tail = True   # forward() accepts draft_tail (mars_core.decoding.draft_tail)
+
     def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,
                  ranges: list[dict] | None = None, kernel: str | None = None):
         """`ranges` (w8a8 only): mars_core.w8a8.activation_ranges of `model`, to smooth the products with;
@@ -277,8 +279,12 @@ class LeanLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: LeanCache | None = None, use_cache: bool = True,
-                logits_to_keep: int | torch.Tensor = 0, **unused) -> LeanOutput:
-        """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look."""
+                logits_to_keep: int | torch.Tensor = 0, draft_tail: int = 0, **unused) -> LeanOutput:
+        """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look.
+        `draft_tail`: how many of each row's last positions only propose drafts that a later forward checks (a
+        lossless step's masks: no other position attends to them and their cache entries are dropped). w8a8's
+        VNNI loop spends its second pass on them not at all; the other loops ignore it. Other positions' outputs
+        never change with it."""
         b, length = input_ids.shape
         cache = cache if cache is not None else self.new_cache()
         past = cache.length
@@ -289,7 +295,9 @@ class LeanLM(torch.nn.Module):
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
-        if self.scripted is not None:
+        if self.scripted is not None and self.kernel == "vnni" and draft_tail:
+            x = self.scripted(x, *self._script_weights, *shape, tail=min(draft_tail, length))
+        elif self.scripted is not None:
             x = self.scripted(x, *self._script_weights, *shape)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)

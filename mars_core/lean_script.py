@@ -107,19 +107,21 @@ def layers_w8a8_vnni(x: torch.Tensor, packs: List[torch.Tensor], scales: List[to
                      biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
                      k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
                      d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
-                     inverse: float = _INVERSE, step: float = _STEP_F) -> torch.Tensor:
-    """Every layer in w8a8 through mars_core/vnni.cpp's kernel (one call per product), as layers_w8a8."""
+                     inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
+    """Every layer in w8a8 through mars_core/vnni.cpp's kernel (one call per product), as layers_w8a8; the last
+    `tail` positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
     for i in range(len(norms) // 2):
         j = 4 * i
         qkv = torch.ops.mars_vnni.linear(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse,
-                                         step)
+                                         step, length, tail)
         att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + torch.ops.mars_vnni.linear(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step)
+        x = x + torch.ops.mars_vnni.linear(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step,
+                                           length, tail)
         h = _rms(x, norms[2 * i + 1], eps)
         gate, up = torch.ops.mars_vnni.linear(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse,
-                                              step).chunk(2, -1)
+                                              step, length, tail).chunk(2, -1)
         x = x + torch.ops.mars_vnni.linear(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3],
-                                           biases[j + 3], two[j + 3], inverse, step)
+                                           biases[j + 3], two[j + 3], inverse, step, length, tail)
     return x
 
 

@@ -90,15 +90,15 @@ inline void divide(const float* x, float d, float* out, int64_t k) {
   }
 }
 
-// One row of the layer input -> its quantized row (and, with `two`, the quantized remainder of the first rounding
-// as row `rows + m`), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
-void prepare(const float* x, int64_t m, int64_t rows, int64_t k, int64_t kp, bool two, float inverse, float step,
+// One row of the layer input -> its quantized row (and, at a `second` row index >= 0, the quantized remainder of the
+// first rounding), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
+void prepare(const float* x, int64_t m, int64_t second, int64_t k, int64_t kp, float inverse, float step,
              int8_t* a, int32_t* sums, float* mags, float* r_mags, float* u) {
   x += m * k;
   mags[m] = max_abs(x, k);
   divide(x, mags[m], u, k);
   sums[m] = quantize(u, a + m * kp, k, inverse);
-  if (!two) return;
+  if (second < 0) return;
   const __m512 inv = _mm512_set1_ps(inverse), st = _mm512_set1_ps(step);
   const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
   for (int64_t i = 0; i < k; i += LANES) {
@@ -109,7 +109,7 @@ void prepare(const float* x, int64_t m, int64_t rows, int64_t k, int64_t kp, boo
   }
   r_mags[m] = max_abs(u, k);
   divide(u, r_mags[m], u, k);
-  sums[rows + m] = quantize(u, a + (rows + m) * kp, k, inverse);
+  sums[second] = quantize(u, a + second * kp, k, inverse);
 }
 
 // acc += 4-byte dot products of the weights' unsigned bytes with 4 signed activation bytes broadcast from memory
@@ -192,21 +192,29 @@ const auto BLOCKS = table(std::make_integer_sequence<int, ROWS>{});
 constexpr std::array<BlockFn, 4> FEW = {&few<1>, &few<2>, &few<3>, &few<4>};
 
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
-// channel, `bias` optional.
+// channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
+// every `length` rows: a lossless step's mask positions, whose outputs only propose drafts that the next step
+// checks, so their precision cannot change the answer and their second pass would be spent for nothing.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d) {
+                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d, int64_t length,
+                  int64_t tail) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear: a float32 [rows, k] input is expected");
+  TORCH_CHECK(length >= 1 && tail >= 0 && tail <= length, "linear: 0 <= tail <= length is expected");
   auto x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), k4 = (k + 3) / 4, kp = k4 * 4;
-  const int64_t blocks = (n + LANES - 1) / LANES, all = two ? 2 * rows : rows;
+  const int64_t blocks = (n + LANES - 1) / LANES;
   TORCH_CHECK(packed.numel() == blocks * k4 * LANES * 4, "linear: the packed weight does not match the input width");
+  std::vector<int64_t> second(rows, -1);   // row -> the index of its second-pass row, or -1
+  int64_t all = rows;
+  for (int64_t m = 0; m < rows && two; ++m)
+    if (m % length < length - tail) second[m] = all++;
   const float inverse = static_cast<float>(inverse_d), step = static_cast<float>(step_d);
   std::vector<int8_t> a(all * kp, 0);   // zero in the padding columns
   std::vector<int32_t> a_sums(all);
   std::vector<float> mags(rows), r_mags(rows), u(k);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < rows; ++m) prepare(xp, m, rows, k, kp, two, inverse, step, a.data(), a_sums.data(), mags.data(),
-                                              r_mags.data(), u.data());
+  for (int64_t m = 0; m < rows; ++m)
+    prepare(xp, m, second[m], k, kp, inverse, step, a.data(), a_sums.data(), mags.data(), r_mags.data(), u.data());
   auto y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -222,9 +230,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
       }
       const int64_t j0 = nb * LANES, width = std::min<int64_t>(LANES, n - j0);
       const __mmask16 keep = width == LANES ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-      for (int64_t m = 0; m < rows; ++m)
-        finish(sums.data() + m * LANES, a_sums[m], sums.data() + (rows + m) * LANES, two ? a_sums[rows + m] : 0,
-               two ? r_mags[m] : 0.f, mags[m], sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, two);
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t s = std::max<int64_t>(second[m], 0);
+        finish(sums.data() + m * LANES, a_sums[m], sums.data() + s * LANES, a_sums[s], second[m] >= 0 ? r_mags[m] : 0.f,
+               mags[m], sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, second[m] >= 0);
+      }
     }
   });
   return y;
@@ -235,5 +245,5 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 TORCH_LIBRARY(mars_vnni, m) {
   m.def("pack(Tensor w) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "
-        "float step) -> Tensor", &linear);
+        "float step, int length=1, int tail=0) -> Tensor", &linear);
 }

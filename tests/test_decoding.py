@@ -313,3 +313,17 @@ def test_near_the_context_limit_one_token_mode_writes_as_many_tokens_as_ar(llama
     ref = reference_generate(llama_lm, [ids], DecodeConfig(mode="mars", tau=0.5, **cfg))[0]
     assert lossy.token_ids == ref.token_ids and lossy.steps == ref.steps and len(lossy.token_ids) == room - 1
     assert all(len(p) + len(r.token_ids) <= llama_lm.context_length for p, r in [(ids, ar), (ids, lossy)])
+
+
+def test_argmax_is_torchs_first_index_of_the_largest_value_on_ties_slices_and_infinities():
+    from mars_core.decoding import argmax
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 1000)
+    x[0, 1, [5, 600]] = 50.0             # a tie: the first index wins
+    x[1, 2] = float("-inf")              # a row with nothing but -inf: index 0
+    x[1, 3, 10] = float("inf")
+    x[0, 4, 3] = float("nan")            # NaN counts as the largest, as in torch
+    for view in (x, x[:, :4], x[:, 4:], x[1], x.double(), x.bfloat16()):
+        assert torch.equal(argmax(view), view.argmax(dim=-1)), view.shape
+    assert argmax(x)[0, 1] == 5 and argmax(x)[1, 2] == 0

@@ -250,6 +250,24 @@ def test_the_scripted_w8a8_layers_exist_here_and_equal_the_eager_loop_bitwise(ti
                            eager(input_ids=step, attention_mask=mask, cache=b).logits)
 
 
+def test_a_draft_tail_changes_only_the_tail_positions_outputs(tiny_mars_w8a8, suite):
+    """A lossless step tells the forward that its last positions (masks) only propose drafts: VNNI computes them
+    with one pass, and every other position's logits stay bitwise what they were; other kernels ignore it."""
+    net = tiny_mars_w8a8.net
+    ids = torch.tensor([suite[0]])
+    step = torch.tensor([[5, 6, 7, tiny_mars_w8a8.mask_id, tiny_mars_w8a8.mask_id]])
+    with torch.inference_mode():
+        outs = []
+        for tail in (0, 2):
+            cache = net.new_cache()
+            net(input_ids=ids, cache=cache)
+            mask = step_attention(torch.ones(1, ids.shape[1], dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool))
+            outs.append(net(input_ids=step, attention_mask=mask, cache=cache, draft_tail=tail).logits[0])
+    full, cheap = outs
+    assert torch.equal(full[:3], cheap[:3])
+    assert torch.equal(full[3:], cheap[3:]) == (net.kernel != "vnni")
+
+
 def tiny_mars_w8a8_fp32():
     return load_model("tiny-mars", device="cpu", dtype="float32", backend="hf").model
 

@@ -40,6 +40,29 @@ def test_the_kernel_equals_fbgemm_bitwise_for_any_number_of_rows(n, k, bias, pas
         assert torch.equal(got, expected), (rows, (got - expected).abs().max().item())
 
 
+@pytest.mark.parametrize("n,k,bias", [(960, 576, None), (100, 129, "bias")])
+def test_a_tail_skips_the_second_pass_on_the_last_positions_of_each_row_and_nothing_else(n, k, bias):
+    """length 5, tail 2 on a batch of 3 rows of 5 positions: positions 3-4 of every row get the one-pass product,
+    every other position the two-pass one, bitwise."""
+    from mars_core.w8a8 import _INVERSE, _STEP
+
+    assert vnni.load(), vnni.why_not()
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen) if bias else None
+    one, two = (W8A8Linear(weight, b, passes=p, kernel="vnni") for p in (1, 2))
+    x = torch.randn(15, k, generator=gen) * 3
+    v = two._vnni
+    with torch.inference_mode():
+        got = torch.ops.mars_vnni.linear(x, v.packed, v.scale, b, True, _INVERSE, float(_STEP), 5, 2)
+        single, double = one(x), two(x)
+    tail = torch.tensor([p % 5 >= 3 for p in range(15)])
+    assert torch.equal(got[tail], single[tail]) and torch.equal(got[~tail], double[~tail])
+    assert not torch.equal(single, double)   # the two passes really differ here, so the test can fail
+    with pytest.raises(RuntimeError, match="tail"):
+        torch.ops.mars_vnni.linear(x, v.packed, v.scale, b, True, _INVERSE, float(_STEP), 5, 6)
+
+
 def test_values_on_fbgemms_rounding_ties_round_as_fbgemm_rounds_them():
     """fbgemm rounds u * 1/scale + 128 with one fused multiply-add; values on a tie of the plain product would
     round the other way with two roundings (mars_core.w8a8.on_grid differs there)."""
