@@ -481,15 +481,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def propose(logits: torch.Tensor, criterion: str = "prob", temperature: float = 0.0, top_p: float = 1.0,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates and confidences from logits [b, k, V] -> ([b, k] ids, [b, k] fp32 in [0, 1])."""
+            generator: torch.Generator | None = None, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates and confidences from logits [b, k, V] -> ([b, k] ids, [b, k] fp32 in [0, 1]). `top`: the
+    logits' argmax when the caller has it already (greedy only)."""
     logits = logits.float()  # fp32 softmax even for a bf16 model
     if temperature > 0:
         probs = torch.softmax(logits / temperature, dim=-1)
         tokens = _sample(probs, top_p, generator)
     else:
         probs = torch.softmax(logits, dim=-1)
-        tokens = argmax(logits)  # argmax of the raw logits, exactly as greedy generate()
+        tokens = argmax(logits) if top is None else top  # argmax of the raw logits, exactly as greedy generate()
     if criterion == "prob":
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     elif criterion == "entropy":
@@ -543,7 +544,9 @@ def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: t
     (B, max_accept, tokens left); nothing after an eos. τ >= 1 accepts exactly t_0 — even when a
     probability rounds to 1.0, which the official sampler would accept.
     """
-    passes = conf >= tau if tau < 1.0 else torch.zeros_like(conf, dtype=torch.bool)
+    if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
+        return torch.ones(tokens.shape[0], dtype=torch.long, device=tokens.device)
+    passes = conf >= tau
     passes[:, 0] = True
     n = passes.long().cumprod(dim=1).sum(dim=1)                # leading run of passes
     n = torch.minimum(n, limit)
@@ -625,16 +628,20 @@ class _Settled:
     leaf_confirmed: bool = False
 
 
-def _check_finite(logits: torch.Tensor, lm, step: int) -> None:
-    if not torch.isfinite(logits.amax(dim=-1)).all():
+def _check_finite(logits: torch.Tensor, lm, step: int) -> torch.Tensor:
+    """The logits' argmax [b, k], after checking that every row's largest logit is finite (argmax picks a NaN or
+    +inf if there is one, and a row of -inf has no finite largest value)."""
+    top = argmax(logits)
+    if not torch.isfinite(logits.gather(-1, top[..., None])).all():
         raise FloatingPointError(
             f"{getattr(lm, 'name', 'the model')} produced NaN/inf logits at step {step}: its weights are damaged "
             "or the dtype overflows; reload the checkpoint, or decode in float32")
+    return top
 
 
-def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_Settled]:
+def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_Settled]:
     """Lossy MARS (and AR): accept the leading candidates q_0.. whose confidence stays >= τ."""
-    tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator)
+    tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator, top)
     left = torch.tensor([r.left for r in rows], device=tokens.device)
     limit = left.clamp(max=min(cfg.max_accept or cfg.candidates, n_masks + 1))
     n = accept_counts(tokens, conf, tau, limit, eos_ids)
@@ -642,7 +649,7 @@ def _settle_mars(logits, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_S
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
-def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos: set[int],
+def _settle_verify(logits, top, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos: set[int],
                    planner=None) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
     drafts are kept while equal to them, the first one that differs is replaced by AR's token, unless a leaf
@@ -651,10 +658,10 @@ def _settle_verify(logits, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, 
     there (the linear layout has only the group after the last draft: after a rejection its masks saw a wrong
     token), or from prompt lookup when that offers more."""
     n_out = n_verify + 1 + n_leaves
-    ar = argmax(logits[:, :n_out]).tolist()
+    ar = top[:, :n_out].tolist()
     props, conf, probs = [[]] * len(rows), [[]] * len(rows), False
     if n_masks:
-        p, c = propose(logits[:, n_out:], cfg.criterion)     # [b, groups x n_masks]
+        p, c = propose(logits[:, n_out:], cfg.criterion, top=top[:, n_out:])     # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
         probs = cfg.draft_layout in ("tree", "auto")   # leaves: softmax of the one group a row drafts from
     settled = []
@@ -734,12 +741,12 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep,
                        **draft_tail(lm, cfg, (len(behind) + n_leaves) * n_masks))
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
-        _check_finite(logits, lm, step)
+        top = _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos_set,
+            settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos_set,
                                      planner)
         else:
-            settled = _settle_mars(logits, batch.rows, cfg, tau, n_masks, eos_ids, generator)
+            settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_ids, generator)
         kept = [range(width - len(r.pending), width) if st.kept is None else st.kept
                 for r, st in zip(batch.rows, settled)]
         batch.rollback((len(behind) + n_leaves) * n_masks, kept, width + n_leaves)

@@ -327,3 +327,18 @@ def test_argmax_is_torchs_first_index_of_the_largest_value_on_ties_slices_and_in
     for view in (x, x[:, :4], x[:, 4:], x[1], x.double(), x.bfloat16()):
         assert torch.equal(argmax(view), view.argmax(dim=-1)), view.shape
     assert argmax(x)[0, 1] == 5 and argmax(x)[1, 2] == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "row of -inf"])
+def test_a_nan_an_inf_or_a_row_of_minus_inf_anywhere_in_a_steps_logits_is_refused(bad):
+    from mars_core.decoding import _check_finite
+
+    logits = torch.randn(2, 5, 300)
+    logits[:, 3:, 7] = float("-inf")            # the mask id ruled out: legitimate
+    assert torch.equal(_check_finite(logits.clone(), None, 0), logits.argmax(dim=-1))
+    if bad == "row of -inf":
+        logits[1, 4] = float("-inf")
+    else:
+        logits[1, 2, 100] = bad
+    with pytest.raises(FloatingPointError, match="NaN/inf logits at step 3"):
+        _check_finite(logits, None, 3)
