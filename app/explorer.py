@@ -265,6 +265,22 @@ def place_labels(points: list[tuple[float, float, str]], xr: list[float], yr: li
     return placed
 
 
+def merge_coincident(points: list[tuple], xr: list[float], yr: list[float], size=PANEL_PX) -> list[tuple]:
+    """One label per spot: points of a curve that fall within a marker of each other (τ values that decode alike
+    often give the same accuracy and tokens/forward) share one label, "τ=0.9, 0.8", instead of a stack of them."""
+    W, H = size
+    out: list[list] = []
+    for x, y, text, colour in points:
+        px, py = (x - xr[0]) / (xr[1] - xr[0]) * W, (y - yr[0]) / (yr[1] - yr[0]) * H
+        near = next((g for g in out if g[3] == colour and abs(g[4] - px) < MARKER_PX / 2
+                     and abs(g[5] - py) < MARKER_PX / 2), None)
+        if near is None:
+            out.append([x, y, text, colour, px, py])
+        else:
+            near[2] += ", " + text.removeprefix("τ=")
+    return [(x, y, text, colour) for x, y, text, colour, _, _ in out]
+
+
 def _tau_label(r: dict) -> str:
     return "τ=off" if r["tau"] >= 1 else f"τ={r['tau']:g}"
 
@@ -295,8 +311,9 @@ def pareto_figure(rows: list[dict]) -> go.Figure:
             continue
         xr = _range([p[0] for p in pts_all], floor=None)
         yr = _range([p[1] for p in pts_all], floor=0.0)
-        shifts = place_labels([(x, y, t) for x, y, t, _ in pts_all], xr, yr)
-        for (x, y, text, colour), (dx, dy, _) in zip(pts_all, shifts):
+        labels = merge_coincident(pts_all, xr, yr)
+        shifts = place_labels([(x, y, t) for x, y, t, _ in labels], xr, yr)
+        for (x, y, text, colour), (dx, dy, _) in zip(labels, shifts):
             far = abs(dx) > 34 or abs(dy) > 16   # a label moved away from its point gets a thin leader line
             fig.add_annotation(x=x, y=y, text=text, font=dict(size=11, color=colour), row=1, col=col,
                                **(dict(showarrow=True, ax=dx, ay=-dy, arrowhead=0, arrowwidth=0.7,

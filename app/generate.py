@@ -479,7 +479,8 @@ def examples_and_prompt(choice, free_text="", prompt="", jobs=None):
     prompts = models.example_prompts(name, jobs=jobs)
     cur = (prompt or "").strip()
     replace = prompts and cur not in prompts and (not cur or cur in _all_examples(jobs))
-    return gr.update(choices=prompts, value=None), (gr.update(value=prompts[0]) if replace else gr.skip())
+    shown = prompts[0] if replace else cur if cur in prompts else None   # the list shows the prompt it holds
+    return gr.update(choices=prompts, value=shown), (gr.update(value=prompts[0]) if replace else gr.skip())
 
 
 def use_example(example, prompt):
@@ -499,6 +500,15 @@ def show_seed(temperature):
     except (TypeError, ValueError):
         sampling = False
     return gr.update(visible=sampling)
+
+
+def teaching_note_update(choice, free_text="", jobs=None):
+    """The 'what you are seeing' note of the picked model, hidden when it has none."""
+    try:
+        text = notices.teaching_note(models.resolve(choice, free_text, jobs), jobs)
+    except Exception:   # a bad model name has its own message in the model status line
+        text = ""
+    return gr.update(value=text, visible=bool(text))
 
 
 def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, jobs=None):

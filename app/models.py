@@ -282,10 +282,10 @@ class BackgroundPreparer:
         name = self.name
         if state == "preparing":
             if first is False:
-                text = (f"⏳ loading {name} (prepared on an earlier start: a few seconds) — {elapsed:.0f} s so far; "
+                text = (f"◷ loading {name} (prepared on an earlier start: a few seconds) — {elapsed:.0f} s so far; "
                         "the page works meanwhile")
             else:
-                text = (f"⏳ preparing {name}, {PREPARE_ESTIMATE} — {elapsed:.0f} s so far; "
+                text = (f"◷ preparing {name}, {PREPARE_ESTIMATE} — {elapsed:.0f} s so far; "
                         "the page works meanwhile")
         elif state == "ready":
             text = f"✓ {name} ready (took {elapsed:.0f} s): the default model for free text"
@@ -336,5 +336,5 @@ def loading_note(name: str) -> str:
     """' (preparing …)' while the background preparer is still building `name`, else ''."""
     st = PREPARER.status() if name == PREPARER.name else None
     if st and st["state"] == "preparing":
-        return f" ({st['text'].removeprefix('⏳ ').split(';')[0]})"
+        return f" ({st['text'].removeprefix('◷ ').split(';')[0]})"
     return ""

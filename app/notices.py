@@ -95,3 +95,15 @@ def race_notice(name: str, prompt: str, tau: float, jobs=None) -> str:
 
 def _short(name: str) -> str:
     return Path(name).name if "/" in name and Path(name).exists() else name
+
+
+def teaching_note(name: str, jobs=None) -> str:
+    """'What you are seeing' for a real-language MARS model ('' for the others, whose notices say enough)."""
+    if name not in models.NATURAL_MODELS or never_mars_trained(name, jobs):
+        return ""
+    return (f"**What you are seeing.** {_short(name)} is a cautious MARS model: at τ 0.9 most of its guesses for "
+            "the mask positions are less sure than τ, so most chunks are one token, and two to four tokens arrive "
+            "in one forward on predictable stretches (code, lists, set phrases: try the examples). Lower τ for "
+            "longer chunks in the MARS lane, which may then write another answer than AR. The lossless lane checks "
+            "each draft against AR's own next token, so its text is AR's exactly; it gains only when drafts are "
+            "confirmed.")

@@ -14,8 +14,12 @@ from app.render import STAT_DEFINITIONS, legend_html, render_chunks, render_ledg
 from app.runs import JobManager
 
 CSS = """
-.race-pane {border: 1px solid #e5e7eb; border-radius: 10px; padding: 10px 12px; background: #fff;}
-.race-pane h3 {margin: 0 0 6px 0;}
+/* a short lane starts at the top beside a long one: its blocks do not grow, and the titles (one or two lines)
+   take the same two lines */
+.race-pane {border: 1px solid #e5e7eb; border-radius: 10px; padding: 10px 12px; background: #fff;
+            justify-content: flex-start !important;}
+.race-pane > * {flex-grow: 0 !important;}
+.race-pane h3 {margin: 0 0 6px 0; min-height: 2.7em;}
 .race-text {white-space: pre-wrap; font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 15px;
             line-height: 1.9; min-height: 150px; max-height: 460px; overflow-y: auto; color: #111827;}
 .race-text .chunk {border-radius: 4px; padding: 2px 1px; margin: 0 1px; box-shadow: inset 0 -1px 0 #9ca3af;
@@ -71,6 +75,7 @@ del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; backgro
 .speedup .exceeds {color: #92400e;}
 .ledger-sub {font-weight: 600; margin: 8px 0 4px 0;}
 #notice {background: #eff6ff; border-radius: 8px; padding: 0 10px;}
+#teach-note {background: #f0fdf4; border-radius: 8px; padding: 0 10px; font-size: 14px;}
 .job {font-size: 14px;}
 .job .progress {height: 12px; background: #e5e7eb; border-radius: 6px; margin-top: 6px; overflow: hidden;}
 .job .progress div {height: 100%;}
@@ -140,13 +145,16 @@ def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
     bar = SimpleNamespace()
     listed = start_model in models.builtin_names()   # else a path or hub id: it goes in the free field
     with gr.Row(equal_height=True):
+        # wide enough for the longest label in full (a cut "SmolLM2-135M taught MA…" hid what the model is)
         bar.model = gr.Dropdown(finetune_ui.picker_choices(jobs), value=start_model if listed else models.DEFAULT_MODEL,
-                                label="Model", scale=3, elem_id="model-picker")
+                                label="Model", scale=6, min_width=600, elem_id="model-picker")
         bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=3,
                               max_length=300, placeholder="/path/to/checkpoint or owner/model (overrides the list)")
-        bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + models.builtin_models(),
-                                    value=models.SAME_MODEL, label="AR baseline", scale=2, elem_id="ar-picker")
-        bar.load_btn = gr.Button("Load model", scale=1)
+        # names only: the model picker beside it describes them, and a narrow field cuts a description
+        bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + [(n, n) for n in models.builtin_names()],
+                                    value=models.SAME_MODEL, label="AR baseline", scale=2, min_width=200,
+                                    elem_id="ar-picker")
+        bar.load_btn = gr.Button("Load model", scale=1, min_width=120)
     bar.model_status = gr.Markdown("", elem_id="model-status")
     # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
     bar.prep_status = gr.Markdown("", elem_id="prep-status")
@@ -166,8 +174,9 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
             # no max_length: the browser would cut a long prompt silently; the handler cuts it with a note
             gen.prompt = gr.Textbox(value=first_prompt, label="Prompt", lines=2, scale=4, elem_id="prompt",
                                     info=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
-            gen.examples = gr.Dropdown(first_examples, value=None, label="Example prompts for this model", scale=2,
-                                       elem_id="examples")
+            # it shows the example the prompt holds (an empty list looked like no examples at all)
+            gen.examples = gr.Dropdown(first_examples, value=first_prompt or None, scale=2, elem_id="examples",
+                                       label="Example prompts for this model (pick one to use it)")
         with gr.Row(equal_height=True):
             gen.tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01,
                                                  label="τ (confidence threshold)", scale=3, elem_id="tau",
@@ -200,6 +209,8 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
             gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1, elem_id="copy-drafts",
                                           info="prompt lookup: draft what followed the same tokens earlier")
             gen.tau_status = gr.Markdown("", elem_id="tau-status")
+        first_note = notices.teaching_note(start_model)
+        gen.teach_note = gr.Markdown(first_note, elem_id="teach-note", visible=bool(first_note))
         gen.notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
         with gr.Row():
             gen.notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
@@ -249,7 +260,8 @@ def _explorer_tab() -> SimpleNamespace:
         with gr.Row():
             sweep.source = gr.Radio([("built-in held-out tasks", "builtin"), ("my prompts (one per line)", "free")],
                                     value="builtin", label="prompts", scale=2)
-            sweep.n_tasks = gr.Slider(2, 100, value=16, step=1, label="number of built-in tasks", scale=2)
+            sweep.n_tasks = gr.Slider(2, 100, value=16, step=1, label="number of built-in tasks", scale=2,
+                                     elem_id="n-tasks")
             sweep.taus_text = gr.Textbox("1.0, 0.95, 0.9, 0.8, 0.7, 0.6", label="τ values", scale=2, elem_id="taus")
         sweep.free_prompts = gr.Textbox(label="my prompts (one per line, at most 20)", lines=3,
                                         elem_id="free-prompts")
@@ -339,14 +351,15 @@ def _finetune_tab(jobs) -> SimpleNamespace:
 def _wire_model_bar(demo, bar, gen, jobs) -> None:
     model_inputs = [bar.model, bar.free]
     load = partial(generate.load_model_ui, jobs=jobs)
-    bar.load_btn.click(load, model_inputs, bar.model_status, api_name="load_model")
+    # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
+    bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
     for event in (bar.model.change, bar.free.submit):
         event(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [gen.prompt],
               [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(
-            load, model_inputs, bar.model_status, **PRIVATE)
+            load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
     gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt, **PRIVATE)
-    demo.load(load, model_inputs, bar.model_status, **PRIVATE)
+    demo.load(load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
     # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
     bar.model.input(lambda: True, None, bar.picked, **QUICK)
     poll = partial(generate.poll_default_model, jobs=jobs)
@@ -364,6 +377,9 @@ def _wire_notices(bar, gen, jobs) -> None:
     for event in (bar.model.change, bar.free.submit, gen.prompt.change, gen.tau.change, gen.tau_off.change):
         event(partial(generate.notice_update, jobs=jobs), inputs, outputs, trigger_mode="always_last", **QUICK)
     gen.notice_model_btn.click(generate.take_offer, offer, [bar.model, bar.picked], **QUICK)
+    for event in (bar.model.change, bar.free.submit):
+        event(partial(generate.teaching_note_update, jobs=jobs), [bar.model, bar.free], gen.teach_note,
+              trigger_mode="always_last", **QUICK)
     gen.notice_off_btn.click(lambda: True, None, gen.tau_off, **QUICK)
 
 
@@ -440,9 +456,9 @@ def _wire_finetune(demo, bar, ft, jobs) -> None:
     ft.data_source.change(finetune_ui.data_source_changed, [ft.data_source, ft.upload],
                           [ft.upload, ft.data_report, ft.msg], show_progress="hidden", **PRIVATE)
     demo.load(preview, ft.inputs, ft.command, **PRIVATE)
-    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg, api_name="finetune_start")
-    ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg, api_name="finetune_stop")
-    ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg, api_name="finetune_kill")
+    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg, show_progress="hidden", api_name="finetune_start")
+    ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg, show_progress="hidden", api_name="finetune_stop")
+    ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg, show_progress="hidden", api_name="finetune_kill")
     # a finished run joins both model lists: the picker above and the base models here
     poll = partial(finetune_ui.poll, jobs)
     poll_outputs = [ft.job_status, ft.loss_plot, ft.log_box, bar.model, ft.base, ft.seen]

@@ -202,8 +202,9 @@ def test_examples_and_the_example_prompt_follow_the_model():
     natural = models.example_prompts("smollm2")
     ex, prompt = generate.examples_and_prompt("smollm2", "", tiny[0])
     assert ex["choices"] == natural and prompt["value"] == natural[0]
+    assert ex["value"] == natural[0]          # the list shows the example the prompt now holds, not an empty field
     ex, prompt = generate.examples_and_prompt("smollm2", "", "my own question")   # the user's text stays
-    assert prompt == {"__type__": "update"}
+    assert prompt == {"__type__": "update"} and ex["value"] is None
 
 
 # ----------------------------------------------------------------------------- state that is always current
@@ -333,6 +334,18 @@ def test_learn_step_text_and_readable_mask_labels(tiny_mars):
     fig = learn.mask_figure(32, 4)
     assert len(fig.layout.xaxis.tickvals) <= 16 and fig.layout.xaxis.tickfont.size >= 11
     assert len(learn.mask_figure(8, 4).layout.xaxis.tickvals) == 16   # small n: every position
+
+
+def test_coincident_pareto_points_share_one_label():
+    # every τ at 100% agreement and nearly the same tokens/forward: the plot used to be a stack of τ labels
+    rows = [{"tau": t, "quality": 1.0, "tokens_per_forward": 1.02 + 0.0001 * k, "speedup": 0.95, "n": 5,
+             "mode": "mars", "quality_name": "agreement with AR"} for k, t in enumerate([1.0, 0.95, 0.9, 0.8])]
+    rows.append({**rows[0], "tau": 0.6, "tokens_per_forward": 1.4})
+    fig = explorer.pareto_figure(rows)
+    texts = sorted(a.text for a in fig.layout.annotations if a.text.startswith("τ"))
+    # tokens/forward: 0.6 stands apart; speedup: all five coincide
+    assert texts == ["τ=0.6", "τ=0.6, 0.8, 0.9, 0.95, off", "τ=0.8, 0.9, 0.95, off"], texts
+    assert len(fig.data[0].x) == 5   # the markers stay, one per τ
 
 
 def test_explorer_labels_do_not_overlap():
