@@ -43,6 +43,19 @@ GENERAL_PROMPTS = [
     "What is 12 times 12?",
 ]
 
+# The real-language MARS model's first examples: development prompts (held-out natural prompts, seed 77, none in
+# the report set, seed 1) on which smollm2-mars commits the most tokens per forward at the page's τ 0.9, B 4
+# (`python -m app.pick_examples`: 1.17-1.43 tokens/forward, chunks of up to 3 tokens; most prompts give ~1.05).
+TEACHING_PROMPTS = [
+    "Farid has 26 pencils and buys 14 more. How many pencils does Farid have now?",
+    "Summarise this in a few words: The city council voted to build a new park near the river, and construction "
+    "starts in spring.",
+    "Rewrite this as a friendly message: The bakery on the corner sells fresh bread every morning and closes when "
+    "it runs out.",
+    "Use the word 'momentum' in a sentence.",
+    "Name three indoor plants.",
+]
+
 _cache: dict[str, object] = {}
 _lock = threading.Lock()                    # guards _name_locks
 _name_locks: dict[str, threading.Lock] = {}  # one per model: loading one never blocks another
@@ -186,9 +199,9 @@ def _trained_on_builtin(name: str, jobs=None) -> bool:
 
 def example_prompts(name: str, n: int = 6, jobs=None) -> list[str]:
     """Prompts that suit the model: held-out task prompts for the tiny models and anything trained on the
-    built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts
-    followed by natural held-out prompts (`finetune.natural`: subjects no training prompt mentions);
-    general prompts otherwise."""
+    built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts (first,
+    for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts (`finetune.natural`:
+    subjects no training prompt mentions); general prompts otherwise."""
     if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name, jobs)):
         try:
             from finetune.tasks import make_examples
@@ -198,6 +211,8 @@ def example_prompts(name: str, n: int = 6, jobs=None) -> list[str]:
             pass
     if name in NATURAL_MODELS:
         curated = [GENERAL_PROMPTS[0], GENERAL_PROMPTS[2], GENERAL_PROMPTS[3]]
+        if name in catalogue.names(prompts=catalogue.NATURAL, mars=True):   # where MARS shows several tokens
+            curated = TEACHING_PROMPTS + curated
         try:
             from finetune.natural import natural_prompts
             return list(dict.fromkeys(curated + natural_prompts("heldout", n, seed=0)))

@@ -208,6 +208,21 @@ def test_examples_and_the_example_prompt_follow_the_model():
 
 
 # ----------------------------------------------------------------------------- state that is always current
+def test_the_teaching_examples_are_development_prompts_and_a_real_language_model_gets_a_note():
+    from finetune.natural import natural_prompts
+    from app import pick_examples
+    dev = natural_prompts("heldout", 32, seed=pick_examples.DEV_SEED)
+    report = natural_prompts("heldout", 64, seed=pick_examples.REPORT_SEED)
+    assert all(p in dev and p not in report for p in models.TEACHING_PROMPTS)
+    assert set(pick_examples.candidates(32)) <= set(dev) - set(report)
+    assert models.example_prompts("smollm2-mars")[:5] == models.TEACHING_PROMPTS
+    assert not set(models.example_prompts("smollm2")) & set(models.TEACHING_PROMPTS)
+    note = notices.teaching_note("smollm2-mars")
+    assert "What you are seeing" in note and "AR's exactly" in note
+    assert notices.teaching_note("tiny-mars") == notices.teaching_note("smollm2") == ""
+    assert generate.teaching_note_update("nope")["visible"] is False
+
+
 def test_tau_typed_out_of_range_is_clamped_with_a_note_and_the_race_repeats_it(tiny_mars):
     class Req:
         session_hash = "clamp-session"
