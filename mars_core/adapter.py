@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import torch
+
+from mars_core.storage import atomic_path, atomic_write_text
 
 FORMAT = "mars-lora-v1"
 WEIGHTS_FILE = "adapter.safetensors"
@@ -53,16 +54,6 @@ def _dtype_name(dtype) -> str:
         if dtype == value or dtype == name:
             return name
     raise ValueError(f"dtype={dtype!r} is not supported for adapter weights: use torch.bfloat16, float16 or float32")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename: a crash never leaves a half-written file under the real name."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -140,8 +131,9 @@ def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights, cfg_path = out / WEIGHTS_FILE, out / CONFIG_FILE
-    _atomic_write(weights, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT}))
-    _atomic_write(cfg_path, lambda tmp: tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
+    with atomic_path(weights, "the adapter's weights") as tmp:   # a full disk: one line, no half-written file
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    atomic_write_text(cfg_path, json.dumps(config, indent=2, sort_keys=True) + "\n", "the adapter's config")
     return [weights, cfg_path]
 
 

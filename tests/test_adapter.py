@@ -162,6 +162,16 @@ def test_save_refuses_what_it_cannot_merge(adapter, base_dir, tmp_path):
     assert not (tmp_path / "bad" / "adapter.safetensors").exists()                   # nothing half-written
 
 
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(adapter, base_dir, tmp_path):
+    _, model, mask_row = adapter
+    out = tmp_path / "blocked"
+    (out / "adapter.safetensors").mkdir(parents=True)          # the weights' path is taken by a folder
+    with pytest.raises(ValueError, match="adapter.safetensors could not be written while writing the adapter's "
+                                         "weights .*: check the path and the disk"):
+        _save(out, model, mask_row, base_dir, _mask_id(base_dir))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.safetensors"]     # no .tmp left, no config
+
+
 def test_merge_refuses_a_mismatched_model_and_leaves_it_untouched(base_dir, tmp_path):
     mask_id = _mask_id(base_dir)
 
