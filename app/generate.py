@@ -292,6 +292,9 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
         return
     finally:
         machine.leave(ticket)
+        with _tau_lock:
+            if _newest.get(session) is mine:   # no newer race of this page: nothing left to stop
+                del _newest[session]
 
 
 def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, jobs, superseded, give_way):
