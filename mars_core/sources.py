@@ -298,6 +298,18 @@ def _adapter_base(adapter_dir: Path, cfg: dict) -> tuple[str, str]:
     return kind, where
 
 
+def _fp32_bytes(checkpoint_dir: str) -> int:
+    """About what the checkpoint's weights take in fp32: its weight files' size, doubled for a 16-bit one."""
+    folder = Path(checkpoint_dir)
+    size = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    half = str(config.get("torch_dtype") or config.get("dtype")) in ("bfloat16", "float16")
+    return 2 * size if half else size
+
+
 def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
     """Merge an adapter into its base once, into merged_dir(adapter_dir); later loads read that folder."""
     adapter_dir = Path(adapter_dir)
@@ -315,10 +327,12 @@ def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
             raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: mask_token={cfg['mask_token']!r} is id "
                              f"{tokenizer.get_vocab().get(cfg['mask_token'])} in {cfg['base']!r}'s tokenizer, but the "
                              f"adapter was trained with mask_id={cfg['mask_id']}: it belongs to another base; rebuild it")
+        what = f"the merge of {adapter_dir.name} into {cfg['base']}"
+        check_free_space(target.parent, _fp32_bytes(base_dir) + 50_000_000, what)   # before the slow load
         # Merge in fp32 into the stock modules (no CPU layout), whatever dtype the user loads it in later.
         model = _from_pretrained(base_dir, _stock_config(base_dir), torch.float32)
         merge_adapter(model, adapter_dir)
-        with _cache_build(target, model, f"the merge of {adapter_dir.name} into {cfg['base']}") as tmp:
+        with _cache_build(target, model, what) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             source = {"base": cfg["base"], "base_dir": str(base_dir), "adapter": str(adapter_dir.resolve()),

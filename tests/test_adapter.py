@@ -235,6 +235,20 @@ def test_damaged_or_missing_files_name_the_file_and_the_fix(adapter, tmp_path):
 
 # ----------------------------------------------------------------------------- load_model and the cache
 
+def test_a_merge_without_room_is_refused_before_the_base_is_loaded(adapter, base_dir, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from mars_core import storage
+
+    out, _, _ = adapter
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: SimpleNamespace(total=1, used=1, free=1000))
+    monkeypatch.setattr(sources, "_from_pretrained", lambda *a, **k: pytest.fail("loaded the base without room"))
+    with pytest.raises(ValueError, match="the merge of tiny-lora into .* needs about 0.1 GB but only 0.0 GB is free"):
+        sources.merge_adapter_to_checkpoint(out)
+    assert not (tmp_path / "cache" / "merged").exists() or not any((tmp_path / "cache" / "merged").iterdir())
+
+
 def test_load_model_merges_once_and_reuses_the_cache(adapter, base_dir, tmp_path, monkeypatch):
     out, _, _ = adapter
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
