@@ -158,8 +158,8 @@ def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_siz
     if not isinstance(source, str) or source not in ("builtin", "free"):
         raise ValueError(f"prompts {source!r} is unknown: use 'builtin' (the held-out tasks) or 'free' (your own)")
     spec = dict(taus=parse_taus(taus_text), criterion=inputs.check_criterion(criterion),
-                block_size=inputs.whole(block_size, "block size B", 2, 8), max_new=inputs.whole(max_new_tokens, "max new tokens",
-                                                                                   8, 256))
+                block_size=inputs.whole(block_size, "block size B", 2, 8),
+                max_new=inputs.whole(max_new_tokens, "max new tokens", 8, 256))
     # the model the picker shows, for both sources: the page never switches models behind the user's back
     spec["name"] = name = models.resolve(choice, free_text, jobs)
     if source == "free":

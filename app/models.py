@@ -91,7 +91,8 @@ def resolve(choice: str, free_text: str = "", jobs=None) -> str:
     must look like owner/name. Runs resolve only to checkpoints inside the runs directory.
     """
     if not isinstance(choice, (str, type(None))) or not isinstance(free_text, (str, type(None))):
-        raise ValueError(f"the model is {choice!r} / {free_text!r}: pick a name from the list, or type a path or hub id")
+        raise ValueError(f"the model is {choice!r} / {free_text!r}: pick a name from the list, or type a path or "
+                         "hub id")
     free_text = (free_text or "").strip()
     if free_text:
         if len(free_text) > 300 or any(c in free_text for c in "\n\r\0"):
