@@ -12,7 +12,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app import inputs, models
-from app.machine import MACHINE
+from app.machine import MACHINE, take_turn
 from app.plots import empty_figure
 
 MASK_TEXT = """
@@ -101,9 +101,11 @@ def show_mask(n, block_size):
         return empty_figure(models.friendly_error(exc))
 
 
-def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True, jobs=None):
-    """The Learn tab's button: (step HTML, confidence figure) for the first forward pass on the Generate tab's
-    prompt and τ. B is the Learn tab's own slider (the mask above shows the same B), not the Generate tab's.
+def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True, jobs=None,
+             machine=MACHINE):
+    """The Learn tab's button: a generator of (step HTML, confidence figure) for the first forward pass on the
+    Generate tab's prompt and τ; while a race or sweep holds the machine, a line saying where it waits. B is the
+    Learn tab's own slider (the mask above shows the same B), not the Generate tab's.
 
     It runs the model the picker shows, like every other tab: one step needs no answer key, so any model will
     do. `picked` no longer changes the model; it stays so that the page's wiring and API keep their shape."""
@@ -112,18 +114,21 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
         block_size = inputs.whole(block_size, "block size B", 1, 8)
         criterion = inputs.check_criterion(criterion)
         name = models.resolve(choice, free_text, jobs)
-        ticket = MACHINE.join("a Learn step")
-        try:   # one forward: it waits its turn without a line of its own
-            MACHINE.wait_turn(ticket, None)
-            lm = models.get_model(name)
-            event = first_step(lm, prompt, tau, block_size, criterion)
-        finally:
-            MACHINE.leave(ticket)
-        note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
-        ran_on = f"<p class='defs'>model: <b>{html.escape(model_label(choice, free_text, name))}</b></p>"
-        return ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)
     except Exception as exc:
-        return f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
+        yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
+        return
+    ticket = yield from take_turn(machine, "a Learn step", lambda line: (f"<p>{html.escape(line)}</p>", gr.skip()))
+    try:
+        lm = models.get_model(name)
+        event = first_step(lm, prompt, tau, block_size, criterion)
+    except Exception as exc:
+        yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
+        return
+    finally:
+        machine.leave(ticket)
+    note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
+    ran_on = f"<p class='defs'>model: <b>{html.escape(model_label(choice, free_text, name))}</b></p>"
+    yield ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)
 
 
 def model_label(choice, free_text, name: str) -> str:

@@ -431,7 +431,7 @@ def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
     # the Generate tab's prompt, τ and confidence criterion, with the Learn tab's own B
     step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
     lesson.step_btn.click(partial(learn.one_step, jobs=jobs), step_inputs, [lesson.step_view, lesson.conf_plot],
-                          concurrency_limit=None, api_name="one_step")   # waits for app.machine's turn
+                          concurrency_limit=None, show_progress="hidden", api_name="one_step")   # app.machine
 
 
 def _clear_warnings_on_change(bar, gen, sweep, lesson, ft) -> None:

@@ -714,11 +714,11 @@ def test_learn_step_runs_the_model_the_picker_shows(monkeypatch, tmp_path, tiny_
     lm = models.get_model(tiny_dir)          # stands in for smollm2-mars: only the name asked for matters
     loaded = _record_loads(monkeypatch, lm)
     for picked in (False, True):             # the page's own switch to smollm2-mars counts as much as a pick
-        html, fig = learn.one_step("smollm2-mars", "", "What is 2 + 2?", 0.9, False, 4, "prob", picked)
+        *_, (html, fig) = learn.one_step("smollm2-mars", "", "What is 2 + 2?", 0.9, False, 4, "prob", picked)
         assert loaded[-1] == "smollm2-mars", loaded
         assert "model: <b>smollm2-mars</b>" in html and html.count("<tr class=") == 4
     assert loaded == ["smollm2-mars", "smollm2-mars"]
-    learn.one_step("tiny-mars", tiny_dir, "What is 2 + 2?", 0.9, False, 4, "prob", False)
+    list(learn.one_step("tiny-mars", tiny_dir, "What is 2 + 2?", 0.9, False, 4, "prob", False))
     assert loaded[-1] == str(Path(tiny_dir).resolve())   # a typed path overrides the list, as on other tabs
 
 

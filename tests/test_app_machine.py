@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from app import explorer, generate, models  # noqa: E402
+from app import explorer, generate, learn, models  # noqa: E402
 from app.machine import Machine, take_turn, waiting_line  # noqa: E402
 
 PROMPT = "What is 12 + 30?"
@@ -133,3 +133,14 @@ def test_a_job_already_waiting_skips_the_timing(tiny_mars):
     last = list(generate.race_models(_settings(max_new=16, measure_after=True), "tiny-mars", "tiny-mars", "page-4",
                                      machine=Busy()))[-1]
     assert last[0].startswith("✓ Done") and "Measured" not in last[0] and "data-repeats" not in last[5]
+
+
+def test_a_learn_step_says_where_it_waits_and_then_lays_out_the_step(tiny_mars):
+    m = Machine()
+    held = m.join("a τ sweep")
+    step = learn.one_step("tiny-mars", "", PROMPT, 0.9, False, 4, "prob", machine=m)
+    waiting, fig = next(step)
+    assert "position 1 in line (a τ sweep is running)" in waiting and fig == gr.skip()
+    m.leave(held)
+    html, fig = list(step)[-1]
+    assert "model: <b>tiny-mars</b>" in html and html.count("<tr class=") == 4 and not m.busy()
