@@ -146,3 +146,14 @@ def test_the_mask_endpoint_names_a_bad_value_in_its_figure(client):
 
 def test_a_bad_value_starts_no_finetune_run(demo):
     assert demo.jobs.latest_job() is None
+
+
+def test_a_client_gets_the_races_answers_before_its_timing(client):
+    job = client.submit(**{**GOOD_RACE, "max_new_tokens": 32, "measure_after": True}, api_name="/race")
+    job.result()
+    statuses = [out[0] for out in job.outputs()]
+    ended = next(k for k, s in enumerate(statuses) if s.startswith("✓ Race finished"))
+    done = next(k for k, s in enumerate(statuses) if s.startswith("✓ Done"))
+    assert ended < done and "tokens/forward" in statuses[ended]
+    assert "stat-tpf-mars" in job.outputs()[ended][5]                  # the table is out with the answers
+    assert 'id="speedup-value" data-median' in job.outputs()[done][5]   # the timed number follows
