@@ -32,7 +32,7 @@ _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margi
 CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
 # The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
 LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
-                  ("a tree: after every draft, and runner-up tokens", "tree")]
+                  ("a tree: also runner-up tokens", "tree")]
 LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.

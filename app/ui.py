@@ -203,7 +203,7 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
             gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
                                             elem_id="measure-after", container=False)
             gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value="linear", label="lossless drafts",
-                                           scale=2, elem_id="draft-layout",
+                                           scale=2, min_width=330, elem_id="draft-layout",
                                            info="after every draft: a rejection no longer leaves the next pass "
                                                 "without drafts, at more positions per pass")
             gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1, elem_id="copy-drafts",

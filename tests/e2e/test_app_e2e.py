@@ -343,14 +343,16 @@ def test_status_lines_and_pickers_read_in_full(page):
         texts = seen(page, elem_id)
         assert not any(GRADIO_TIMER.search(t) for t in texts), (elem_id, [t for t in texts if GRADIO_TIMER.search(t)])
     # every label of both model lists fits its field (a cut "SmolLM2-135M taught MA…" hid what it is)
-    labels = [label for label, _ in models.model_choices()]
+    from app import generate
+    labels = {"model-picker": [label for label, _ in models.model_choices()],
+              "ar-picker": ["same model, τ off"] + models.builtin_names(),
+              "draft-layout": [label for label, _ in generate.LAYOUT_CHOICES]}
     fits = page.evaluate("""(labels) => { const out = {};
-        for (const id of ['model-picker', 'ar-picker']) {
+        for (const [id, texts] of Object.entries(labels)) {
           const input = document.querySelector('#' + id + ' input'); const cs = getComputedStyle(input);
           const ctx = document.createElement('canvas').getContext('2d'); ctx.font = cs.font;
           const room = input.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
-          out[id] = (id === 'model-picker' ? labels : ['same model, τ off'].concat(labels.map(l => l.split(' ')[0])))
-                    .map(l => [l, ctx.measureText(l).width, room]); }
+          out[id] = texts.map(l => [l, ctx.measureText(l).width, room]); }
         return out; }""", labels)
     for elem_id, rows in fits.items():
         assert all(w <= room for _, w, room in rows), (elem_id, [r for r in rows if r[1] > r[2]])
