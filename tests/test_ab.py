@@ -128,6 +128,7 @@ def test_bad_flags_are_one_line_naming_the_fix_and_exit_2(tiny, tmp_path, args, 
     assert done.returncode == 2 and fix in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 def test_one_command_trains_and_scores_every_arm_and_a_rerun_redoes_nothing(tiny, tmp_path):
     model_dir, data = tiny
     work = tmp_path / "ab"
