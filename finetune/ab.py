@@ -139,7 +139,10 @@ def train_summary(out: Path, last: int = 25) -> dict:
     """Mean mask / AR CE of the last ``last`` logged steps and the run's training seconds."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = rows[-last:]
-    mean = lambda key: sum(r[key] for r in tail) / len(tail)   # noqa: E731
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in tail) / len(tail)
+
     return {"train_mask_ce": mean("loss_mask"), "train_ar_ce": mean("loss_ar"), "train_elapsed_s": rows[-1]["elapsed"],
             "steps": rows[-1]["step"]}
 

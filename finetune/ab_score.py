@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import Example, collate
-from finetune.losses import IGNORE_INDEX, first_noisy_block_start, mars_inputs, model_attention_mask, shift_labels
+from finetune.losses import (
+    IGNORE_INDEX,
+    first_noisy_block_start,
+    mars_inputs,
+    model_attention_mask,
+    shift_labels,
+)
 
 
 def mask_slots(labels: torch.Tensor, block_size: int, block_offset: int) -> torch.Tensor:

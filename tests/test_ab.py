@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.tiny_fixtures import make_tiny_model_dir
 
 from finetune.train import main as train_main
+from tests.tiny_fixtures import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is 3 + 4?", "What is 12 + 5?", "Sort 3, 1, 2.", "Reverse the word cat."]
@@ -114,7 +114,7 @@ def test_gated_lora_needs_lora_and_mars():
 def run_ab(*args):
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     return subprocess.run([sys.executable, "-m", "finetune.ab", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, check=False)
 
 
 @pytest.mark.parametrize("args,fix", [
