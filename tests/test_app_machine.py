@@ -122,7 +122,9 @@ def test_a_job_waiting_cuts_the_timing_short_and_the_race_says_so(tiny_mars):
     assert last[0].startswith("✓ Done") and "Measured speedups" in last[0]
     stats = last[5]
     assert 'data-repeats="1"' in stats and 'data-bound="' not in stats
-    assert re.search("timed 1 of [2-9]|the bound was not measured", stats) and "a new job was waiting" in stats
+    # timed once out of the 2 or more repeats planned (how many fit the budget depends on the machine's speed)
+    assert re.search(r"timed 1 of ([2-9]|[1-9]\d+) times|the bound was not measured", stats), stats[-300:]
+    assert "a new job was waiting" in stats
     assert last[-1]["mars"].finished
 
 
