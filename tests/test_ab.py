@@ -1,6 +1,5 @@
 """finetune.ab (the fixed-budget A/B harness), its scoring (finetune.ab_score) and gated LoRA, on a tiny model."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.train import main as train_main
-from tests.tiny_fixtures import make_tiny_model_dir
+from tests.tiny_fixtures import make_tiny_model_dir, write_addition_chats
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is 3 + 4?", "What is 12 + 5?", "Sort 3, 1, 2.", "Reverse the word cat."]
@@ -19,15 +18,7 @@ PROMPTS = ["What is 3 + 4?", "What is 12 + 5?", "Sort 3, 1, 2.", "Reverse the wo
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    model_dir = make_tiny_model_dir(root / "model")
-    data = root / "data.jsonl"
-    with data.open("w") as f:
-        for a in range(40):
-            b = (a * 7) % 10
-            question = {"role": "user", "content": f"What is {a} + {b}?"}
-            answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
-            f.write(json.dumps({"messages": [question, answer]}) + "\n")
-    return model_dir, data
+    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")
 
 
 @pytest.fixture(scope="module")

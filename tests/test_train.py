@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from finetune.recipe import CXX
 from finetune.train import main
-from tests.tiny_fixtures import make_tiny_model_dir
+from tests.tiny_fixtures import make_tiny_model_dir, write_addition_chats
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,15 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    model_dir = make_tiny_model_dir(root / "model")
-    data = root / "data.jsonl"
-    with data.open("w") as f:
-        for a in range(40):
-            b = (a * 7) % 10
-            question = {"role": "user", "content": f"What is {a} + {b}?"}
-            answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
-            f.write(json.dumps({"messages": [question, answer]}) + "\n")
-    return model_dir, data
+    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")
 
 
 def common_flags(tiny, out, *extra):

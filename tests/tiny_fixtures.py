@@ -7,6 +7,7 @@ the architecture, the vocabulary, the KV heads, the context, tied embeddings and
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -128,3 +129,14 @@ def make_tiny_model_dir(path: Path, seed: int = 0, vocab_size: int = 320) -> Pat
     tok = make_bpe_tokenizer(vocab_size)
     model = tiny_causal_lm(len(tok), seed=seed, context=512, tie=True, **token_ids(tok))
     return save_model_dir(path, tok, model)
+
+
+def write_addition_chats(path: Path, n: int = 40) -> Path:
+    """A chat-format training file of n one-line addition questions and their answers (finetune.train's input)."""
+    with Path(path).open("w") as f:
+        for a in range(n):
+            b = (a * 7) % 10
+            question = {"role": "user", "content": f"What is {a} + {b}?"}
+            answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+            f.write(json.dumps({"messages": [question, answer]}) + "\n")
+    return Path(path)
