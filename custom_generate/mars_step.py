@@ -737,19 +737,19 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         behind = groups_behind(cfg, n_verify, n_masks, planner, batch.rows)
         ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, n_leaves, bool(n_masks))
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
+        n_mask_cols = (len(behind) + n_leaves) * n_masks                          # the chunk's last columns
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
-                       cache=batch.cache, use_cache=True, logits_to_keep=keep,
-                       **draft_tail(lm, cfg, (len(behind) + n_leaves) * n_masks))
+                       cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols))
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
         top = _check_finite(logits, lm, step)
         if cfg.mode == "verify":
-            settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos_set,
-                                     planner)
+            settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width,
+                                     eos_set, planner)
         else:
             settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_ids, generator)
         kept = [range(width - len(r.pending), width) if st.kept is None else st.kept
                 for r, st in zip(batch.rows, settled)]
-        batch.rollback((len(behind) + n_leaves) * n_masks, kept, width + n_leaves)
+        batch.rollback(n_mask_cols, kept, width + n_leaves)
         if planner is not None:
             planner.observe(batch.rows, settled, ids.shape[1])
         step_time = time.perf_counter() - t0

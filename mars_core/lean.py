@@ -295,10 +295,9 @@ class LeanLM(torch.nn.Module):
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
-        if self.scripted is not None and self.kernel == "vnni" and draft_tail:
-            x = self.scripted(x, *self._script_weights, *shape, tail=min(draft_tail, length))
-        elif self.scripted is not None:
-            x = self.scripted(x, *self._script_weights, *shape)
+        if self.scripted is not None:
+            tail = {"tail": min(draft_tail, length)} if self.kernel == "vnni" and draft_tail else {}
+            x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)
         cache.length = past + length
