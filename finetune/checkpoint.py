@@ -34,7 +34,7 @@ CONFIG_FILE = "train_config.json"
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
 RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "train_mask_row", "block_size",
-               "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed",
+               "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
                "batch_size", "grad_accum", "max_length", "overlong")
 
 
@@ -115,6 +115,10 @@ def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float) -> No
     plain_model(train_module, run.cfg.lora).save_pretrained(directory, safe_serialization=True)
     run.tokenizer.save_pretrained(directory)
     write_json(directory / CONFIG_FILE, run.cfg.to_dict())
+    if run.manifest is not None:   # travels with the weights: an adapter exported from here can carry it
+        from finetune.data import MANIFEST_FILE, write_manifest
+
+        write_manifest(directory / MANIFEST_FILE, *run.manifest)
     keep_metrics(run.out / METRICS_FILE, directory / METRICS_FILE, step)
     torch.save(trainer_state(run, train_module, step, elapsed), directory / STATE_FILE)
 

@@ -98,6 +98,14 @@ class TrainConfig:
     """MARS with --lora: apply the LoRA delta only where the input token is the mask (Samragh et al., arXiv
     2507.11851), so every real token, hence the one-token path, is the base model exactly. Checkpoints then hold
     the base weights plus the adapter in trainer_state.pt (a merged model would apply the delta everywhere)."""
+    init_adapter: str = ""
+    """Warm start (MARS with --lora): a mars-lora-v1 adapter folder, e.g. assets/smollm2-mars, whose LoRA weights
+    and mask row this run starts from instead of a fresh adapter; --base-model, --lora-r, --lora-alpha, --block-size
+    and --train-mask-row must match it. Optimizer and schedule start afresh. Empty: a fresh adapter."""
+    skip_seen: str = ""
+    """A data manifest (data_manifest.json, or a folder holding one: a run, a checkpoint, an exported adapter):
+    conversations whose prompt it lists are left out, so a continued run adds only new examples. Every run writes
+    its own manifest (the skipped one plus this run's data) to --output-dir and each checkpoint."""
     train_mask_row: bool = False
     """MARS: also train the mask token's embedding row (one vector of hidden-size numbers). For a reused special
     token (SmolLM2's <repo_name>) that row was never trained for anything; with tied embeddings the LM head's
@@ -163,6 +171,11 @@ class TrainConfig:
              "train_mask_row applies to --stage mars only (AR-SFT never feeds the mask token): drop it")
         need(not self.gated_lora or (self.lora and self.stage == "mars"),
              "gated_lora gates a LoRA delta by the mask token: use it with --lora and --stage mars")
+        need(not self.init_adapter or (self.lora and self.stage == "mars"),
+             "init_adapter warm-starts a MARS LoRA adapter: use it with --lora and --stage mars")
+        need(not (self.init_adapter and self.gated_lora),
+             "init_adapter is a plain (ungated) adapter, merged everywhere: --gated-lora would apply it at masks "
+             "only; drop one of them")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
         need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")

@@ -245,3 +245,69 @@ def epoch_batches(
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
     return batches
+
+
+# ----------------------------------------------------------------------------- data manifests
+
+MANIFEST_FILE = "data_manifest.json"
+MANIFEST_FORMAT = "mars-data-manifest-v1"
+MANIFEST_KEY = "sha256 of the prompt turns (every message before the last) as JSON, first 16 hex digits"
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """An example's identity in a manifest: its prompt turns. Self-distilled data answers a prompt once, so a
+    prompt seen before is an example seen before; a hash keeps the manifest small and the prompts out of it."""
+    import hashlib
+    import json
+
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+    return hashlib.sha256(json.dumps(turns, ensure_ascii=False, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def prompt_text_key(prompt: str) -> str:
+    """The key of a plain prompt (a prompts file's line): the same as its distilled conversation's."""
+    return prompt_key([{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}])
+
+
+def manifest_path(path: str | Path) -> Path:
+    """A manifest file, or the data_manifest.json inside a folder."""
+    p = Path(path).expanduser()
+    return p / MANIFEST_FILE if p.is_dir() else p
+
+
+def read_manifest(path: str | Path, flag: str = "--skip-seen") -> dict:
+    """A validated manifest: {"format", "key", "prompts": [key, ...], "sources": [...]}."""
+    import json
+
+    p = manifest_path(path)
+    if not p.is_file():
+        raise ValueError(f"{flag} {str(path)!r}: no {MANIFEST_FILE} there; pass a manifest file or a run, checkpoint "
+                         "or adapter folder that holds one (python -m finetune.recipe_smollm2 --stages manifest writes "
+                         "one for the shipped adapter)")
+    try:
+        record = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{flag} {str(p)!r} cannot be read as JSON ({exc}): restore or rewrite it") from None
+    ok = (isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT and isinstance(record.get("prompts"), list)
+          and all(isinstance(k, str) and len(k) == 16 for k in record["prompts"]))
+    if not ok:
+        raise ValueError(f"{flag} {str(p)!r} is not a {MANIFEST_FORMAT} manifest (a 'prompts' list of 16-digit keys): "
+                         "pass one that finetune.train or finetune.recipe_smollm2 wrote")
+    return record
+
+
+def write_manifest(path: str | Path, keys, sources: list) -> Path:
+    """Write a manifest of ``keys`` (deduplicated, sorted: the same data gives the same file) and its sources."""
+    import json
+
+    from mars_core.storage import atomic_write_text
+
+    record = {"format": MANIFEST_FORMAT, "key": MANIFEST_KEY, "sources": sources, "prompts": sorted(set(keys))}
+    atomic_write_text(Path(path), json.dumps(record, indent=0) + "\n", "the data manifest")
+    return Path(path)
+
+
+def leave_out_seen(conversations: list[list[dict]], seen: set[str]) -> tuple[list[list[dict]], int]:
+    """(the conversations whose prompt is not in ``seen``, how many were left out)."""
+    new = [c for c in conversations if prompt_key(c) not in seen]
+    return new, len(conversations) - len(new)

