@@ -9,6 +9,10 @@ the base model, then scored on development data only:
 - development prompts: ``natural_prompts("heldout", --prompts, seed=--prompt-seed)`` (seed 77 by default; the
   report seed 1 is refused): tokens/forward of lossless MARS at τ 0.3 and lossy MARS at τ 0.95.
 
+Warm-start arms (``--init-adapter DIR``, e.g. assets/smollm2-mars): ``shipped`` scores that adapter as it is
+(merged, as mars_core serves it; not trained), ``warm`` and ``warm-soft`` train the recipe (and soft targets) for
+the N steps starting from it (finetune.train --init-adapter). Give them data the adapter never saw.
+
 One command, one markdown table (printed and written to WORK/table.md; every arm's numbers in
 WORK/<arm>/score.json). Resumable: a finished arm is not trained again (an interrupted one resumes from its last
 checkpoint), and a scored arm is not scored again unless the scoring settings changed.
@@ -27,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-# The options compared; each is finetune.train's settings on top of the recipe's.
+# The options compared; each is finetune.train's settings on top of the recipe's. WARM stands for --init-adapter.
+WARM = "<--init-adapter>"
 ARMS = {
     "baseline": {},                                                   # today's recipe
     "soft": {"soft_target_weight": 0.5},                              # half hard CE, half KL to the clean stream
@@ -35,7 +40,11 @@ ARMS = {
     "soft-top32": {"soft_target_weight": 0.5, "soft_target_top_k": 32},
     "gated": {"gated_lora": True, "train_mask_row": False},          # delta at masks only: clean = base exactly
     "gated-row": {"gated_lora": True},                                # the same with the mask row trained
+    "shipped": {"init_adapter": WARM},                                # --init-adapter as it is: scored, not trained
+    "warm": {"init_adapter": WARM},                                   # the recipe, from --init-adapter
+    "warm-soft": {"init_adapter": WARM, "soft_target_weight": 0.5},   # soft targets, from --init-adapter
 }
+UNTRAINED = ("shipped",)
 REPORT_SEED = 1   # the seed of the published tables (finetune.recipe_smollm2.EVAL_SEED): never tuned on
 
 
@@ -56,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-seed", type=int, default=77, help=f"their seed (not {REPORT_SEED}, the report seed)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="decoding cap per prompt")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training and scoring")
+    ap.add_argument("--init-adapter", default="",
+                    help="the adapter the shipped and warm* arms start from (e.g. assets/smollm2-mars)")
     args = ap.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     check_args(args)
@@ -74,6 +85,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use 1 or more")
     if not Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is not a file: pass finetune.distill's chat JSONL")
+    warm = [a for a in args.arms if ARMS[a].get("init_adapter") == WARM]
+    if warm and not args.init_adapter:
+        raise ValueError(f"arms {','.join(warm)} start from an adapter: pass --init-adapter (e.g. assets/smollm2-mars)")
+    if args.init_adapter:
+        from mars_core.adapter import read_adapter_config
+
+        read_adapter_config(args.init_adapter)   # a missing or foreign folder fails here, not after an hour
 
 
 # ----------------------------------------------------------------------------- data split
@@ -104,13 +122,18 @@ def split_data(data: Path, work: Path, n_dev: int) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------- training
 
 
-def arm_settings(arm: str, steps: int) -> dict:
+def arm_options(arm: str, init_adapter: str = "") -> dict:
+    """The arm's options, --init-adapter filled in."""
+    return {k: (init_adapter if v == WARM else v) for k, v in ARMS[arm].items()}
+
+
+def arm_settings(arm: str, steps: int, init_adapter: str = "") -> dict:
     """The recipe's finetune.train settings for this CPU, N steps, the arm's options on top."""
     from finetune.config import native_bf16_cpu
     from finetune.recipe_smollm2 import train_settings
 
     settings = train_settings(False, native_bf16_cpu(), steps, 1.0)
-    settings.update(ARMS[arm], keep_checkpoints=1)
+    settings.update(arm_options(arm, init_adapter), keep_checkpoints=1)
     return settings
 
 
@@ -119,13 +142,16 @@ def train_arm(args, arm: str, train_data: Path) -> dict:
     from finetune.recipe_smollm2 import flags
     from finetune.status import read_status
 
+    if arm in UNTRAINED:
+        return {}
     out = Path(args.work) / arm / "train"
     st = read_status(out)
     if st and st.state == "finished" and st.step == args.steps:
         log(f"{arm}: trained before ({args.steps} steps), skipped")
         return {"trained_before": True}
     cmd = [sys.executable, "-m", "finetune.train", "--base-model", args.base, "--data", str(train_data),
-           "--output-dir", str(out), *flags(arm_settings(arm, args.steps)), "--threads", str(args.threads)]
+           "--output-dir", str(out), *flags(arm_settings(arm, args.steps, args.init_adapter)),
+           "--threads", str(args.threads)]
     log(f"{arm}: $ {shlex.join(cmd)}")
     t0 = time.perf_counter()
     with (Path(args.work) / arm / "train.log").open("a") as fh:
@@ -170,7 +196,7 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     from mars_core.storage import atomic_write_text
 
     folder = Path(args.work) / arm
-    checkpoint = list_checkpoints(folder / "train")[-1]
+    checkpoint = Path(args.init_adapter) if arm in UNTRAINED else list_checkpoints(folder / "train")[-1]
     key = score_key(args, checkpoint)
     path = folder / "score.json"
     if path.is_file() and json.loads(path.read_text()).get("key") == key:
@@ -179,8 +205,14 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     base = load_base(args.base)
-    model = trained_model(checkpoint, base)
-    settings = arm_settings(arm, args.steps)
+    if arm in UNTRAINED:   # the adapter as mars_core serves it: merged into the base weights
+        from mars_core.adapter import merge_adapter
+
+        model = base.model.eval()
+        merge_adapter(model, checkpoint)
+    else:
+        model = trained_model(checkpoint, base)
+    settings = arm_settings(arm, args.steps, args.init_adapter)
     dev = build_examples(load_conversations(str(dev_data)), base.tokenizer, max_length=settings["max_length"],
                          block_size=settings["block_size"], eos_ids=base.eos_ids, overlong="drop")
     masks = mask_metrics(model, dev, base.mask_id, pad_id_of(base.tokenizer, base.eos_ids), settings["block_size"])
@@ -191,8 +223,10 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     assert lm.mask_id == base.mask_id, "the scored model resolved another mask token than training used"
     prompts = natural_prompts("heldout", args.prompts, seed=args.prompt_seed)
     decoded = decode_metrics(lm, prompts, block_size=settings["block_size"], max_new_tokens=args.max_new_tokens)
-    result = {"key": key, "arm": arm, "settings": ARMS[arm], "dtype": str(dtype).replace("torch.", ""),
-              **train_summary(folder / "train"), **masks, **decoded, "score_s": round(time.perf_counter() - t0, 1)}
+    trained = {"steps": 0} if arm in UNTRAINED else train_summary(folder / "train")
+    result = {"key": key, "arm": arm, "settings": arm_options(arm, args.init_adapter),
+              "dtype": str(dtype).replace("torch.", ""), **trained, **masks, **decoded,
+              "score_s": round(time.perf_counter() - t0, 1)}
     atomic_write_text(path, json.dumps(result, indent=1))
     log(f"{arm}: lossless {decoded['lossless_tpf']:.3f}, lossy {decoded['lossy_tpf']:.3f} tokens/forward")
     return result
@@ -207,11 +241,17 @@ def format_table(results: list[dict], block_size: int = 4) -> str:
             f"agreement slot {slots} | lossless τ 0.3 tok/fwd | lossy τ 0.95 tok/fwd | lossy = lossless "
             "(answers / prefix) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    def num(value, fmt: str) -> str:   # an untrained arm has no training numbers
+        return "–" if value is None else format(value, fmt)
+
     for r in results:
         agree = " / ".join(f"{100 * r['agreement'].get(f'slot{j}', float('nan')):.1f}%" for j in range(1, block_size))
         settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "recipe"
-        lines.append(f"| {r['arm']} | {settings} | {r['steps']} | {r['train_elapsed_s'] / 60:.1f} | "
-                     f"{r['train_mask_ce']:.3f} | {r['mask_ce']:.3f} | {r['ar_ce']:.3f} | {agree} | "
+        if r["arm"] in UNTRAINED:
+            settings += " (as it is)"
+        minutes = None if r.get("train_elapsed_s") is None else r["train_elapsed_s"] / 60
+        lines.append(f"| {r['arm']} | {settings} | {r['steps']} | {num(minutes, '.1f')} | "
+                     f"{num(r.get('train_mask_ce'), '.3f')} | {r['mask_ce']:.3f} | {r['ar_ce']:.3f} | {agree} | "
                      f"{r['lossless_tpf']:.3f} | {r['lossy_tpf']:.3f} | "
                      f"{100 * r['lossy_same_answer']:.0f}% / {100 * r['lossy_prefix_share']:.0f}% |")
     return "\n".join(lines)
@@ -230,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         train_arm(args, arm, train_data)
         results.append(score_arm(args, arm, dev_data))
         table = format_table(results)
-        header = (f"Development A/B, {args.steps} steps per arm from {args.base}; held-out: {args.dev_examples} "
+        start = f"{args.base}" + (f" (warm* arms: from {args.init_adapter})" if args.init_adapter else "")
+        header = (f"Development A/B, {args.steps} steps per arm from {start}; held-out: {args.dev_examples} "
                   f"examples of --data; prompts: natural_prompts('heldout', {args.prompts}, seed={args.prompt_seed}),"
                   f" {args.max_new_tokens} new tokens, {results[0]['dtype']}.\n\n")
         from mars_core.storage import atomic_write_text

@@ -116,6 +116,9 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
     same, prefix = agreement([r.token_ids for r in out["lossy"]], [r.token_ids for r in out["lossless"]])
     return {"lossless_tpf": mean_tokens_per_forward(out["lossless"]), "lossy_tpf": mean_tokens_per_forward(out["lossy"]),
             "lossy_same_answer": same, "lossy_prefix_share": prefix,
+            # per prompt, so two arms can be compared prompt by prompt (paired), not only by their means
+            "lossless_tpf_each": [r.tokens_per_forward for r in out["lossless"]],
+            "lossy_tpf_each": [r.tokens_per_forward for r in out["lossy"]],
             "lossless_answers": [r.text for r in out["lossless"]]}
 
 

@@ -112,6 +112,8 @@ def run_ab(*args):
     (["--arms", "baseline,warp"], "unknown arms ['warp']"),
     (["--prompt-seed", "1"], "report seed"),
     (["--steps", "0"], "--steps 0: use 1 or more"),
+    (["--arms", "baseline,warm"], "arms warm start from an adapter: pass --init-adapter"),
+    (["--arms", "shipped", "--init-adapter", "/nonexistent"], "adapter_config.json is missing"),
 ])
 def test_bad_flags_are_one_line_naming_the_fix_and_exit_2(tiny, tmp_path, args, fix):
     _, data = tiny
@@ -138,3 +140,35 @@ def test_one_command_trains_and_scores_every_arm_and_a_rerun_redoes_nothing(tiny
     assert {arm: (work / arm / "score.json").read_text() for arm in scores} == scores
     other = run_ab(*args[:-6], "--dev-examples", "9", "--prompts", "2", "--max-new-tokens", "8")
     assert other.returncode == 2 and "use a new --work" in other.stderr
+
+
+@pytest.mark.slow
+def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untrained(tiny, tmp_path):
+    from mars_core import load_model
+    from mars_core.adapter import save_adapter
+
+    model_dir, data = tiny
+    # an adapter of the recipe's shape (r 32, alpha 64, mask row) for the tiny model: one LoRA step, exported
+    first = tmp_path / "first"
+    train_main(["--base-model", str(model_dir), "--data", str(data), "--output-dir", str(first), "--batch-size", "4",
+                "--max-length", "64", "--threads", "1", "--stage", "mars", "--lora", "--lora-r", "32",
+                "--lora-alpha", "64", "--train-mask-row", "--lr", "1e-2", "--max-steps", "1"])
+    state = torch.load(first / "checkpoint-1" / "trainer_state.pt", weights_only=False)
+    lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
+    save_adapter(tmp_path / "adapter", state["lora"], state["mask_row"], r=32, alpha=64, base=str(model_dir),
+                 mask_id=lm.mask_id, mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=4)
+    work = tmp_path / "ab"
+    done = run_ab("--data", str(data), "--work", str(work), "--base", str(model_dir), "--arms", "shipped,warm",
+                  "--init-adapter", str(tmp_path / "adapter"), "--steps", "2", "--dev-examples", "8", "--prompts", "2",
+                  "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (work / "table.md").read_text()
+    assert f"| shipped | init_adapter={tmp_path / 'adapter'} (as it is) | 0 | – | – |" in table
+    assert f"| warm | init_adapter={tmp_path / 'adapter'} | 2 |" in table
+    assert not (work / "shipped" / "train").exists()
+    import json
+
+    warm_cfg = json.loads((work / "warm" / "train" / "train_config.json").read_text())
+    assert warm_cfg["init_adapter"] == str(tmp_path / "adapter") and warm_cfg["max_steps"] == 2
+    shipped, warm = (json.loads((work / a / "score.json").read_text()) for a in ("shipped", "warm"))
+    assert len(shipped["lossless_tpf_each"]) == 2 and shipped["mask_ce"] != warm["mask_ce"]
