@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--keep-truncated", action="store_true", help="keep answers cut off by --max-new-tokens")
     ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th prompt starting at K (default 0/1)")
+    ap.add_argument("--skip-seen", default="", help="a data manifest (or a folder holding data_manifest.json, e.g. "
+                    "an exported adapter): its prompts are not answered again, so a new round distils new prompts only")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (bf16 is faster on CPUs with avx512_bf16/AMX)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (use 1 per process on a 2-core machine)")
@@ -182,8 +184,16 @@ def prompts_to_do(args: argparse.Namespace) -> list[str]:
     check_output_file("--out", out)
     seen = done_prompts(out)
     todo = [p for p in prompts if p not in seen]
-    print(f"[finetune.distill] {len(prompts)} prompts, {len(prompts) - len(todo)} already done, {len(todo)} to go",
-          file=sys.stderr)
+    note = ""
+    if args.skip_seen:
+        from finetune.data import prompt_text_key, read_manifest
+
+        trained = set(read_manifest(args.skip_seen)["prompts"])
+        before = len(todo)
+        todo = [p for p in todo if prompt_text_key(p) not in trained]
+        note = f", {before - len(todo)} in the --skip-seen manifest"
+    done = sum(p in seen for p in prompts)
+    print(f"[finetune.distill] {len(prompts)} prompts, {done} already done{note}, {len(todo)} to go", file=sys.stderr)
     return todo
 
 
