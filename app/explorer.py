@@ -153,7 +153,7 @@ def not_a_task_model(choice, free_text, name: str) -> str:
 
 
 def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
-                jobs=None) -> dict:
+                resolver: models.Resolver = models.BUILTINS) -> dict:
     """The explorer's values, checked before the sweep waits for the machine; ValueError naming the fix."""
     if not isinstance(source, str) or source not in ("builtin", "free"):
         raise ValueError(f"prompts {source!r} is unknown: use 'builtin' (the held-out tasks) or 'free' (your own)")
@@ -161,7 +161,7 @@ def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_siz
                 block_size=inputs.whole(block_size, "block size B", 2, 8),
                 max_new=inputs.whole(max_new_tokens, "max new tokens", 8, 256))
     # the model the picker shows, for both sources: the page never switches models behind the user's back
-    spec["name"] = name = models.resolve(choice, free_text, jobs)
+    spec["name"] = name = resolver.resolve(choice, free_text)
     if source == "free":
         spec["prompts"] = parse_prompts(prompts_text)
     elif not knows_the_tasks(name):
@@ -172,13 +172,13 @@ def check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_siz
 
 
 def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens, criterion,
-              lossless, picked=True, jobs=None, machine=MACHINE):
+              lossless, picked=True, resolver: models.Resolver = models.BUILTINS, machine=MACHINE):
     """The Run sweep button: a generator of (status line, Pareto figure, table rows, JSON export); it waits for
     the machine saying where it stands, then a row per τ as each finishes; a ⚠ line for bad input.
     (`picked` stays in the signature for the page's wiring and API only.)"""
     try:
         spec = check_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size, max_new_tokens,
-                           criterion, jobs)
+                           criterion, resolver)
         lossless = inputs.check_flag(lossless, "add the lossless curve")
     except Exception as exc:
         yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()

@@ -38,7 +38,7 @@ BARELY_TRAINED_STEPS = 60
 def picker_choices(jobs) -> list[tuple[str, str]]:
     """The model picker's (label, value) pairs: models.model_choices, with a barely trained run's label saying so."""
     out = []
-    for label, value in models.model_choices(jobs):
+    for label, value in models.Resolver(jobs).choices():
         step = jobs.status(value[4:]).get("step") if value.startswith("run:") else None
         if step is not None and step < BARELY_TRAINED_STEPS:
             label += f" ⚠ barely trained: {step} step{'' if step == 1 else 's'}"

@@ -60,10 +60,10 @@ def token_texts(lm):
     return text
 
 
-def load_model_ui(choice, free_text, jobs=None):
+def load_model_ui(choice, free_text, resolver: models.Resolver = models.BUILTINS):
     """Generator for the Load button: progress line first, then a description or a readable error."""
     try:
-        name = models.resolve(choice, free_text, jobs)
+        name = resolver.resolve(choice, free_text)
     except Exception as exc:
         yield f"⚠ {models.friendly_error(exc)}"
         return
@@ -241,16 +241,16 @@ def _make_lanes(settings: RaceSettings, lm, ar_lm) -> dict[str, _Lane]:
     return {n: lane(n) for n in settings.lanes}
 
 
-def choose_models(choice, free_text, ar_choice, jobs=None) -> tuple[str, str]:
+def choose_models(choice, free_text, ar_choice, resolver: models.Resolver = models.BUILTINS) -> tuple[str, str]:
     """(the MARS lanes' model, the AR lane's): the AR baseline is the same model unless another is picked."""
-    name = models.resolve(choice, free_text, jobs)
-    ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else models.resolve(ar_choice, "", jobs)
+    name = resolver.resolve(choice, free_text)
+    ar_name = name if ar_choice in (None, "", models.SAME_MODEL) else resolver.resolve(ar_choice, "")
     return name, ar_name
 
 
 def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
              slow_motion=1, criterion="prob", seed=0, measure_after=True, request: gr.Request | None = None,
-             jobs=None, draft_layout="linear", copy_drafts=False):
+             resolver: models.Resolver = models.BUILTINS, draft_layout="linear", copy_drafts=False):
     """The Race button, its inputs in the page's order: stream AR, lossless MARS and MARS side by side, then time
     the decoders again for a speedup you can quote. A generator of `_outputs` tuples."""
     session = _session(request)
@@ -258,19 +258,18 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
         settings = RaceSettings.from_inputs(prompt, tau, tau_off, block_size, max_new_tokens, temperature,
                                             slow_motion, criterion, seed, measure_after, session, draft_layout,
                                             copy_drafts)
-        name, ar_name = choose_models(choice, free_text, ar_choice, jobs)
+        name, ar_name = choose_models(choice, free_text, ar_choice, resolver)
     except Exception as exc:
         yield _Page(empty_sides()).show(f"⚠ {models.friendly_error(exc)}")
         return
-    yield from race_models(settings, name, ar_name, session, jobs)
+    yield from race_models(settings, name, ar_name, session)
 
 
 class _Superseded(Exception):
     """The page pressed Race again: this race stops quietly and the newer one takes its panes."""
 
 
-def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = "default", jobs=None,
-                machine: Machine = MACHINE):
+def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = "default", machine: Machine = MACHINE):
     """The race once its inputs are checked: wait for the machine (saying where it stands), then load the
     models, stream the lanes, show the answers, and time the decoders again within a budget."""
     asked = time.monotonic()
@@ -286,7 +285,7 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
         def superseded() -> bool:
             return _newest.get(session) is not mine
 
-        yield from _race_on_machine(settings, name, ar_name, session, jobs, superseded,
+        yield from _race_on_machine(settings, name, ar_name, session, superseded,
                                     lambda: superseded() or machine.others_waiting(ticket) > 0)
     except _Superseded:
         return
@@ -297,8 +296,8 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
                 del _newest[session]
 
 
-def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, jobs, superseded, give_way):
-    page = _Page(empty_sides(), _notes_text(settings, name, jobs))
+def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, superseded, give_way):
+    page = _Page(empty_sides(), _notes_text(settings, name))
     page.sides["ar"].label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
     page.sides["verify"].layout = settings.draft_layout
     try:
@@ -352,9 +351,9 @@ def _take_tau_moved_while_waiting(settings: RaceSettings, session: str, asked: f
                           f"it ran at {_tau_text(settings.tau)}")
 
 
-def _notes_text(settings: RaceSettings, name: str, jobs=None) -> str:
+def _notes_text(settings: RaceSettings, name: str) -> str:
     text = "".join(f"\n\n✂ {n}" for n in settings.notes)
-    advice = notices.race_notice(name, settings.prompt, settings.tau, jobs)
+    advice = notices.race_notice(name, settings.prompt, settings.tau)
     return text + (f"\n\nℹ {advice}" if advice else "")
 
 
@@ -462,26 +461,24 @@ def ledger_side_changed(race_state, side):
             render_ledger(rec, 0))
 
 
-def examples_for(choice, free_text="", jobs=None):
-    name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
-    prompts = models.example_prompts(name, jobs=jobs)
+def examples_for(choice, free_text="", resolver: models.Resolver = models.BUILTINS):
+    prompts = models.example_prompts(resolver.resolve_or_typed(choice, free_text))
     return gr.update(choices=prompts, value=None)
 
 
-def _all_examples(jobs=None) -> set[str]:
+def _all_examples() -> set[str]:
     out = set(models.GENERAL_PROMPTS)
     for n in models.builtin_names():
-        out.update(models.example_prompts(n, jobs=jobs))
+        out.update(models.example_prompts(n))
     return out
 
 
-def examples_and_prompt(choice, free_text="", prompt="", jobs=None):
+def examples_and_prompt(choice, free_text="", prompt="", resolver: models.Resolver = models.BUILTINS):
     """Model changed: its example prompts, and the prompt replaced by its first example while the prompt is
     empty or an example of another model (the user's own text stays)."""
-    name = (free_text or "").strip() or choice or models.DEFAULT_MODEL
-    prompts = models.example_prompts(name, jobs=jobs)
+    prompts = models.example_prompts(resolver.resolve_or_typed(choice, free_text))
     cur = (prompt or "").strip()
-    replace = prompts and cur not in prompts and (not cur or cur in _all_examples(jobs))
+    replace = prompts and cur not in prompts and (not cur or cur in _all_examples())
     shown = prompts[0] if replace else cur if cur in prompts else None   # the list shows the prompt it holds
     return gr.update(choices=prompts, value=shown), (gr.update(value=prompts[0]) if replace else gr.skip())
 
@@ -505,23 +502,23 @@ def show_seed(temperature):
     return gr.update(visible=sampling)
 
 
-def teaching_note_update(choice, free_text="", jobs=None):
+def teaching_note_update(choice, free_text="", resolver: models.Resolver = models.BUILTINS):
     """The 'what you are seeing' note of the picked model, hidden when it has none."""
     try:
-        text = notices.teaching_note(models.resolve(choice, free_text, jobs), jobs)
+        text = notices.teaching_note(resolver.resolve(choice, free_text))
     except Exception:   # a bad model name has its own message in the model status line
         text = ""
     return gr.update(value=text, visible=bool(text))
 
 
-def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, jobs=None):
+def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, resolver: models.Resolver = models.BUILTINS):
     """(notice, 'switch model' button, 'τ off' button, offered model) for the page; hidden when nothing applies."""
     try:
-        name = models.resolve(choice, free_text, jobs)
+        name = resolver.resolve(choice, free_text)
         t = effective_tau(tau, tau_off, [])
     except Exception:   # a bad model name or τ has its own message elsewhere
         return gr.update(value="", visible=False), gr.update(visible=False), gr.update(visible=False), None
-    text, offer, off = notices.notice(name, prompt, t, jobs)
+    text, offer, off = notices.notice(name, prompt, t)
     show_model = bool(text) and offer is not None and offer != name
     return (gr.update(value=text, visible=bool(text)),
             gr.update(visible=show_model, value=f"Switch to {offer}" if offer else "Switch model"),
@@ -531,7 +528,7 @@ def notice_update(choice, free_text="", prompt="", tau=0.9, tau_off=False, jobs=
 PREPARE_POLL_S = 2.0  # how often the page asks about the background model (gr.Timer in ui.py)
 
 
-def poll_default_model(choice, free_text="", picked=False, jobs=None):
+def poll_default_model(choice, free_text="", picked=False, resolver: models.Resolver = models.BUILTINS):
     """Timer tick / page load: the background model's status line, and the switch to it once it is ready.
 
     Returns (status markdown, picker update, examples update, timer update). The picker moves to
@@ -548,5 +545,5 @@ def poll_default_model(choice, free_text="", picked=False, jobs=None):
         return st["text"], gr.skip(), gr.skip(), stop
     if picked or (free_text or "").strip() or choice == target or target not in models.builtin_names():
         return st["text"], gr.skip(), gr.skip(), stop
-    return (st["text"], gr.update(choices=models.model_choices(jobs), value=target),
-            gr.update(choices=models.example_prompts(target, jobs=jobs), value=None), stop)
+    return (st["text"], gr.update(choices=resolver.choices(), value=target),
+            gr.update(choices=models.example_prompts(target), value=None), stop)

@@ -101,8 +101,8 @@ def show_mask(n, block_size):
         return empty_figure(models.friendly_error(exc))
 
 
-def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True, jobs=None,
-             machine=MACHINE):
+def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True,
+             resolver: models.Resolver = models.BUILTINS, machine=MACHINE):
     """The Learn tab's button: a generator of (step HTML, confidence figure) for the first forward pass on the
     Generate tab's prompt and τ; while a race or sweep holds the machine, a line saying where it waits. B is the
     Learn tab's own slider (the mask above shows the same B), not the Generate tab's.
@@ -113,7 +113,7 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
         prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
         block_size = inputs.whole(block_size, "block size B", 1, 8)
         criterion = inputs.check_criterion(criterion)
-        name = models.resolve(choice, free_text, jobs)
+        name = resolver.resolve(choice, free_text)
     except Exception as exc:
         yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
         return

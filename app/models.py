@@ -75,68 +75,93 @@ def builtin_names() -> list[str]:
     return [v for _, v in builtin_models()]
 
 
-def model_choices(jobs=None) -> list[tuple[str, str]]:
-    """(label, value) pairs for the picker; finished runs come last, newest first."""
-    choices = builtin_models()
-    if jobs is not None:
-        for name, _path in jobs.finished_checkpoints():
-            choices.append((f"run: {name} (your finetune)", f"run:{name}"))
-    return choices
+class Resolver:
+    """The page's one answer to "which model is this choice?": a built-in name, a typed path or hub id, or a
+    finished Finetune run ("run:<name>", found by `runs`, a JobManager; None refuses runs). build_ui makes one
+    for its page; a handler resolves the page's choice once and hands the resolved name or path on."""
+
+    def __init__(self, runs=None):
+        self.runs = runs
+
+    def choices(self) -> list[tuple[str, str]]:
+        """(label, value) pairs for the picker; finished runs come last, newest first."""
+        choices = builtin_models()
+        if self.runs is not None:
+            for name, _path in self.runs.finished_checkpoints():
+                choices.append((f"run: {name} (your finetune)", f"run:{name}"))
+        return choices
+
+    def resolve(self, choice: str, free_text: str = "") -> str:
+        """The name or path to hand to mars_core.load_model; ValueError for anything not allowed.
+
+        A typed path must exist (a transformers directory or a .gguf file); a typed hub id
+        must look like owner/name. Runs resolve only to checkpoints inside the runs directory.
+        """
+        if not isinstance(choice, (str, type(None))) or not isinstance(free_text, (str, type(None))):
+            raise ValueError(f"the model is {choice!r} / {free_text!r}: pick a name from the list, or type a path "
+                             "or hub id")
+        free_text = (free_text or "").strip()
+        if free_text:
+            return _typed_model(free_text)
+        if not choice:
+            raise ValueError("pick a model from the list or type a path / hub id")
+        if choice.startswith("run:"):
+            if self.runs is None:
+                raise ValueError("finetune runs are not available in this app")
+            return self.runs.checkpoint_for(choice[4:])
+        known = builtin_names()
+        if choice == SMOLLM2_MARS and choice not in known:
+            raise ValueError(f"{SMOLLM2_MARS} is not available: its adapter is missing in assets/{SMOLLM2_MARS} "
+                             f"(build it with `python -m finetune.recipe_smollm2`)")
+        if choice not in known:
+            raise ValueError(f"model {choice!r} is not in the list {', '.join(known)}; type other paths in the "
+                             "free field")
+        return choice
+
+    def resolve_or_typed(self, choice, free_text="") -> str:
+        """The resolved model, or (for a choice that does not resolve) the text as typed: for the example prompts,
+        which suit a name even when it cannot be loaded."""
+        try:
+            return self.resolve(choice or DEFAULT_MODEL, free_text)
+        except ValueError:
+            return (free_text or "").strip() or choice or DEFAULT_MODEL
+
+    def task_model(self, choice: str, free_text: str = "", picked: bool = True) -> str:
+        """The model for the task-suite parts (the explorer's built-in sweep, the Learn step).
+
+        The user's choice when they picked one (picker or free field); otherwise tiny-mars, the model
+        trained on the task suite, even after the picker switched itself to smollm2-mars for free text.
+        """
+        if not picked and not (free_text or "").strip():
+            return TASK_MODEL
+        return self.resolve(choice, free_text)
 
 
-def resolve(choice: str, free_text: str = "", jobs=None) -> str:
-    """The name or path to hand to mars_core.load_model; ValueError for anything not allowed.
+def _typed_model(free_text: str) -> str:
+    """A path or hub id from the free field, checked (see Resolver.resolve)."""
+    if len(free_text) > 300 or any(c in free_text for c in "\n\r\0"):
+        raise ValueError("the model field holds a path or hub id of at most 300 characters on one line")
+    path = Path(free_text).expanduser()
+    if path.exists():
+        if path.is_dir() and (path / "config.json").exists():
+            return str(path.resolve())
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path.resolve())
+        raise ValueError(f"{free_text!r} is neither a transformers directory (with config.json) nor a .gguf file")
+    if free_text.startswith(("/", ".", "~")) or "\\" in free_text:
+        raise ValueError(f"path {free_text!r} does not exist; type an existing directory or .gguf file")
+    if not HUB_ID_RE.match(free_text):
+        raise ValueError(f"{free_text!r} is not a local path or a hub id like 'owner/model'")
+    return free_text
 
-    A typed path must exist (a transformers directory or a .gguf file); a typed hub id
-    must look like owner/name. Runs resolve only to checkpoints inside the runs directory.
-    """
-    if not isinstance(choice, (str, type(None))) or not isinstance(free_text, (str, type(None))):
-        raise ValueError(f"the model is {choice!r} / {free_text!r}: pick a name from the list, or type a path or "
-                         "hub id")
-    free_text = (free_text or "").strip()
-    if free_text:
-        if len(free_text) > 300 or any(c in free_text for c in "\n\r\0"):
-            raise ValueError("the model field holds a path or hub id of at most 300 characters on one line")
-        path = Path(free_text).expanduser()
-        if path.exists():
-            if path.is_dir() and (path / "config.json").exists():
-                return str(path.resolve())
-            if path.is_file() and path.suffix == ".gguf":
-                return str(path.resolve())
-            raise ValueError(f"{free_text!r} is neither a transformers directory (with config.json) nor a .gguf file")
-        if free_text.startswith(("/", ".", "~")) or "\\" in free_text:
-            raise ValueError(f"path {free_text!r} does not exist; type an existing directory or .gguf file")
-        if not HUB_ID_RE.match(free_text):
-            raise ValueError(f"{free_text!r} is not a local path or a hub id like 'owner/model'")
-        return free_text
-    if not choice:
-        raise ValueError("pick a model from the list or type a path / hub id")
-    if choice.startswith("run:"):
-        if jobs is None:
-            raise ValueError("finetune runs are not available in this app")
-        return jobs.checkpoint_for(choice[4:])
-    known = builtin_names()
-    if choice == SMOLLM2_MARS and choice not in known:
-        raise ValueError(f"{SMOLLM2_MARS} is not available: its adapter is missing in assets/{SMOLLM2_MARS} "
-                         f"(build it with `python -m finetune.recipe_smollm2`)")
-    if choice not in known:
-        raise ValueError(f"model {choice!r} is not in the list {', '.join(known)}; type other paths in the free field")
-    return choice
+
+# Without a page (launch's preload, the tests): built-in names, paths and hub ids; runs are refused.
+BUILTINS = Resolver()
+resolve, model_choices, task_model = BUILTINS.resolve, BUILTINS.choices, BUILTINS.task_model
 
 
 def is_loaded(name: str) -> bool:
     return name in _cache
-
-
-def task_model(choice: str, free_text: str = "", picked: bool = True, jobs=None) -> str:
-    """The model for the task-suite parts (the explorer's built-in sweep, the Learn step).
-
-    The user's choice when they picked one (picker or free field); otherwise tiny-mars, the model
-    trained on the task suite, even after the picker switched itself to smollm2-mars for free text.
-    """
-    if not picked and not (free_text or "").strip():
-        return TASK_MODEL
-    return resolve(choice, free_text, jobs)
 
 
 def get_model(name: str):
@@ -188,22 +213,22 @@ def friendly_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
-def _trained_on_builtin(name: str, jobs=None) -> bool:
-    """A model from finetune.train on the built-in suite (its train_config.json says data = builtin)."""
+def _trained_on_builtin(name: str) -> bool:
+    """A model (resolved: a run is its checkpoint folder) from finetune.train on the built-in suite (its
+    train_config.json says data = builtin)."""
     import json
     try:
-        path = Path(jobs.checkpoint_for(name[4:])) if name.startswith("run:") and jobs else Path(name)
-        return json.loads((path / "train_config.json").read_text()).get("data") == "builtin"
+        return json.loads((Path(name) / "train_config.json").read_text()).get("data") == "builtin"
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def example_prompts(name: str, n: int = 6, jobs=None) -> list[str]:
-    """Prompts that suit the model: held-out task prompts for the tiny models and anything trained on the
+def example_prompts(name: str, n: int = 6) -> list[str]:
+    """Prompts that suit the model (resolved, see Resolver): held-out task prompts for the tiny models and anything trained on the
     built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts (first,
     for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts (`finetune.natural`:
     subjects no training prompt mentions); general prompts otherwise."""
-    if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name, jobs)):
+    if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name)):
         try:
             from finetune.tasks import make_examples
             examples = make_examples("heldout", n, seed=0)

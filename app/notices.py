@@ -5,6 +5,8 @@
 - A model never MARS-trained (tiny-ar-sft, SmolLM2, an AR-SFT finetune run) has never learnt what a mask
   position should predict: its lossy MARS lane is guesses. Lossless MARS stays exact on it (its drafts are
   checked), one-token mode is plain AR.
+
+Every `name` here is resolved (models.Resolver): a Finetune run is its checkpoint folder.
 """
 from __future__ import annotations
 
@@ -36,27 +38,27 @@ def is_suite_task(prompt: str) -> bool:
     return bool(_SUITE_RE.fullmatch((prompt or "").strip()))
 
 
-def _run_config(name: str, jobs=None) -> dict:
+def _run_config(name: str) -> dict:
+    """The train_config.json of a checkpoint folder (a run resolves to one), {} for a model without one."""
     try:
-        path = Path(jobs.checkpoint_for(name[4:])) if name.startswith("run:") and jobs else Path(name)
-        return json.loads((path / "train_config.json").read_text())
+        return json.loads((Path(name) / "train_config.json").read_text())
     except (OSError, ValueError, AttributeError):
         return {}
 
 
-def knows_only_tasks(name: str, jobs=None) -> bool:
+def knows_only_tasks(name: str) -> bool:
     """The tiny models and runs fine-tuned from them on the built-in suite."""
     if name in models.TINY_MODELS:
         return True
-    cfg = _run_config(name, jobs)
+    cfg = _run_config(name)
     return cfg.get("data") == "builtin" and str(cfg.get("base_model", "")).startswith("tiny-")
 
 
-def never_mars_trained(name: str, jobs=None) -> bool:
+def never_mars_trained(name: str) -> bool:
     """Known to have had no MARS training: the AR baselines, SmolLM2, AR-SFT runs."""
     if name in NOT_MARS_TRAINED:
         return True
-    cfg = _run_config(name, jobs)
+    cfg = _run_config(name)
     return cfg.get("stage") == "ar-sft" and "mars" not in str(cfg.get("base_model", ""))
 
 
@@ -64,32 +66,32 @@ def real_language_mars_model() -> str | None:
     return models.SMOLLM2_MARS if models.smollm2_mars_available() else None
 
 
-def notice(name: str, prompt: str, tau: float, jobs=None) -> tuple[str, str | None, bool]:
+def notice(name: str, prompt: str, tau: float) -> tuple[str, str | None, bool]:
     """(markdown, model to offer or None, offer one-token mode) for the model `name` on `prompt` at τ."""
     lines, offer_model, offer_off = [], None, False
     mars = tau < 1.0
-    if knows_only_tasks(name, jobs) and (prompt or "").strip() and not is_suite_task(prompt):
+    if knows_only_tasks(name) and (prompt or "").strip() and not is_suite_task(prompt):
         real = real_language_mars_model()
         lines.append(f"**{_short(name)}** was trained only on the built-in task suite (sums, sorting, unit "
                      f"conversions, …): on other text every lane writes junk, MARS or not. "
                      + (f"For free text use **{real}**, a real-language MARS model." if real
                         else "Pick an example prompt, or a real-language model."))
         offer_model = real
-    if never_mars_trained(name, jobs) and mars:
+    if never_mars_trained(name) and mars:
         lines.append(f"**{_short(name)}** was never MARS-trained: its mask positions are guesses, so the lossy "
                      f"MARS lane is unreliable (the lossless lane stays exactly AR's answer, with few drafts "
                      f"confirmed). Use one-token mode (τ off) or a MARS model"
-                     + (f" such as **tiny-mars**" if knows_only_tasks(name, jobs) else
+                     + (f" such as **tiny-mars**" if knows_only_tasks(name) else
                         f" such as **{real_language_mars_model()}**" if real_language_mars_model() else "") + ".")
         offer_off = True
         if offer_model is None:
-            offer_model = "tiny-mars" if knows_only_tasks(name, jobs) else real_language_mars_model()
+            offer_model = "tiny-mars" if knows_only_tasks(name) else real_language_mars_model()
     return "\n\n".join("ℹ " + line for line in lines), offer_model, offer_off
 
 
-def race_notice(name: str, prompt: str, tau: float, jobs=None) -> str:
+def race_notice(name: str, prompt: str, tau: float) -> str:
     """The notice as plain text for the race's status line ('' when none)."""
-    text, _, _ = notice(name, prompt, tau, jobs)
+    text, _, _ = notice(name, prompt, tau)
     return text.replace("ℹ ", "").replace("\n\n", " ")
 
 
@@ -97,9 +99,9 @@ def _short(name: str) -> str:
     return Path(name).name if "/" in name and Path(name).exists() else name
 
 
-def teaching_note(name: str, jobs=None) -> str:
+def teaching_note(name: str) -> str:
     """'What you are seeing' for a real-language MARS model ('' for the others, whose notices say enough)."""
-    if name not in models.NATURAL_MODELS or never_mars_trained(name, jobs):
+    if name not in models.NATURAL_MODELS or never_mars_trained(name):
         return ""
     return (f"**What you are seeing.** {_short(name)} is a cautious MARS model: at τ 0.9 most of its guesses for "
             "the mask positions are less sure than τ, so most chunks are one token, and two to four tokens arrive "

@@ -108,6 +108,7 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
     background preparer (models.PREPARER, started by app.py) has it ready; a named model is the user's
     choice and stays."""
     jobs = JobManager(runs_dir, launcher=launcher)
+    resolver = models.Resolver(jobs)   # the page's one way from a model choice ("run:<name>" too) to a model
     start_model = models.DEFAULT_MODEL if default_model is None else default_model
     with gr.Blocks(title="MARS Playground", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
@@ -117,11 +118,11 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
             sweep = _explorer_tab()
             lesson = _learn_tab()
             ft = _finetune_tab(jobs)
-        _wire_model_bar(demo, bar, gen, jobs)
-        _wire_notices(bar, gen, jobs)
-        _wire_race(bar, gen, jobs)
-        _wire_explorer(bar, sweep, jobs)
-        _wire_learn(demo, bar, gen, lesson, jobs)
+        _wire_model_bar(demo, bar, gen, resolver)
+        _wire_notices(bar, gen, resolver)
+        _wire_race(bar, gen, resolver)
+        _wire_explorer(bar, sweep, resolver)
+        _wire_learn(demo, bar, gen, lesson, resolver)
         _clear_warnings_on_change(bar, gen, sweep, lesson, ft)
         _wire_finetune(demo, bar, ft, jobs)
     _lenient_api_inputs(demo)
@@ -348,42 +349,42 @@ def _finetune_tab(jobs) -> SimpleNamespace:
 
 
 # ---------------------------------------------------------------------------------------------------- wiring
-def _wire_model_bar(demo, bar, gen, jobs) -> None:
+def _wire_model_bar(demo, bar, gen, resolver: models.Resolver) -> None:
     model_inputs = [bar.model, bar.free]
-    load = partial(generate.load_model_ui, jobs=jobs)
+    load = partial(generate.load_model_ui, resolver=resolver)
     # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
     bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
     for event in (bar.model.change, bar.free.submit):
-        event(partial(generate.examples_and_prompt, jobs=jobs), model_inputs + [gen.prompt],
+        event(partial(generate.examples_and_prompt, resolver=resolver), model_inputs + [gen.prompt],
               [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(
             load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
     gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt, **PRIVATE)
     demo.load(load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
     # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
     bar.model.input(lambda: True, None, bar.picked, **QUICK)
-    poll = partial(generate.poll_default_model, jobs=jobs)
+    poll = partial(generate.poll_default_model, resolver=resolver)
     prep_inputs = [bar.model, bar.free, bar.picked]
     prep_outputs = [bar.prep_status, bar.model, gen.examples, bar.prep_timer]
     bar.prep_timer.tick(poll, prep_inputs, prep_outputs, **QUICK)
     demo.load(poll, prep_inputs, prep_outputs, show_progress="hidden", **PRIVATE)
 
 
-def _wire_notices(bar, gen, jobs) -> None:
+def _wire_notices(bar, gen, resolver: models.Resolver) -> None:
     """A model meeting prompts it was not trained for gets a notice, replaced whenever model, prompt or τ change."""
     offer = gr.State(None)
     inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off]
     outputs = [gen.notice, gen.notice_model_btn, gen.notice_off_btn, offer]
     for event in (bar.model.change, bar.free.submit, gen.prompt.change, gen.tau.change, gen.tau_off.change):
-        event(partial(generate.notice_update, jobs=jobs), inputs, outputs, trigger_mode="always_last", **QUICK)
+        event(partial(generate.notice_update, resolver=resolver), inputs, outputs, trigger_mode="always_last", **QUICK)
     gen.notice_model_btn.click(generate.take_offer, offer, [bar.model, bar.picked], **QUICK)
     for event in (bar.model.change, bar.free.submit):
-        event(partial(generate.teaching_note_update, jobs=jobs), [bar.model, bar.free], gen.teach_note,
+        event(partial(generate.teaching_note_update, resolver=resolver), [bar.model, bar.free], gen.teach_note,
               trigger_mode="always_last", **QUICK)
     gen.notice_off_btn.click(lambda: True, None, gen.tau_off, **QUICK)
 
 
-def _wire_race(bar, gen, jobs) -> None:
+def _wire_race(bar, gen, resolver: models.Resolver) -> None:
     gen.temperature.change(generate.show_seed, gen.temperature, gen.seed, **QUICK)
     outputs = [gen.race_status, gen.tau_status, *(gen.panes[n] for n in LANES), gen.stats,
                gen.tpf_plot, gen.acc_plot, gen.diff_plot, gen.ledger_step, gen.ledger, gen.race_state]
@@ -395,7 +396,7 @@ def _wire_race(bar, gen, jobs) -> None:
         # a parameter it can see typed as gr.Request
         yield from generate.run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size,
                                      max_new_tokens, temperature, slow_motion, criterion, seed, measure_after,
-                                     request, jobs, draft_layout, copy_drafts)
+                                     request, resolver, draft_layout, copy_drafts)
 
     inputs = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size, gen.max_new,
               gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after, gen.draft_layout,
@@ -414,23 +415,23 @@ def _wire_race(bar, gen, jobs) -> None:
                            [gen.ledger_step, gen.ledger], show_progress="hidden", **PRIVATE)
 
 
-def _wire_explorer(bar, sweep, jobs) -> None:
+def _wire_explorer(bar, sweep, resolver: models.Resolver) -> None:
     inputs = [bar.model, bar.free, sweep.source, sweep.n_tasks, sweep.taus_text, sweep.free_prompts,
               sweep.block_size, sweep.max_new, sweep.criterion, sweep.lossless, bar.picked]
     # outside Gradio's queue, like the race: the sweep waits for the machine itself and streams its rows
-    sweep.sweep_btn.click(partial(explorer.run_sweep, jobs=jobs), inputs,
+    sweep.sweep_btn.click(partial(explorer.run_sweep, resolver=resolver), inputs,
                           [sweep.status, sweep.pareto, sweep.table, sweep.export], concurrency_limit=None,
                           show_progress="hidden", api_name="sweep")
 
 
-def _wire_learn(demo, bar, gen, lesson, jobs) -> None:
+def _wire_learn(demo, bar, gen, lesson, resolver: models.Resolver) -> None:
     mask_inputs = [lesson.mask_n, lesson.mask_b]
     for comp, api in ((lesson.mask_n, dict(api_name="mask")), (lesson.mask_b, PRIVATE)):   # one entry for both
         comp.change(learn.show_mask, mask_inputs, lesson.mask_plot, show_progress="hidden", **api)
     demo.load(learn.show_mask, mask_inputs, lesson.mask_plot, **PRIVATE)
     # the Generate tab's prompt, τ and confidence criterion, with the Learn tab's own B
     step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
-    lesson.step_btn.click(partial(learn.one_step, jobs=jobs), step_inputs, [lesson.step_view, lesson.conf_plot],
+    lesson.step_btn.click(partial(learn.one_step, resolver=resolver), step_inputs, [lesson.step_view, lesson.conf_plot],
                           concurrency_limit=None, show_progress="hidden", api_name="one_step")   # app.machine
 
 

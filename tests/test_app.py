@@ -178,7 +178,7 @@ def test_the_learn_tabs_prompt_and_tau_check_is_the_generate_tabs(prompt, tau, t
 def test_model_names_are_confined(tmp_path, choice, free, word):
     jobs = JobManager(tmp_path / "runs")
     with pytest.raises(ValueError, match=word):
-        models.resolve(choice, free, jobs)
+        models.Resolver(jobs).resolve(choice, free)
 
 
 def test_hub_ids_and_existing_dirs_pass(tmp_path):
@@ -412,6 +412,32 @@ def test_failed_finetune_run_shows_exit_code_and_log(tmp_path):
     assert jobs.finished_checkpoints() == []
 
 
+def _finished_run(runs: Path, name: str) -> Path:
+    """A run folder as finetune.train leaves it, enough for JobManager.finished_checkpoints."""
+    (ckpt := runs / name / "checkpoint-5").mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (runs / name / "status.json").write_text(json.dumps({"state": "finished", "step": 5, "max_steps": 5,
+                                                         "last_checkpoint": str(ckpt)}))
+    return ckpt.resolve()
+
+
+def test_each_page_resolves_runs_in_its_own_runs_folder(tmp_path):
+    """The model resolver belongs to the page build_ui made: a second page with another runs folder neither
+    takes it over nor sees the first page's runs."""
+    from app.ui import build_ui
+    ckpt = _finished_run(tmp_path / "runs-a", "run-a")
+    page_a = build_ui("tiny-mars", runs_dir=tmp_path / "runs-a")
+    page_b = build_ui("tiny-mars", runs_dir=tmp_path / "runs-b")
+
+    def first_load_line(demo) -> str:
+        load = next(f.fn for f in demo.fns.values() if getattr(f.fn, "func", None) is generate.load_model_ui)
+        return next(iter(load("run:run-a", "")))   # the first line only: nothing is loaded
+
+    assert first_load_line(page_a).startswith(f"Loading **{ckpt}**")
+    assert first_load_line(page_b).startswith("⚠ run 'run-a' has no finished checkpoint")
+    assert "finetune runs are not available" in next(iter(generate.load_model_ui("run:run-a", "")))   # no page
+
+
 def test_build_ui_has_the_four_tabs(tmp_path):
     from app.ui import build_ui
     demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
@@ -448,7 +474,7 @@ def test_stop_reaches_the_trainer_under_accelerate_and_a_new_server_reattaches(t
     assert st["state"] == "stopped" and st["exit_code"] == 0, jobs_log(first, name)
     assert Path(st["last_checkpoint"]).is_dir()
     assert first.finished_checkpoints() == [(name, str(Path(st["last_checkpoint"]).resolve()))]
-    assert models.model_choices(first)[-1] == (f"run: {name} (your finetune)", f"run:{name}")
+    assert models.Resolver(first).choices()[-1] == (f"run: {name} (your finetune)", f"run:{name}")
 
 
 def jobs_log(jobs, name):

@@ -318,7 +318,7 @@ def test_zero_finetune_steps_get_a_message_in_the_tab_not_a_silent_pass(tmp_path
                                                  "last_checkpoint": str(ckpt)}))
     labels = dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))
     assert labels["run:20261202-000000-mars"] == "run: 20261202-000000-mars (your finetune) ⚠ barely trained: 1 step"
-    assert labels["tiny-mars"] == dict((v, lab) for lab, v in models.model_choices(jobs))["tiny-mars"]
+    assert labels["tiny-mars"] == dict((v, lab) for lab, v in models.Resolver(jobs).choices())["tiny-mars"]
     (run / "status.json").write_text(json.dumps({"state": "stopped", "step": finetune_ui.BARELY_TRAINED_STEPS,
                                                  "max_steps": 600, "last_checkpoint": str(ckpt)}))
     assert "barely" not in dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))["run:20261202-000000-mars"]
