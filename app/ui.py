@@ -185,7 +185,7 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
             gen.tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
             gen.block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
             gen.max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
-                                                     label="max new tokens", scale=2))
+                                                     label="max new tokens", scale=2, elem_id="max-new"))
             gen.temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05,
                                                          label="temperature (0 = greedy)", scale=2,
                                                          elem_id="temperature"))

@@ -383,3 +383,39 @@ def test_the_status_symbols_render_as_glyphs_not_boxes(page):
         return {box_found: draw('\ue000') === box, missing: [...chars].filter(ch => draw(ch) === box)}; }""",
                           symbols)
     assert boxes["box_found"] and boxes["missing"] == [], boxes
+
+
+# Natural prompts of a class demo (issue 32 found the lossless lane off AR's answer on such prompts in bf16).
+NATURAL_PROMPTS = ("Explain in two sentences what photosynthesis is.",
+                   "What is the difference between a virus and a bacterium? Answer briefly.")
+
+
+def pick_model(page, name: str) -> None:
+    """Choose `name` in the model picker as a user does (its label is the catalogue's)."""
+    from mars_core import catalogue
+    page.click("#model-picker input")
+    page.get_by_role("option", name=catalogue.record(name).label, exact=True).click()
+    page.wait_for_function(f"document.querySelector('#model-picker input')?.value.startsWith({name!r})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-mars", "smollm2-mars"])
+def test_the_lossless_lane_writes_exactly_ar_s_text_on_natural_prompts(page, model):
+    from app import models
+    assert models.smollm2_mars_available(), "assets/smollm2-mars has no adapter: this checkout cannot test it"
+    pick_model(page, model)
+    page.uncheck("#measure-after input[type=checkbox]")   # the answers only: no timing repeats
+    page.fill("#max-new input[type=number]", "32")
+    page.press("#max-new input[type=number]", "Enter")
+    for prompt in NATURAL_PROMPTS:
+        page.fill("#prompt textarea", prompt)
+        page.click("#generate-btn")
+        page.wait_for_function("!document.querySelector('#race-status')?.innerText.includes('Done')", timeout=10_000)
+        # the first race on smollm2-mars may wait for its load (tens of seconds on a shared CPU)
+        page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')", timeout=300_000)
+        ar, lossless = lane_text(page, "ar-pane"), lane_text(page, "verify-pane")
+        assert ar.strip(), (model, prompt, page.inner_text("#race-status"))
+        assert lossless == ar, (model, prompt, lossless, ar)
+        assert stat(page, "same", "verify") == "yes"   # and the page's own table says so
+        assert int(stat(page, "tokens", "ar")) <= 32, stat(page, "tokens", "ar")
+    page.screenshot(path=str(ARTIFACTS / f"lossless-{model}.png"), full_page=True)
