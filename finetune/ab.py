@@ -235,12 +235,25 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
 # ----------------------------------------------------------------------------- the table
 
 
+def paired(r: dict, ref: dict, key: str = "lossless_tpf_each") -> str:
+    """Arm ``r`` against the first arm prompt by prompt: the mean difference of tokens/forward and on how many
+    prompts it is higher / lower (a mean over 24 prompts hides which way most of them went)."""
+    a, b = r.get(key), ref.get(key)
+    if r is ref or not a or not b or len(a) != len(b):
+        return "–"
+    diffs = [x - y for x, y in zip(a, b)]
+    higher, lower = sum(d > 1e-9 for d in diffs), sum(d < -1e-9 for d in diffs)
+    return f"{sum(diffs) / len(diffs):+.3f} ({higher} / {lower})"
+
+
 def format_table(results: list[dict], block_size: int = 4) -> str:
     slots = " / ".join(str(j) for j in range(1, block_size))
+    first = results[0]["arm"] if results else ""
     head = (f"| arm | settings | steps | train min | train mask CE (last 25) | held-out mask CE | held-out AR CE | "
-            f"agreement slot {slots} | lossless τ 0.3 tok/fwd | lossy τ 0.95 tok/fwd | lossy = lossless "
-            "(answers / prefix) |")
+            f"agreement slot {slots} | lossless τ 0.3 tok/fwd | lossless vs {first}, paired (mean, prompts higher / "
+            "lower) | lossy τ 0.95 tok/fwd | lossy = lossless (answers / prefix) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+
     def num(value, fmt: str) -> str:   # an untrained arm has no training numbers
         return "–" if value is None else format(value, fmt)
 
@@ -252,7 +265,7 @@ def format_table(results: list[dict], block_size: int = 4) -> str:
         minutes = None if r.get("train_elapsed_s") is None else r["train_elapsed_s"] / 60
         lines.append(f"| {r['arm']} | {settings} | {r['steps']} | {num(minutes, '.1f')} | "
                      f"{num(r.get('train_mask_ce'), '.3f')} | {r['mask_ce']:.3f} | {r['ar_ce']:.3f} | {agree} | "
-                     f"{r['lossless_tpf']:.3f} | {r['lossy_tpf']:.3f} | "
+                     f"{r['lossless_tpf']:.3f} | {paired(r, results[0])} | {r['lossy_tpf']:.3f} | "
                      f"{100 * r['lossy_same_answer']:.0f}% / {100 * r['lossy_prefix_share']:.0f}% |")
     return "\n".join(lines)
 

@@ -172,3 +172,17 @@ def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untraine
     assert warm_cfg["init_adapter"] == str(tmp_path / "adapter") and warm_cfg["max_steps"] == 2
     shipped, warm = (json.loads((work / a / "score.json").read_text()) for a in ("shipped", "warm"))
     assert len(shipped["lossless_tpf_each"]) == 2 and shipped["mask_ce"] != warm["mask_ce"]
+
+
+def test_the_table_pairs_each_arm_with_the_first_prompt_by_prompt():
+    from finetune.ab import format_table
+
+    def arm(name, each):
+        return {"arm": name, "settings": {}, "steps": 3, "train_elapsed_s": 60.0, "train_mask_ce": 3.0, "mask_ce": 3.1,
+                "ar_ce": 0.4, "agreement": {"slot1": 0.3, "slot2": 0.2, "slot3": 0.1}, "lossless_tpf": sum(each) / 3,
+                "lossless_tpf_each": each, "lossy_tpf": 1.0, "lossy_same_answer": 0.5, "lossy_prefix_share": 0.5}
+
+    rows = format_table([arm("a", [1.0, 1.2, 1.4]), arm("b", [1.3, 1.2, 1.1])]).splitlines()
+    assert "lossless vs a, paired" in rows[0]
+    assert "| 1.200 | – |" in rows[2]                 # the first arm is the reference
+    assert "| 1.200 | +0.000 (1 / 1) |" in rows[3]     # +0.3, 0, -0.3: same mean, one prompt higher, one lower
