@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from types import SimpleNamespace
 
 import gradio as gr
@@ -53,7 +54,7 @@ def test_a_job_closed_while_it_waits_leaves_the_line():
     assert not m.busy()
 
 
-def test_a_sweep_whose_page_closed_frees_the_machine(tiny_mars):
+def test_a_sweep_whose_page_closed_frees_the_machine_within_its_row(tiny_mars):
     m = Machine()
     held = m.join("a race")
     args = ("tiny-mars", "", "free", 2, "1.0, 0.8", PROMPT, 4, 8, "prob", False)
@@ -62,11 +63,21 @@ def test_a_sweep_whose_page_closed_frees_the_machine(tiny_mars):
     assert "position 1" in status and "a race is running" in status
     waiting.close()
     m.leave(held)
-    running = explorer.run_sweep(*args, machine=m)
-    next(running)               # its turn at once: it holds the machine now
+    # one row of 32 tasks decoded and timed: many seconds of work, closed a second into it
+    long_row = ("tiny-mars", "", "builtin", 32, "0.9", "", 4, 64, "prob", False)
+    running = explorer.run_sweep(*long_row, machine=m)
+    while not next(running)[0].startswith("◔ sweeping: row 1 of 1"):
+        pass                    # its turn came at once and the model is loaded: row 1 runs
+    time.sleep(1.0)
     assert m.busy()
-    running.close()             # the page closed mid-sweep
-    assert not m.busy()
+    shown = [next(running)[0] for _ in range(2)]   # what the page got meanwhile: no row finished
+    assert not any("rows done" in s or s.startswith("✓") for s in shown if isinstance(s, str)), shown
+    t0 = time.perf_counter()
+    running.close()             # the page closed mid-row
+    while m.busy() and time.perf_counter() - t0 < 60:
+        time.sleep(0.01)
+    freed_after = time.perf_counter() - t0
+    assert freed_after <= 2.0, f"the machine was free {freed_after:.1f} s after the page closed"
     outs = list(explorer.run_sweep(*args, machine=m))   # the next sweep runs, a row at a time
     statuses = [o[0] for o in outs]
     assert any("1 of 2 rows done" in s for s in statuses) and statuses[-1].startswith("✓ 2 τ values")

@@ -324,10 +324,16 @@ def test_a_sweep_whose_page_closed_is_cancelled(browser, app_server, page):
     closing.click("#sweep-btn")
     closing.wait_for_function("document.querySelector('#sweep-status')?.innerText.includes('row 1 of 21')",
                               timeout=60_000)
-    closing.context.close()
     page.evaluate(WATCH_STATUS, ["race-status"])
     page.fill("#prompt textarea", prompt_for_model())
+    closing.context.close()
+    closed = time.perf_counter()
     page.click("#generate-btn")
+    # the sweep stops within its row (a row of 100 tasks runs for minutes): the race starts within seconds
+    page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Racing')", timeout=90_000)
+    started = time.perf_counter() - closed
+    (ARTIFACTS / "sweep-closed.txt").write_text(f"race started {started:.1f} s after the sweep's page closed\n")
+    assert started <= 5.0, f"the race started {started:.1f} s after the sweep's page closed"
     page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')", timeout=90_000)
     waits = [t for t in seen(page, "race-status") if "Waiting" in t]
     assert all("a τ sweep is running" in t for t in waits), waits
