@@ -133,8 +133,10 @@ def _short(tok: str, n: int = 8) -> str:
 
 
 def empty_figure(message: str) -> go.Figure:
+    """A blank white panel holding `message`. Template "none" with white set directly: nothing here needs
+    plotly_white's styling, whose copy made the page's six placeholders a part of its start-up time."""
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, font=dict(size=14, color="#6b7280"))
-    fig.update_layout(template="plotly_white", height=220, xaxis=dict(visible=False),
-                      yaxis=dict(visible=False), margin=dict(l=10, r=10, t=10, b=10))
+    fig.update_layout(template="none", paper_bgcolor="white", plot_bgcolor="white", height=220,
+                      xaxis=dict(visible=False), yaxis=dict(visible=False), margin=dict(l=10, r=10, t=10, b=10))
     return fig
