@@ -29,6 +29,7 @@ ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
 FORMATS = ("float", "int8", "w8a8")
 GROW = 256   # cache columns added at a time
+TAIL_KERNELS = ("vnni", "avx2")   # the w8a8 kernels that skip the second pass on a lossless step's masks
 
 
 def unsupported(model) -> str | None:
@@ -206,18 +207,20 @@ class LeanLM(torch.nn.Module):
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             from mars_core.lean_script import scripted
 
-            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", None: "fp32"}[self.kernel]
+            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
+                    None: "fp32"}[self.kernel]
             self.scripted = scripted(loop)
             lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
             norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
             two = [m.passes == 2 for m in lins] if fmt == "w8a8" else []
+            own = lambda: ([m._own.packed for m in lins], [m._own.scale for m in lins], [m.bias for m in lins], two,
+                           norms)
             self._script_weights = {
                 "w8a8": lambda: ([m._packed for m in lins], [m.bias for m in lins], two, self.layers[0].qkv.rails,
                                  norms),
                 "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins],
                                         [m.w_zero for m in lins], [m.bias for m in lins], two, norms),
-                "w8a8-vnni": lambda: ([m._vnni.packed for m in lins], [m._vnni.scale for m in lins],
-                                      [m.bias for m in lins], two, norms),
+                "w8a8-vnni": own, "w8a8-avx2": own,
                 "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
@@ -283,8 +286,8 @@ class LeanLM(torch.nn.Module):
         """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look.
         `draft_tail`: how many of each row's last positions only propose drafts that a later forward checks (a
         lossless step's masks: no other position attends to them and their cache entries are dropped). w8a8's
-        VNNI loop spends its second pass on them not at all; the other loops ignore it. Other positions' outputs
-        never change with it."""
+        VNNI and AVX2 loops spend their second pass on them not at all; the other loops ignore it. Other
+        positions' outputs never change with it."""
         b, length = input_ids.shape
         cache = cache if cache is not None else self.new_cache()
         past = cache.length
@@ -296,7 +299,7 @@ class LeanLM(torch.nn.Module):
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
         if self.scripted is not None:
-            tail = {"tail": min(draft_tail, length)} if self.kernel == "vnni" and draft_tail else {}
+            tail = {"tail": min(draft_tail, length)} if self.kernel in TAIL_KERNELS and draft_tail else {}
             x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)

@@ -125,6 +125,30 @@ def layers_w8a8_vnni(x: torch.Tensor, packs: List[torch.Tensor], scales: List[to
     return x
 
 
+# The AVX2 kernel's loop is the VNNI loop with the other op: TorchScript names an op when it compiles a function,
+# and a CPU loads only the kernel it can run, so one loop cannot name both.
+def layers_w8a8_avx2(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
+                     biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
+                     d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
+                     inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
+    """Every layer in w8a8 through mars_core/avx2.cpp's kernel (one call per product), as layers_w8a8; the last
+    `tail` positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
+    for i in range(len(norms) // 2):
+        j = 4 * i
+        qkv = torch.ops.mars_avx2.linear(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse,
+                                         step, length, tail)
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + torch.ops.mars_avx2.linear(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step,
+                                           length, tail)
+        h = _rms(x, norms[2 * i + 1], eps)
+        gate, up = torch.ops.mars_avx2.linear(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse,
+                                              step, length, tail).chunk(2, -1)
+        x = x + torch.ops.mars_avx2.linear(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3],
+                                           biases[j + 3], two[j + 3], inverse, step, length, tail)
+    return x
+
+
 def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """mars_core.lean.FloatLinear.forward in fp32 (W^T row-major), op for op."""
     return x @ w if bias is None else torch.addmm(bias, x, w)
@@ -157,14 +181,15 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 
 def scripted(name: str):
-    """The TorchScript-compiled "w8a8", "w8a8-onednn", "w8a8-vnni" or "fp32" loop, or None where torch cannot
-    script it (w8a8-vnni: only once mars_core.vnni.load() has registered its op)."""
+    """The TorchScript-compiled "w8a8", "w8a8-onednn", "w8a8-vnni", "w8a8-avx2" or "fp32" loop, or None where
+    torch cannot script it (w8a8-vnni and w8a8-avx2: only once their op is registered, mars_core.native)."""
     if name not in _COMPILED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
                 _COMPILED[name] = torch.jit.script({"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn,
-                                                    "w8a8-vnni": layers_w8a8_vnni, "fp32": layers_fp32}[name])
+                                                    "w8a8-vnni": layers_w8a8_vnni, "w8a8-avx2": layers_w8a8_avx2,
+                                                    "fp32": layers_fp32}[name])
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None
     return _COMPILED[name]

@@ -2,8 +2,8 @@
 
 A decoding step multiplies 1 (AR) to 7 (MARS, B = 4) activation rows by every weight matrix, so its cost is
 reading the weights. fbgemm's dynamic-quantized linear (`torch.ops.quantized.linear_dynamic`) reads int8 weights
-and multiplies them by int8 activations with exact int32 sums; it is the fastest few-row product torch has on an
-AVX512-VNNI CPU (docs/experiments.md, "w8a8").
+and multiplies them by int8 activations (with exact int32 sums on an AVX512-VNNI CPU); it is the fastest few-row
+product torch has there (docs/experiments.md, "w8a8").
 
 It quantizes its input with one scale and zero point for the whole tensor, taken from the tensor's min and max, so
 a row's result would depend on the other rows in the call: a 7-position verify forward would round differently
@@ -16,14 +16,15 @@ half that of the per-tensor one.
 
 Weights are rounded once, per output channel (symmetric, 1/127 of the row's largest magnitude), from fp32.
 
-Three kernels compute exactly these integer sums (KERNELS): fbgemm's; our own AVX512-VNNI kernel
-(mars_core/vnni.py), which reproduces fbgemm's results bit for bit, reads the weights once for many rows and is
-used wherever it builds; and oneDNN's quantized linear
-(`torch.ops.onednn.qlinear_pointwise`), which takes int8 activations we round ourselves onto the same grid, so it
-needs no rails. The VNNI kernel is the default where it builds, else fbgemm; MARS_W8A8_KERNEL names one
-(onednn for CPUs with AMX, where its cost grows less with the rows; measured in docs/experiments.md, "oneDNN").
-All quantize alike and keep every row independent of the others; oneDNN's sums and rescaling round differently
-from the other two in the last bits, so its answers may differ.
+Four kernels compute these integer sums (KERNELS): fbgemm's, exact on an AVX512-VNNI CPU but not on an AVX2 one,
+where its int16 pair sums saturate; our own AVX512-VNNI kernel (mars_core/vnni.py), which reproduces fbgemm's
+results bit for bit, reads the weights once for many rows and is used wherever it builds; our own AVX2 kernel
+(mars_core/avx2.py), exact, with the VNNI kernel's results bit for bit, used where that one cannot run; and
+oneDNN's quantized linear (`torch.ops.onednn.qlinear_pointwise`), which takes int8 activations we round ourselves
+onto the same grid, so it needs no rails. The VNNI kernel is the default where it builds, else the AVX2 kernel,
+else fbgemm; MARS_W8A8_KERNEL names one (onednn for CPUs with AMX, where its cost grows less with the rows;
+measured in docs/experiments.md, "oneDNN"). All quantize alike and keep every row independent of the others;
+oneDNN's sums and rescaling round differently from the other two in the last bits, so its answers may differ.
 """
 from __future__ import annotations
 
@@ -32,7 +33,25 @@ import warnings
 import torch
 
 RAILS = 2   # the +1 / -1 columns
-KERNELS = ("fbgemm", "onednn", "vnni")
+KERNELS = ("fbgemm", "onednn", "vnni", "avx2")
+OWN = ("vnni", "avx2")   # our own kernels (mars_core/vnni.cpp, mars_core/avx2.cpp): exact sums, one call per product
+
+
+def own_kernel(kernel: str):
+    """The module of one of our own kernels (its load(), why_not(), cpu_supported())."""
+    from mars_core import avx2, vnni
+
+    return {"vnni": vnni, "avx2": avx2}[kernel]
+
+
+class OwnWeights:
+    """One product's int8 weight in an own kernel's layout, and its rescale: `scale` = fp32(2/255 * w_scale) per
+    channel, the product fbgemm multiplies its int32 sums by."""
+
+    def __init__(self, kernel: str, q: torch.Tensor, w_scale: torch.Tensor):
+        self.op = getattr(torch.ops, f"mars_{kernel}")
+        self.packed = self.op.pack(q.contiguous())
+        self.scale = (_STEP * w_scale.float()).contiguous()
 
 
 def w8a8_supported() -> bool:
@@ -92,11 +111,10 @@ class W8A8Linear(torch.nn.Module):
             self.register_buffer("w_scale", scale, persistent=False)
             self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
             return
-        if kernel == "vnni":
-            from mars_core.vnni import VnniWeights, load, why_not
-
-            if not load():
-                raise ValueError(f"the w8a8 kernel 'vnni' is not available here ({why_not()}): use "
+        if kernel in OWN:
+            own = own_kernel(kernel)
+            if not own.load():
+                raise ValueError(f"the w8a8 kernel {kernel!r} is not available here ({own.why_not()}): use "
                                  "MARS_W8A8_KERNEL=fbgemm")
         elif not fbgemm_supported():
             raise ValueError(f"the w8a8 kernel 'fbgemm' needs torch.ops.quantized.linear_dynamic, which torch "
@@ -107,8 +125,8 @@ class W8A8Linear(torch.nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(padded, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                            0, torch.qint8)
-            if kernel == "vnni":   # the very int8 weights and scales fbgemm would get, in the kernel's layout
-                self._vnni = VnniWeights(q.int_repr()[:, : self.in_features], scale, _STEP)
+            if kernel in OWN:   # the very int8 weights and scales fbgemm would get, in the kernel's layout
+                self._own = OwnWeights(kernel, q.int_repr()[:, : self.in_features], scale)
                 return
             self._packed = torch.ops.quantized.linear_prepack(q, None)
 
@@ -118,10 +136,9 @@ class W8A8Linear(torch.nn.Module):
         if self.kernel == "onednn":
             y = onednn_w8a8(x, self._packed, self.w_scale, self.w_zero, self.bias, self.passes == 2)
             return y.reshape(*shape[:-1], self.out_features)
-        if self.kernel == "vnni":
-            v = self._vnni
-            y = torch.ops.mars_vnni.linear(x, v.packed, v.scale, self.bias, self.passes == 2, _INVERSE,
-                                           float(_STEP))
+        if self.kernel in OWN:
+            v = self._own
+            y = v.op.linear(x, v.packed, v.scale, self.bias, self.passes == 2, _INVERSE, float(_STEP))
             return y.reshape(*shape[:-1], self.out_features)
         magnitude = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         u = x / magnitude
@@ -178,11 +195,11 @@ def onednn_w8a8(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_
 
 
 def pick_kernel() -> str:
-    """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else the VNNI kernel where it builds, else
-    fbgemm (oneDNN where fbgemm is missing). Not chosen by timing between fbgemm and oneDNN: they round the rescale
-    differently in the last bit, and a choice that followed a noisy clock could change a model's answers from one
-    run to the next (docs/experiments.md, "oneDNN"). The VNNI kernel gives fbgemm's bits, so preferring it changes
-    none."""
+    """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else the VNNI kernel where it builds, else the
+    AVX2 kernel where it builds, else fbgemm (oneDNN where fbgemm is missing). Not chosen by timing between fbgemm
+    and oneDNN: they round the rescale differently in the last bit, and a choice that followed a noisy clock could
+    change a model's answers from one run to the next (docs/experiments.md, "oneDNN"). Our two kernels give the
+    same bits as each other, and fbgemm's on an AVX512-VNNI CPU (where its sums are exact)."""
     import os
 
     named = os.environ.get("MARS_W8A8_KERNEL")
@@ -190,10 +207,9 @@ def pick_kernel() -> str:
         if named not in KERNELS:
             raise ValueError(f"MARS_W8A8_KERNEL={named!r} is unknown: use one of {', '.join(KERNELS)}")
         return named
-    from mars_core.vnni import load
-
-    if load():   # bitwise fbgemm's results, so choosing it changes no answer
-        return "vnni"
+    for kernel in OWN:   # exact sums, bitwise each other's results
+        if own_kernel(kernel).load():
+            return kernel
     return "fbgemm" if fbgemm_supported() or not onednn_supported() else "onednn"
 
 

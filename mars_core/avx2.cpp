@@ -1,0 +1,171 @@
+// w8a8's product on an AVX2 CPU, built by mars_core/avx2.py; the Python side says why it exists.
+//
+// It computes, bitwise, what mars_core/vnni.cpp computes (and fbgemm computes on an AVX512-VNNI CPU): each row
+// scaled to [-1, 1] by its largest magnitude and quantized as fbgemm quantizes it (round(fma(u, 1/scale, 128)),
+// uint8, minus 128), exact int32 sums against the per-channel int8 weights, then fbgemm's rescale
+// raw * (a_scale * w_scale) and W8A8Linear's fp32 epilogue (second pass, magnitude, bias) in that order. Built with
+// -ffp-contract=off so the compiler fuses no multiply-add that the torch ops round twice.
+//
+// The sums use vpmaddwd on bytes widened to int16, whose pair sums cannot overflow; fbgemm's AVX2 path multiplies
+// with vpmaddubsw, whose int16 pair sums saturate, so on these CPUs its sums are not exact. One pass over a block
+// of 4 weight rows serves 3 activation rows (12 accumulators of the 16 ymm registers).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CH = 4;    // weight rows (output channels) per block
+constexpr int64_t RW = 3;    // activation rows per pass over a block
+constexpr int64_t KS = 16;   // inputs per step: one ymm of int16
+
+// w int8 [N, K] -> int8 [ceil(N / 4) * 4, Kp] with Kp = K rounded up to 16; padding is zero.
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack: an int8 [N, K] weight is expected");
+  auto wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1), kp = (k + KS - 1) / KS * KS, np = (n + CH - 1) / CH * CH;
+  auto out = at::zeros({np, kp}, wc.options());
+  for (int64_t j = 0; j < n; ++j) std::memcpy(out.data_ptr<int8_t>() + j * kp, wc.data_ptr<int8_t>() + j * k, k);
+  return out;
+}
+
+float max_abs(const float* x, int64_t k) {
+  float m = 0.f;
+  for (int64_t i = 0; i < k; ++i) m = std::max(m, std::fabs(x[i]));
+  return std::max(m, 1e-30f);   // torch: .abs().amax().clamp(min=1e-30)
+}
+
+// fbgemm's activation quantization for [-1, 1] (scale 2/255 in fp32, zero point 128), minus the zero point, as
+// int16.
+void quantize(const float* u, int16_t* q, int64_t k, float inverse) {
+  for (int64_t i = 0; i < k; ++i) {
+    const float t = std::nearbyint(std::fma(u[i], inverse, 128.f));   // one rounding, half to even, as fbgemm
+    q[i] = static_cast<int16_t>(std::min(std::max(t, 0.f), 255.f)) - 128;
+  }
+}
+
+// One row of the layer input -> its quantized row (and, at a `second` row index >= 0, the quantized remainder of
+// the first rounding), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
+void prepare(const float* x, int64_t k, int64_t kp, int64_t m, int64_t second, float inverse, float step,
+             int16_t* a, float* mags, float* r_mags, std::vector<float>& u) {
+  x += m * k;
+  mags[m] = max_abs(x, k);
+  for (int64_t i = 0; i < k; ++i) u[i] = x[i] / mags[m];
+  quantize(u.data(), a + m * kp, k, inverse);
+  if (second < 0) return;
+  for (int64_t i = 0; i < k; ++i) {
+    const float g = std::min(std::max(std::nearbyint(u[i] * inverse), -128.f), 127.f);
+    u[i] = u[i] - g * step;
+  }
+  r_mags[m] = max_abs(u.data(), k);
+  for (int64_t i = 0; i < k; ++i) u[i] = u[i] / r_mags[m];
+  quantize(u.data(), a + second * kp, k, inverse);
+}
+
+// The four channels' sums of one row: lanes of c0..c3 added within each accumulator, into out[0..3].
+inline void reduce4(__m256i c0, __m256i c1, __m256i c2, __m256i c3, int32_t* out) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(c0, c1), _mm256_hadd_epi32(c2, c3));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+// Sums of R (1..3) activation rows (int16, kp apart) against 4 weight rows (int8, kp apart): sums[r * 4 + c].
+template <int R>
+void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00,
+          c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+  for (int64_t i = 0; i < kp; i += KS) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kp + i)));
+    const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * kp + i)));
+    const __m256i w3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 3 * kp + i)));
+    const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
+    c00 = _mm256_add_epi32(c00, _mm256_madd_epi16(w0, a0));
+    c01 = _mm256_add_epi32(c01, _mm256_madd_epi16(w1, a0));
+    c02 = _mm256_add_epi32(c02, _mm256_madd_epi16(w2, a0));
+    c03 = _mm256_add_epi32(c03, _mm256_madd_epi16(w3, a0));
+    if constexpr (R > 1) {
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kp + i));
+      c10 = _mm256_add_epi32(c10, _mm256_madd_epi16(w0, a1));
+      c11 = _mm256_add_epi32(c11, _mm256_madd_epi16(w1, a1));
+      c12 = _mm256_add_epi32(c12, _mm256_madd_epi16(w2, a1));
+      c13 = _mm256_add_epi32(c13, _mm256_madd_epi16(w3, a1));
+    }
+    if constexpr (R > 2) {
+      const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2 * kp + i));
+      c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(w0, a2));
+      c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(w1, a2));
+      c22 = _mm256_add_epi32(c22, _mm256_madd_epi16(w2, a2));
+      c23 = _mm256_add_epi32(c23, _mm256_madd_epi16(w3, a2));
+    }
+  }
+  reduce4(c00, c01, c02, c03, sums);
+  if constexpr (R > 1) reduce4(c10, c11, c12, c13, sums + 4);
+  if constexpr (R > 2) reduce4(c20, c21, c22, c23, sums + 8);
+}
+
+// y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
+// channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
+// every `length` rows (a lossless step's masks; see mars_core/vnni.cpp).
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d, int64_t length,
+                  int64_t tail) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear: a float32 [rows, k] input is expected");
+  TORCH_CHECK(length >= 1 && tail >= 0 && tail <= length, "linear: 0 <= tail <= length is expected");
+  auto x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), kp = packed.size(1);
+  TORCH_CHECK(packed.dim() == 2 && kp == (k + KS - 1) / KS * KS && packed.size(0) == (n + CH - 1) / CH * CH,
+              "linear: the packed weight does not match the input width");
+  std::vector<int64_t> second(rows, -1);   // row -> the index of its second-pass row, or -1
+  int64_t all = rows;
+  for (int64_t m = 0; m < rows && two; ++m)
+    if (m % length < length - tail) second[m] = all++;
+  const float inverse = static_cast<float>(inverse_d), step = static_cast<float>(step_d);
+  std::vector<int16_t> a(all * kp, 0);   // zero in the padding columns
+  std::vector<float> mags(rows), r_mags(rows, 0.f), u(k);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m)
+    prepare(xp, k, kp, m, second[m], inverse, step, a.data(), mags.data(), r_mags.data(), u);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  std::vector<int32_t> sums(all * CH);
+  for (int64_t j0 = 0; j0 < n; j0 += CH) {
+    for (int64_t m0 = 0; m0 < all; m0 += RW) {
+      const int64_t r = std::min(RW, all - m0);
+      const int16_t* am = a.data() + m0 * kp;
+      int32_t* s = sums.data() + m0 * CH;
+      if (r == 3) block<3>(am, wp + j0 * kp, kp, s);
+      else if (r == 2) block<2>(am, wp + j0 * kp, kp, s);
+      else block<1>(am, wp + j0 * kp, kp, s);
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t c = 0; c < CH && j0 + c < n; ++c) {
+        const int64_t j = j0 + c;
+        float v = static_cast<float>(sums[m * CH + c]) * sc[j];
+        if (second[m] >= 0) v = v + static_cast<float>(sums[second[m] * CH + c]) * sc[j] * r_mags[m];
+        v = v * mags[m];
+        if (bp) v = v + bp[j];
+        yp[m * n + j] = v;
+      }
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mars_avx2, m) {
+  m.def("pack(Tensor w) -> Tensor", &pack);
+  m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "
+        "float step, int length=1, int tail=0) -> Tensor", &linear);
+}
