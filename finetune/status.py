@@ -56,10 +56,14 @@ def utc_now() -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    """Atomic write: a reader (the app) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    """Atomic write: a reader (the app) never sees half a file, and a failed write (a full disk) leaves no temp
+    file behind and the old file as it was. The OSError propagates: callers (the trainer) say what failed."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")   # per process: two writers never share a temp file
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- status.json

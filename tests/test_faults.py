@@ -269,6 +269,18 @@ def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, mo
     assert target.read_text() == "old" and leftovers(tmp_path) == []
 
 
+def test_a_run_status_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    """finetune.status.write_json (status.json, config.json): the app reads these while the trainer writes them."""
+    from finetune import status
+
+    target = tmp_path / "status.json"
+    status.write_json(target, {"step": 1})
+    monkeypatch.setattr(status.os, "replace", enospc)
+    with pytest.raises(OSError, match="No space left"):   # the trainer maps it to its own line
+        status.write_json(target, {"step": 2})
+    assert json.loads(target.read_text()) == {"step": 1} and leftovers(tmp_path) == []
+
+
 def test_check_writable_refuses_a_too_long_name_and_a_read_only_folder(tmp_path, monkeypatch):
     from finetune.config import check_output_file
 
