@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU fp32, or bf16 where a one-time probe finds it decodes this model faster), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), or w8a8 (CPU only: int8 weights and per-row int8 activations through fbgemm; lossy, the fastest format on an AVX512-VNNI CPU)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU the faster exact format a one-time probe finds: w8a8 for models whose quality in it was measured, else float32), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), or w8a8 (CPU only: int8 weights and per-row int8 activations, through our AVX512-VNNI or AVX2 kernel, else fbgemm; rows independent, so lossless equals AR in it)")
     p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
                    help="what the decoder runs: lean (mars_core/lean.py, the Llama family: fewer ops per layer, its "
                         "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
