@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
-import queue
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import gradio as gr
@@ -20,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from app import inputs, models
-from app.machine import MACHINE, POLL_S, take_turn
+from app.machine import MACHINE, Turn, stop_at_forward, take_turn
 
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
@@ -186,112 +183,44 @@ def run_sweep(choice, free_text, source, n, taus_text, prompts_text, block_size,
     except Exception as exc:
         yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
         return
-    ticket = yield from take_turn(machine, "a τ sweep", lambda line: (line, gr.skip(), gr.skip(), gr.skip()))
-    work = _SweepWork(spec, source, bool(lossless), done=lambda: machine.leave(ticket))
+    turn = Turn(machine, (yield from take_turn(machine, "a τ sweep", lambda line: (line,) + (gr.skip(),) * 3)))
+    # the rows run in a thread: one row (100 tasks at one τ) computes for minutes without a yield
+    work = turn.in_thread(lambda stop: _sweep_values(spec, source, bool(lossless), stop), "tau-sweep")
     try:
-        yield from work.updates()
+        yield from work.relay(idle=(gr.skip(),) * 4)
     finally:   # also when Gradio closes this generator because its page went away
-        work.cancel()
+        turn.end()
 
 
-class _Cancelled(Exception):
-    """The sweep's page went away: the row in progress ends at its next forward pass."""
+def _sweep_rows(lm, spec: dict, source: str, lossless: bool):
+    kw = dict(criterion=spec["criterion"], lossless=lossless)
+    if source == "free":
+        return free_rows(lm, spec["prompts"], spec["taus"], spec["block_size"], spec["max_new"], **kw)
+    return builtin_rows(lm, spec["n"], spec["taus"], spec["block_size"], spec["max_new"], **kw)
 
 
-@contextmanager
-def _stop_at_forward(lm, stop: threading.Event):
-    """Raise _Cancelled at the next forward pass of `lm` in this thread once `stop` is set. A row runs inside
-    finetune.evaluate and mars_core.generate, which take no stop signal; every row passes through the model's
-    forward. Other threads' forwards are left alone (the machine runs one job at a time, but be exact)."""
-    from mars_core.decoding import net
-    me = threading.get_ident()
-
-    def check(_module, _args):
-        if stop.is_set() and threading.get_ident() == me:
-            raise _Cancelled
-
-    handle = net(lm).register_forward_pre_hook(check)
+def _sweep_values(spec: dict, source: str, lossless: bool, stop):
+    """The page's values as the rows arrive (in the sweep's thread; `stop` ends the row at its next forward)."""
+    name, taus, criterion = spec["name"], spec["taus"], spec["criterion"]
+    total = len(taus) + (sum(t < 1.0 for t in taus) if lossless else 0)
+    rows: list[dict] = []
     try:
-        yield
-    finally:
-        handle.remove()
-
-
-class _SweepWork:
-    """A sweep's rows computed in a thread while the handler's generator keeps yielding: Gradio closes the generator
-    of a page that went away only at a yield, and one row (100 tasks at one τ) runs for minutes. `cancel` stops the
-    row at its next forward pass; the thread leaves the machine (`done`) once it has stopped computing, so the next
-    job never shares the CPU with an abandoned row."""
-
-    def __init__(self, spec: dict, source: str, lossless: bool, done):
-        self.spec, self.source, self.lossless = spec, source, lossless
-        self.out: queue.Queue = queue.Queue()
-        self.stop = threading.Event()
-        self._done = done
-        self.thread = threading.Thread(target=self._run, daemon=True, name="tau-sweep")
-        self.thread.start()
-
-    def cancel(self) -> None:
-        self.stop.set()
-
-    def _rows(self, lm):
-        spec, kw = self.spec, dict(criterion=self.spec["criterion"], lossless=self.lossless)
-        if self.source == "free":
-            return free_rows(lm, spec["prompts"], spec["taus"], spec["block_size"], spec["max_new"], **kw)
-        return builtin_rows(lm, spec["n"], spec["taus"], spec["block_size"], spec["max_new"], **kw)
-
-    def _run(self) -> None:
-        last = ("end", None)
-        try:
-            lm = models.get_model(self.spec["name"])   # a load is not cut short: it is cached for the next job
-            with _stop_at_forward(lm, self.stop):
-                self.out.put(("loaded", None))
-                for row in self._rows(lm):
-                    self.out.put(("row", row))
-                    if self.stop.is_set():
-                        raise _Cancelled
-        except _Cancelled:
-            last = ("cancelled", None)
-        except Exception as exc:
-            last = ("error", exc)
-        finally:
-            self._done()          # the machine first: whoever sees the end may start the next job at once
-            self.out.put(last)
-
-    def updates(self):
-        """The page's values as the rows arrive; between them a yield that changes nothing every POLL_S, the
-        moment at which Gradio may close this generator."""
-        spec, rows = self.spec, []
-        total = len(spec["taus"]) + (sum(t < 1.0 for t in spec["taus"]) if self.lossless else 0)
-        yield f"◔ loading **{spec['name']}** …", gr.skip(), gr.skip(), gr.skip()
-        while True:
-            try:
-                kind, value = self.out.get(timeout=POLL_S)
-            except queue.Empty:
-                yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
-                continue
-            if kind == "error":
-                yield f"⚠ {models.friendly_error(value)}", gr.skip(), gr.skip(), gr.skip()
-                return
-            if kind == "cancelled":   # only after cancel(): no page is waiting for it
-                return
-            if kind == "end":
-                break
-            if kind == "loaded":
-                yield f"◔ sweeping: row 1 of {total} …", gr.skip(), gr.skip(), gr.skip()
-                continue
-            rows.append(value)
-            more = f" · row {len(rows) + 1} of {total} …" if len(rows) < total else ""
-            yield (f"◔ {len(rows)} of {total} rows done{more}", pareto_figure(rows), table_rows(rows), gr.skip())
-        yield self._final(rows)
-
-    def _final(self, rows: list[dict]) -> tuple:
-        spec, name, criterion = self.spec, self.spec["name"], self.spec["criterion"]
-        path = export_json(rows, {"model": name, "source": self.source, "block_size": spec["block_size"],
-                                  "max_new_tokens": spec["max_new"], "criterion": criterion})
-        both = ", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else ""
-        return (f"✓ {len(spec['taus'])} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {criterion})"
-                f"{both}.", pareto_figure(rows), table_rows(rows), path)
+        yield f"◔ loading **{name}** …", gr.skip(), gr.skip(), gr.skip()
+        lm = models.get_model(name)   # a load is not cut short: it is cached for the next job
+        with stop_at_forward([lm], stop):
+            yield f"◔ sweeping: row 1 of {total} …", gr.skip(), gr.skip(), gr.skip()
+            for row in _sweep_rows(lm, spec, source, lossless):
+                rows.append(row)
+                more = f" · row {len(rows) + 1} of {total} …" if len(rows) < total else ""
+                yield (f"◔ {len(rows)} of {total} rows done{more}", pareto_figure(rows), table_rows(rows), gr.skip())
+    except Exception as exc:
+        yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
+        return
+    path = export_json(rows, {"model": name, "source": source, "block_size": spec["block_size"],
+                              "max_new_tokens": spec["max_new"], "criterion": criterion})
+    both = ", lossy and lossless MARS" if any(r.get("mode") == "verify" for r in rows) else ""
+    yield (f"✓ {len(taus)} τ values on {rows[0]['n']} prompts with **{name}** (confidence: {criterion}){both}.",
+           pareto_figure(rows), table_rows(rows), path)
 
 
 # Label placement: plotly does not avoid overlaps, so each τ label gets the first nearby offset whose box

@@ -16,7 +16,7 @@ import gradio as gr
 from app import models, notices, plots, timing
 # The input checks live in app.inputs (the Learn and Explorer tabs use them too); ui.py builds its sliders from
 # the limits and `lenient` through this module, so they are imported by name here.
-from app.machine import MACHINE, Machine, take_turn
+from app.machine import MACHINE, Machine, Turn, stop_at_forward, take_turn
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
                         check_flag, check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
 from app.race import LANE_LABELS, LANES, SideRecord, race
@@ -276,7 +276,7 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
     mine = object()
     with _tau_lock:
         _newest[session] = mine   # an older race of this page stops at its next forward
-    ticket = yield from take_turn(machine, "a race", _status_only)
+    turn = Turn(machine, (yield from take_turn(machine, "a race", _status_only)))
     try:
         if _newest.get(session) is not mine:
             return
@@ -286,17 +286,18 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
             return _newest.get(session) is not mine
 
         yield from _race_on_machine(settings, name, ar_name, session, superseded,
-                                    lambda: superseded() or machine.others_waiting(ticket) > 0)
+                                    lambda: superseded() or machine.others_waiting(turn.ticket) > 0, turn)
     except _Superseded:
         return
-    finally:
-        machine.leave(ticket)
+    finally:   # also when Gradio closes this generator because its page went away
+        turn.end()
         with _tau_lock:
             if _newest.get(session) is mine:   # no newer race of this page: nothing left to stop
                 del _newest[session]
 
 
-def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, superseded, give_way):
+def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, superseded, give_way,
+                     turn: Turn):
     page = _Page(empty_sides(), _notes_text(settings, name))
     page.sides["ar"].label = "AR (same model, τ off)" if ar_name == name else f"AR ({ar_name})"
     page.sides["verify"].layout = settings.draft_layout
@@ -324,7 +325,7 @@ def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: s
     yield page.show(f"✓ Race finished: {summary}. ◔ timing the decoders again for a speedup you can quote …",
                     final=True, tau_line=tau_line, measuring="◔ timing again …")
     try:
-        measured = yield from _time_again(page, settings, lanes, summary, tau_line, give_way)
+        measured = yield from _time_again(page, settings, lanes, summary, tau_line, give_way, turn)
     except Exception as exc:
         yield page.show(f"✓ Done: {summary}. ⚠ the timing after the race failed: {models.friendly_error(exc)}",
                         tau_line=tau_line, with_state=True)
@@ -415,22 +416,26 @@ def _ran_tau_line(sides) -> str:
 
 
 def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], summary: str, tau_line: str,
-                give_way=lambda: False):
+                give_way, turn: Turn):
     """Time the lanes' decoders again (app.timing), each repeat's numbers shown as they arrive; returns the
-    measurements. `give_way()` true (a newer race, another job waiting) ends the repeats early."""
+    measurements. `give_way()` true (a newer race, another job waiting) ends the repeats early. The repeats run
+    in a thread (`turn.in_thread`): one repeat computes for seconds without a yield, and a closed page ends
+    it at its next forward pass."""
     if give_way():
         return {}
     prompt_ids = lanes["mars"].lm.encode(settings.prompt)
     runs = {n: lane.rerun(prompt_ids, page.sides[n].taus) for n, lane in lanes.items()}
-    progress = timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
-                                   settings.block_size, stop=give_way)
-    while True:
-        try:
-            msg, so_far = next(progress)
-        except StopIteration as done:
-            return done.value
-        yield page.show(f"✓ Race finished: {summary}. {msg}", measured=so_far or None, measuring=msg,
-                        tau_line=tau_line)
+
+    def repeats(stop):
+        with stop_at_forward([lane.lm for lane in lanes.values()], stop):
+            return (yield from timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
+                                                   settings.block_size, stop=give_way))
+
+    def show(progress):
+        msg, so_far = progress
+        return page.show(f"✓ Race finished: {summary}. {msg}", measured=so_far or None, measuring=msg,
+                         tau_line=tau_line)
+    return (yield from turn.in_thread(repeats, "race-timing").relay(show, idle=_status_only(gr.skip())))
 
 
 def _decoder(lm):

@@ -6,11 +6,18 @@ there cannot say where it stands, shows Gradio's timer text in the status line, 
 waits never reaches it. So these handlers run outside Gradio's queue and take a `Ticket` here instead:
 a generator handler yields a readable "waiting" line until its turn, and leaves the line in a `finally`,
 which also runs when Gradio closes the generator of a page that went away.
+
+Gradio closes that generator only at a yield, and a sweep's row or a race's timing repeat computes for many
+seconds without one. Such work runs in a thread (`Turn.in_thread`) while the handler keeps yielding, so a
+closed page cancels it: it ends at its next forward pass (`stop_at_forward`), and only then does the thread
+leave the machine, so the next job never shares the CPU with abandoned work.
 """
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 POLL_S = 0.5   # how often a waiting handler refreshes its line (and Gradio learns whether its page is gone)
@@ -91,3 +98,101 @@ def take_turn(machine: Machine, what: str, show):
         machine.leave(ticket)
         raise
     return ticket
+
+
+class Cancelled(BaseException):
+    """Raised at the next forward pass of work whose page went away. A BaseException, like GeneratorExit, so the
+    work's own `except Exception` (which reports a failure on the page) lets it through."""
+
+
+@contextmanager
+def stop_at_forward(lms, stop: threading.Event):
+    """Raise Cancelled at the next forward pass of any of `lms` in this thread once `stop` is set. The work runs
+    inside mars_core and finetune.evaluate, which take no stop signal, but every step passes through the model's
+    forward. Other threads' forwards are left alone (the machine runs one job at a time, but be exact)."""
+    from mars_core.decoding import net
+    me = threading.get_ident()
+
+    def check(_module, _args):
+        if stop.is_set() and threading.get_ident() == me:
+            raise Cancelled
+
+    nets = {id(net(lm)): net(lm) for lm in lms}   # AR and MARS lanes may share one model
+    handles = [n.register_forward_pre_hook(check) for n in nets.values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class Background:
+    """`work(stop)`, a generator, run in a thread; `relay` hands its values to the handler. `done` runs in the
+    thread once the work has stopped computing (finished, failed or cancelled)."""
+
+    def __init__(self, work, done, name: str):
+        self.stop = threading.Event()
+        self._out: queue.Queue = queue.Queue()
+        self._done = done
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=name)
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.stop.set()
+
+    def _run(self, work) -> None:
+        last = ("cancelled", None)
+        gen = work(self.stop)
+        try:
+            while not self.stop.is_set():   # also asked between values, for work between forwards
+                try:
+                    self._out.put(("value", next(gen)))
+                except StopIteration as end:
+                    last = ("end", end.value)
+                    break
+            gen.close()
+        except Cancelled:
+            pass
+        except Exception as exc:
+            last = ("error", exc)
+        finally:
+            self._done()          # the machine first: whoever sees the end may start the next job at once
+            self._out.put(last)
+
+    def relay(self, show=lambda value: value, idle=None):
+        """A generator: `show(value)` for each of the work's values as they come and `idle` every POLL_S between
+        them (the moments at which Gradio may close the handler); returns the work's return value (None when
+        cancelled: only after cancel(), when no page waits for it) and raises its exception."""
+        while True:
+            try:
+                kind, value = self._out.get(timeout=POLL_S)
+            except queue.Empty:
+                yield idle
+                continue
+            if kind == "value":
+                yield show(value)
+            elif kind == "error":
+                raise value
+            else:
+                return value
+
+
+class Turn:
+    """A job's turn on the machine, left once it ends: by the handler, or by the thread its work moved to."""
+
+    def __init__(self, machine: Machine, ticket: Ticket):
+        self.machine, self.ticket = machine, ticket
+        self.work: Background | None = None
+
+    def in_thread(self, work, name: str) -> Background:
+        """Run `work(stop)` in a thread (Background) that leaves the machine when it stops computing."""
+        self.work = Background(work, lambda: self.machine.leave(self.ticket), name)
+        return self.work
+
+    def end(self) -> None:
+        """The handler's `finally` (also when Gradio closed it): cancel the thread's work, which then leaves the
+        machine, or leave it now when no work moved to a thread."""
+        if self.work is not None:
+            self.work.cancel()
+        else:
+            self.machine.leave(self.ticket)

@@ -1,6 +1,7 @@
 """Jobs follow their page (issue 32, items 2 and 4): one job at a time on the machine, in order, each waiting job
 showing its place; a newer race of the same page stops the older one; a waiting job cuts the timing short; a
-job whose page closed (its generator closed by Gradio) leaves the line; τ moved while waiting applies.
+job whose page closed (its generator closed by Gradio) leaves the line, and a running sweep row or timing
+repeat stops at its next forward pass; τ moved while waiting applies.
 """
 from __future__ import annotations
 
@@ -146,6 +147,33 @@ def test_a_job_already_waiting_skips_the_timing(tiny_mars):
     last = list(generate.race_models(_settings(max_new=16, measure_after=True), "tiny-mars", "tiny-mars", "page-4",
                                      machine=Busy()))[-1]
     assert last[0].startswith("✓ Done") and "Measured" not in last[0] and "data-repeats" not in last[5]
+
+
+def test_a_race_whose_page_closed_during_the_timing_frees_the_machine_within_its_repeat(tiny_mars):
+    from mars_core.decoding import net
+    # every forward 20 ms slower, as on a real model: one timing repeat (three decodes of 32 tokens) takes seconds
+    slow = net(tiny_mars).register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    try:
+        m = Machine()
+        race = generate.race_models(_settings(max_new=32, measure_after=True), "tiny-mars", "tiny-mars", "page-5",
+                                    machine=m)
+        while "timing the decoders again" not in next(race)[0]:
+            pass                # the answers are out: the timing starts
+        started = time.perf_counter()
+        while "timing again: repeat 1 of" not in next(race)[0]:
+            pass                # the first repeat is done, the second one runs
+        repeat_s = time.perf_counter() - started
+        assert m.busy()
+        t0 = time.perf_counter()
+        race.close()            # the page closed mid-repeat
+        while m.busy() and time.perf_counter() - t0 < 60:
+            time.sleep(0.01)
+        freed_after = time.perf_counter() - t0
+    finally:
+        slow.remove()
+    assert repeat_s > 1.5, f"a repeat took {repeat_s:.1f} s: too short to tell a cancelled repeat from a finished one"
+    assert freed_after <= 1.0, (f"the machine was free {freed_after:.1f} s after the page closed "
+                                f"(a repeat: {repeat_s:.1f} s)")
 
 
 def test_a_learn_step_says_where_it_waits_and_then_lays_out_the_step(tiny_mars):
