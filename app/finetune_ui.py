@@ -30,22 +30,6 @@ def base_choices(jobs) -> list[tuple[str, str]]:
     return BASE_MODELS + [(f"run: {n}", f"run:{n}") for n, _ in jobs.finished_checkpoints()]
 
 
-# A tenth of the tab's default run (600 steps, docs/experiments.md): a run stopped before this has hardly moved
-# from its base, so the picker says so rather than let it pass for a trained model.
-BARELY_TRAINED_STEPS = 60
-
-
-def picker_choices(jobs) -> list[tuple[str, str]]:
-    """The model picker's (label, value) pairs: models.model_choices, with a barely trained run's label saying so."""
-    out = []
-    for label, value in models.Resolver(jobs).choices():
-        step = jobs.status(value[4:]).get("step") if value.startswith("run:") else None
-        if step is not None and step < BARELY_TRAINED_STEPS:
-            label += f" ⚠ barely trained: {step} step{'' if step == 1 else 's'}"
-        out.append((label, value))
-    return out
-
-
 def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
     """(ok, markdown): every line checked with finetune.data.validate_conversation; preview of the first rows."""
     if not path:
@@ -275,7 +259,7 @@ def poll(jobs, seen: dict | None):
     picker = gr.skip()
     base = gr.skip()
     if finished != seen.get("finished"):
-        picker = gr.update(choices=picker_choices(jobs))
+        picker = gr.update(choices=models.Resolver(jobs).choices())
         base = gr.update(choices=base_choices(jobs))
     seen.update(key=list(key), finished=finished)
     return status_html(st), fig, tail, picker, base, seen

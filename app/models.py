@@ -75,6 +75,11 @@ def builtin_names() -> list[str]:
     return [v for _, v in builtin_models()]
 
 
+# A tenth of the Finetune tab's default run (600 steps, docs/experiments.md): a run stopped before this has hardly
+# moved from its base, so the picker says so rather than let it pass for a trained model.
+BARELY_TRAINED_STEPS = 60
+
+
 class Resolver:
     """The page's one answer to "which model is this choice?": a built-in name, a typed path or hub id, or a
     finished Finetune run ("run:<name>", found by `runs`, a JobManager; None refuses runs). build_ui makes one
@@ -84,11 +89,15 @@ class Resolver:
         self.runs = runs
 
     def choices(self) -> list[tuple[str, str]]:
-        """(label, value) pairs for the picker; finished runs come last, newest first."""
+        """(label, value) pairs for the picker, the one source of its labels (at page load and every refresh);
+        finished runs come last, newest first, a barely trained one saying so."""
         choices = builtin_models()
         if self.runs is not None:
             for name, _path in self.runs.finished_checkpoints():
-                choices.append((f"run: {name} (your finetune)", f"run:{name}"))
+                step = self.runs.status(name).get("step")
+                barely = (f" ⚠ barely trained: {step} step{'' if step == 1 else 's'}"
+                          if step is not None and step < BARELY_TRAINED_STEPS else "")
+                choices.append((f"run: {name} (your finetune){barely}", f"run:{name}"))
         return choices
 
     def resolve(self, choice: str, free_text: str = "") -> str:

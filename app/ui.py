@@ -147,7 +147,7 @@ def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
     listed = start_model in models.builtin_names()   # else a path or hub id: it goes in the free field
     with gr.Row(equal_height=True):
         # wide enough for the longest label in full (a cut "SmolLM2-135M taught MA…" hid what the model is)
-        bar.model = gr.Dropdown(finetune_ui.picker_choices(jobs), value=start_model if listed else models.DEFAULT_MODEL,
+        bar.model = gr.Dropdown(models.Resolver(jobs).choices(), value=start_model if listed else models.DEFAULT_MODEL,
                                 label="Model", scale=6, min_width=600, elem_id="model-picker")
         bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=3,
                               max_length=300, placeholder="/path/to/checkpoint or owner/model (overrides the list)")

@@ -474,7 +474,9 @@ def test_stop_reaches_the_trainer_under_accelerate_and_a_new_server_reattaches(t
     assert st["state"] == "stopped" and st["exit_code"] == 0, jobs_log(first, name)
     assert Path(st["last_checkpoint"]).is_dir()
     assert first.finished_checkpoints() == [(name, str(Path(st["last_checkpoint"]).resolve()))]
-    assert models.Resolver(first).choices()[-1] == (f"run: {name} (your finetune)", f"run:{name}")
+    label, value = models.Resolver(first).choices()[-1]
+    assert value == f"run:{name}" and label.startswith(f"run: {name} (your finetune)")
+    assert ("barely trained" in label) == (st["step"] < models.BARELY_TRAINED_STEPS)
 
 
 def jobs_log(jobs, name):
@@ -693,6 +695,25 @@ def test_poll_switches_the_default_to_smollm2_mars_only_when_the_user_has_not_pi
     models.PREPARER.state, models.PREPARER.finished_at = "preparing", None
     text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
     assert "preparing" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
+
+
+def test_the_switch_to_smollm2_mars_keeps_the_pickers_labels(monkeypatch, tmp_path):
+    _ready_preparer(monkeypatch, tmp_path)
+    jobs = JobManager(tmp_path / "runs")
+    (run := jobs.runs_dir / "20261202-000000-mars").mkdir(parents=True)   # a finished 3-step run
+    (ckpt := run / "checkpoint-3").mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (run / "status.json").write_text(json.dumps({"state": "finished", "step": 3, "max_steps": 3,
+                                                 "last_checkpoint": str(ckpt)}))
+    from app.ui import build_ui
+    demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
+    first = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-picker").choices
+    poll = next(f for f in demo.fns.values() if getattr(f.fn, "func", None) is generate.poll_default_model)
+    text, picker, examples, timer = poll.fn("tiny-mars", "", False)   # the page's own poll, with its resolver
+    assert picker["value"] == "smollm2-mars"
+    run_label = ("run: 20261202-000000-mars (your finetune) ⚠ barely trained: 3 steps", "run:20261202-000000-mars")
+    assert run_label in [tuple(c) for c in first]
+    assert [tuple(c) for c in picker["choices"]] == [tuple(c) for c in first]   # same labels after the switch
 
 
 def test_task_suite_parts_stay_on_tiny_mars_unless_the_user_picked(monkeypatch, tmp_path):

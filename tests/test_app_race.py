@@ -316,15 +316,15 @@ def test_zero_finetune_steps_get_a_message_in_the_tab_not_a_silent_pass(tmp_path
     (ckpt / "config.json").write_text("{}")
     (run / "status.json").write_text(json.dumps({"state": "finished", "step": 1, "max_steps": 1,
                                                  "last_checkpoint": str(ckpt)}))
-    labels = dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))
+    labels = dict((v, lab) for lab, v in models.Resolver(jobs).choices())
     assert labels["run:20261202-000000-mars"] == "run: 20261202-000000-mars (your finetune) ⚠ barely trained: 1 step"
-    assert labels["tiny-mars"] == dict((v, lab) for lab, v in models.Resolver(jobs).choices())["tiny-mars"]
-    (run / "status.json").write_text(json.dumps({"state": "stopped", "step": finetune_ui.BARELY_TRAINED_STEPS,
+    assert labels["tiny-mars"] == dict((v, lab) for lab, v in models.builtin_models())["tiny-mars"]
+    (run / "status.json").write_text(json.dumps({"state": "stopped", "step": models.BARELY_TRAINED_STEPS,
                                                  "max_steps": 600, "last_checkpoint": str(ckpt)}))
-    assert "barely" not in dict((v, lab) for lab, v in finetune_ui.picker_choices(jobs))["run:20261202-000000-mars"]
+    assert "barely" not in dict((v, lab) for lab, v in models.Resolver(jobs).choices())["run:20261202-000000-mars"]
     (run / "job.json").write_text(json.dumps({"pid": -1}))   # as the tab's own runs have (no live process)
     picker = finetune_ui.poll(jobs, {})[3]                 # the poll that adds runs to the picker labels them too
-    assert picker["choices"] == finetune_ui.picker_choices(jobs)
+    assert picker["choices"] == models.Resolver(jobs).choices()
 
 
 def test_load_estimates_are_honest(monkeypatch):
