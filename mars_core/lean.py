@@ -205,23 +205,25 @@ class LeanLM(torch.nn.Module):
         self.attention_dtype = torch.float64 if exact_rows else torch.float32
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
-            from mars_core.lean_script import scripted
+            self._script()
 
-            loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
-                    None: "fp32"}[self.kernel]
-            self.scripted = scripted(loop)
-            lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
-            norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
-            two = [m.passes == 2 for m in lins] if fmt == "w8a8" else []
-            own = lambda: ([m._own.packed for m in lins], [m._own.scale for m in lins], [m.bias for m in lins], two,
-                           norms)
-            self._script_weights = {
-                "w8a8": lambda: ([m._packed for m in lins], [m.bias for m in lins], two, self.layers[0].qkv.rails,
-                                 norms),
-                "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins],
-                                        [m.w_zero for m in lins], [m.bias for m in lins], two, norms),
-                "w8a8-vnni": own, "w8a8-avx2": own,
-                "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
+    def _script(self) -> None:
+        """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""
+        from mars_core.lean_script import scripted
+
+        loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
+                None: "fp32"}[self.kernel]
+        self.scripted = scripted(loop)
+        lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
+        two = [m.passes == 2 for m in lins] if self.format == "w8a8" else []
+        own = lambda: ([m._own.packed for m in lins], [m._own.scale for m in lins], [m.bias for m in lins], two, norms)
+        self._script_weights = {
+            "w8a8": lambda: ([m._packed for m in lins], [m.bias for m in lins], two, self.layers[0].qkv.rails, norms),
+            "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins], [m.w_zero for m in lins],
+                                    [m.bias for m in lins], two, norms),
+            "w8a8-vnni": own, "w8a8-avx2": own,
+            "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
         w = self._float_weights(layer)
