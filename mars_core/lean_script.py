@@ -10,6 +10,7 @@ torch.compile, which compiled this forward for minutes and did not run it faster
 """
 from __future__ import annotations
 
+import types
 import warnings
 from typing import List, Optional
 
@@ -103,50 +104,39 @@ def layers_w8a8_onednn(x: torch.Tensor, packs: List[torch.Tensor], w_scales: Lis
     return x
 
 
-def layers_w8a8_vnni(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
-                     biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
-                     d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
-                     inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
-    """Every layer in w8a8 through mars_core/vnni.cpp's kernel (one call per product), as layers_w8a8; the last
-    `tail` positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
+_product = None   # our kernel's op, bound in each of _own_loop's copies of layers_w8a8_own
+
+
+def layers_w8a8_own(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
+                    biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
+                    d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
+                    inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
+    """Every layer in w8a8 through one of our kernels, mars_core/vnni.cpp or avx2.cpp (one call per product; see
+    _own_loop), as layers_w8a8; the last `tail` positions of each row skip the second pass (LeanLM.forward's
+    `draft_tail`)."""
     for i in range(len(norms) // 2):
         j = 4 * i
-        qkv = torch.ops.mars_vnni.linear(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse,
-                                         step, length, tail)
+        qkv = _product(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse, step, length, tail)
         att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + torch.ops.mars_vnni.linear(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step,
-                                           length, tail)
+        x = x + _product(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step, length, tail)
         h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = torch.ops.mars_vnni.linear(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse,
-                                              step, length, tail).chunk(2, -1)
-        x = x + torch.ops.mars_vnni.linear(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3],
-                                           biases[j + 3], two[j + 3], inverse, step, length, tail)
+        gate, up = _product(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse, step, length,
+                            tail).chunk(2, -1)
+        x = x + _product(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3], biases[j + 3], two[j + 3],
+                         inverse, step, length, tail)
     return x
 
 
-# The AVX2 kernel's loop is the VNNI loop with the other op: TorchScript names an op when it compiles a function,
-# and a CPU loads only the kernel it can run, so one loop cannot name both.
-def layers_w8a8_avx2(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
-                     biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
-                     d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
-                     inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
-    """Every layer in w8a8 through mars_core/avx2.cpp's kernel (one call per product), as layers_w8a8; the last
-    `tail` positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
-    for i in range(len(norms) // 2):
-        j = 4 * i
-        qkv = torch.ops.mars_avx2.linear(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse,
-                                         step, length, tail)
-        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + torch.ops.mars_avx2.linear(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step,
-                                           length, tail)
-        h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = torch.ops.mars_avx2.linear(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse,
-                                              step, length, tail).chunk(2, -1)
-        x = x + torch.ops.mars_avx2.linear(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3],
-                                           biases[j + 3], two[j + 3], inverse, step, length, tail)
-    return x
+def _own_loop(kernel: str):
+    """layers_w8a8_own with `_product` bound to `torch.ops.mars_<kernel>.linear`. TorchScript fixes which op a call
+    names when it compiles the function, and a CPU loads only the kernels it can run, so each kernel gets its own
+    copy of the function: the same code (and source, which TorchScript reads), its own globals."""
+    own = layers_w8a8_own
+    copy = types.FunctionType(own.__code__, dict(own.__globals__, _product=getattr(torch.ops, f"mars_{kernel}").linear),
+                              f"layers_w8a8_{kernel}", own.__defaults__)
+    copy.__qualname__ = copy.__name__
+    return copy
 
 
 def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -187,9 +177,10 @@ def scripted(name: str):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
-                _COMPILED[name] = torch.jit.script({"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn,
-                                                    "w8a8-vnni": layers_w8a8_vnni, "w8a8-avx2": layers_w8a8_avx2,
-                                                    "fp32": layers_fp32}[name])
+                loops = {"w8a8": lambda: layers_w8a8, "w8a8-onednn": lambda: layers_w8a8_onednn,
+                         "w8a8-vnni": lambda: _own_loop("vnni"), "w8a8-avx2": lambda: _own_loop("avx2"),
+                         "fp32": lambda: layers_fp32}
+                _COMPILED[name] = torch.jit.script(loops[name]())
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None
     return _COMPILED[name]
