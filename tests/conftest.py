@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mars_core.loading import wrap_model
-from tests.tiny_fixtures import make_model, make_tokenizer
+from tests.tiny_fixtures import make_model, make_tiny_model_dir, make_tokenizer, write_addition_chats
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +32,11 @@ def llama_lm(tokenizer):
 
 
 PROMPTS = ["What is 2+3?", "Sort: c a b", "Hello there, tell me a long story about cats."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model folder and an addition-chat training file (finetune.train's inputs; tests.tiny_fixtures
+    .train_flags turns them into flags). tests/test_bad_input.py has its own."""
+    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")

@@ -9,16 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.train import main as train_main
-from tests.tiny_fixtures import make_tiny_model_dir, write_addition_chats
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is 3 + 4?", "What is 12 + 5?", "Sort 3, 1, 2.", "Reverse the word cat."]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -18,27 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from finetune.recipe import CXX
 from finetune.train import main
-from tests.tiny_fixtures import make_tiny_model_dir, write_addition_chats
+from tests.tiny_fixtures import train_flags, train_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")
-
-
-def common_flags(tiny, out, *extra):
-    model_dir, data = tiny
-    return [
-        "--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out),
-        "--batch-size", "4", "--max-length", "64", "--threads", "1", *extra,
-    ]  # fmt: skip
-
-
-def metrics(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def status(out):
@@ -51,8 +33,8 @@ def weights(checkpoint):
 
 def test_a_few_mars_steps_lower_the_loss(tiny, tmp_path):
     out = tmp_path / "run"
-    main(common_flags(tiny, out, "--stage", "mars", "--max-steps", "30", "--lr", "3e-3", "--decay", "constant"))
-    rows = metrics(out)
+    main(train_flags(tiny, out, "--stage", "mars", "--max-steps", "30", "--lr", "3e-3", "--decay", "constant"))
+    rows = train_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 31))
     first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-3:]) / 3
     assert last < first - 0.5, (first, last)
@@ -68,10 +50,10 @@ def test_a_few_mars_steps_lower_the_loss(tiny, tmp_path):
 def test_bf16_autocast_with_eager_attention_trains_and_saves_fp32_weights(tiny, tmp_path):
     out = tmp_path / "run"
     # Its own process: accelerate keeps one mixed-precision setting per process (this one already trained in fp32).
-    flags = common_flags(tiny, out, "--stage", "mars", "--max-steps", "30", "--lr", "3e-3", "--decay", "constant",
+    flags = train_flags(tiny, out, "--stage", "mars", "--max-steps", "30", "--lr", "3e-3", "--decay", "constant",
                          "--mixed-precision", "bf16", "--attention", "eager")
     subprocess.run([sys.executable, "-m", "finetune.train", *flags], cwd=REPO, check=True, timeout=600)
-    rows = metrics(out)
+    rows = train_metrics(out)
     first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-3:]) / 3
     assert last < first - 0.5, (first, last)
     assert all(t.dtype == torch.float32 for t in weights(out / "checkpoint-30").values())
@@ -86,7 +68,7 @@ def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoin
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         out = tmp_path / name
-        flags = common_flags(tiny, out, "--stage", "mars", "--max-steps", "4", "--lr", "3e-3", "--decay", "constant",
+        flags = train_flags(tiny, out, "--stage", "mars", "--max-steps", "4", "--lr", "3e-3", "--decay", "constant",
                              "--mixed-precision", "bf16", "--attention", "eager", *extra)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"))
         subprocess.run([sys.executable, "-m", "finetune.train", *flags], cwd=REPO, env=env, check=True, timeout=600)
@@ -95,7 +77,7 @@ def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoin
     kernels = {name: list((tmp_path / f"inductor-{name}").rglob("*.py")) for name in runs}
     assert kernels["compiled"] and not kernels["eager"]
     assert json.loads((runs["compiled"] / "checkpoint-4" / "train_config.json").read_text())["compile"] is True
-    eager, compiled = metrics(runs["eager"]), metrics(runs["compiled"])
+    eager, compiled = train_metrics(runs["eager"]), train_metrics(runs["compiled"])
     assert [r["step"] for r in compiled] == [1, 2, 3, 4]
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=2e-2)
     w_eager, w_compiled = weights(runs["eager"] / "checkpoint-4"), weights(runs["compiled"] / "checkpoint-4")
@@ -107,7 +89,7 @@ def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoin
 def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path, objective):
     flags = [*objective, "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
     straight = tmp_path / "straight"
-    main(common_flags(tiny, straight, *flags, "--save-every", "4"))
+    main(train_flags(tiny, straight, *flags, "--save-every", "4"))
     assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
 
     # A run that stopped at step 4: its directory holds only checkpoint-4 and the metrics up to it.
@@ -119,13 +101,13 @@ def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path,
     state4 = torch.load(resumed / "checkpoint-4" / "trainer_state.pt", weights_only=False)
     assert state4["step"] == 4 and state4["optimizer"]["state"]  # Adam moments were saved
 
-    main(common_flags(tiny, resumed, *flags, "--save-every", "4"))
-    assert [r["step"] for r in metrics(resumed)] == list(range(1, 9))
+    main(train_flags(tiny, resumed, *flags, "--save-every", "4"))
+    assert [r["step"] for r in train_metrics(resumed)] == list(range(1, 9))
     a, b = weights(straight / "checkpoint-8"), weights(resumed / "checkpoint-8")
     for name in a:  # same data position, schedule and Adam state => the same weights
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
-    losses_a = [r["loss"] for r in metrics(straight)]
-    losses_b = [r["loss"] for r in metrics(resumed)]
+    losses_a = [r["loss"] for r in train_metrics(straight)]
+    losses_b = [r["loss"] for r in train_metrics(resumed)]
     assert losses_a == pytest.approx(losses_b, abs=1e-5)
 
 
@@ -135,20 +117,20 @@ def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path,
                                           (["--random-block-offset"], "random_block_offset")])
 def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, changed, key):
     out = tmp_path / "run"
-    main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
+    main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
     with pytest.raises(ValueError, match=key):
-        main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2", *changed))
+        main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2", *changed))
 
 
 def test_resume_refuses_a_checkpoint_written_by_another_process_count(tiny, tmp_path):
     out = tmp_path / "run"
-    main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
+    main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
     state_file = out / "checkpoint-1" / "trainer_state.pt"
     state = torch.load(state_file, weights_only=False)
     assert state["num_processes"] == 1
     torch.save({**state, "num_processes": 2}, state_file)   # as if written by `accelerate launch --num_processes 2`
     with pytest.raises(ValueError, match=r"2 training process\(es\).*this run has 1.*--num_processes 2"):
-        main(common_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2"))
+        main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2"))
 
 
 def run_env():
@@ -161,7 +143,7 @@ def run_env():
 
 def test_sigterm_mid_run_saves_a_loadable_checkpoint_and_stops(tiny, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "finetune.train", *common_flags(tiny, out, "--max-steps", "100000", "--stage", "mars")]
+    cmd = [sys.executable, "-m", "finetune.train", *train_flags(tiny, out, "--max-steps", "100000", "--stage", "mars")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
@@ -199,14 +181,14 @@ def test_two_cpu_processes_under_accelerate_launch_train_and_save_one_checkpoint
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-        "-m", "finetune.train", *common_flags(tiny, out, "--max-steps", "3", "--stage", "mars"),
+        "-m", "finetune.train", *train_flags(tiny, out, "--max-steps", "3", "--stage", "mars"),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     state = torch.load(out / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     assert state["num_processes"] == 2 and state["step"] == 3
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert [r["step"] for r in train_metrics(out)] == [1, 2, 3]
     assert status(out)["state"] == "finished"
     AutoModelForCausalLM.from_pretrained(out / "checkpoint-3")
 
@@ -215,7 +197,7 @@ def test_two_lora_steps_save_a_merged_plain_checkpoint_and_resume(tiny, tmp_path
     model_dir, _ = tiny
     out = tmp_path / "run"
     flags = ["--lora", "--lora-r", "4", "--lr", "1e-2", "--stage", "mars", "--keep-checkpoints", "3"]
-    main(common_flags(tiny, out, *flags, "--max-steps", "2", "--decay", "constant"))
+    main(train_flags(tiny, out, *flags, "--max-steps", "2", "--decay", "constant"))
     checkpoint = out / "checkpoint-2"
     merged, base = weights(checkpoint), weights(model_dir)
     assert set(merged) == set(base)  # no lora_A/lora_B, no "base_model.model." prefixes
@@ -229,9 +211,9 @@ def test_two_lora_steps_save_a_merged_plain_checkpoint_and_resume(tiny, tmp_path
 
     # Resuming rebuilds base weights + saved adapter + Adam state: the same result as a straight run.
     straight = tmp_path / "straight"
-    main(common_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2", "--decay", "constant"))
-    main(common_flags(tiny, out, *flags, "--max-steps", "3", "--decay", "constant"))
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    main(train_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2", "--decay", "constant"))
+    main(train_flags(tiny, out, *flags, "--max-steps", "3", "--decay", "constant"))
+    assert [r["step"] for r in train_metrics(out)] == [1, 2, 3]
     a, b = weights(straight / "checkpoint-3"), weights(out / "checkpoint-3")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
@@ -252,7 +234,7 @@ def test_smollm2_fine_tunes_for_two_steps(tmp_path):
         "--base-model", "smollm2", "--data", str(data), "--output-dir", str(out), "--stage", "mars",
         "--lora", "--max-steps", "2", "--batch-size", "2", "--max-length", "128", "--lr", "1e-4",
     ])  # fmt: skip
-    rows = metrics(out)
+    rows = train_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0 < r["loss_mask"] < 30 and 0 < r["loss_ar"] < 30 for r in rows)
     assert status(out)["state"] == "finished"
@@ -335,9 +317,9 @@ def test_the_training_loop_trains_on_the_random_grid_it_draws(tiny, tmp_path):
     seed = next(s for s in range(100) if block_offset_at(TrainConfig(stage="mars", random_block_offset=True, seed=s), 0))
     first = {}
     for name, extra in (("fixed", []), ("random", ["--random-block-offset"])):
-        main(common_flags(tiny, tmp_path / name, "--stage", "mars", "--max-steps", "1", "--seed", str(seed),
+        main(train_flags(tiny, tmp_path / name, "--stage", "mars", "--max-steps", "1", "--seed", str(seed),
                           "--log-every", "1", *extra))
-        first[name] = metrics(tmp_path / name)[0]
+        first[name] = train_metrics(tmp_path / name)[0]
     assert first["random"]["loss_ar"] == pytest.approx(first["fixed"]["loss_ar"], abs=1e-6)
     assert abs(first["random"]["loss_mask"] - first["fixed"]["loss_mask"]) > 1e-4
 
@@ -349,7 +331,7 @@ def test_the_mask_row_trains_is_saved_in_the_tied_embedding_and_resumes_exactly(
     mask_id = load_model(str(model_dir), device="cpu", cpu_layout=False).mask_id
     flags = ["--lora", "--lora-r", "4", "--lr", "1e-2", "--stage", "mars", "--train-mask-row", "--decay", "constant"]
     out = tmp_path / "run"
-    main(common_flags(tiny, out, *flags, "--max-steps", "2"))
+    main(train_flags(tiny, out, *flags, "--max-steps", "2"))
     merged, base = weights(out / "checkpoint-2"), weights(model_dir)
     emb, emb0 = merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"]
     assert not torch.equal(emb[mask_id], emb0[mask_id])            # the row was trained and written
@@ -362,8 +344,8 @@ def test_the_mask_row_trains_is_saved_in_the_tied_embedding_and_resumes_exactly(
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight   # still one tied matrix
 
     straight = tmp_path / "straight"
-    main(common_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2"))
-    main(common_flags(tiny, out, *flags, "--max-steps", "3"))
+    main(train_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2"))
+    main(train_flags(tiny, out, *flags, "--max-steps", "3"))
     a, b = weights(straight / "checkpoint-3"), weights(out / "checkpoint-3")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)

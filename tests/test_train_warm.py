@@ -10,26 +10,10 @@ import pytest
 import torch
 
 from finetune.train import main
-from tests.tiny_fixtures import make_tiny_model_dir, write_addition_chats
+from tests.tiny_fixtures import train_flags, train_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 LORA = ["--stage", "mars", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--train-mask-row"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return make_tiny_model_dir(root / "model"), write_addition_chats(root / "data.jsonl")
-
-
-def flags(tiny, out, *extra):
-    model_dir, data = tiny
-    return ["--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--batch-size", "4",
-            "--max-length", "64", "--threads", "1", *extra]
-
-
-def metrics(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +24,7 @@ def adapter(tiny, tmp_path_factory):
 
     model_dir, _ = tiny
     root = tmp_path_factory.mktemp("adapter")
-    main(flags(tiny, root / "run", *LORA, "--lr", "3e-2", "--decay", "constant", "--max-steps", "3"))
+    main(train_flags(tiny, root / "run", *LORA, "--lr", "3e-2", "--decay", "constant", "--max-steps", "3"))
     state = torch.load(root / "run" / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
     save_adapter(root / "adapter", state["lora"], state["mask_row"], r=4, alpha=8, base=str(model_dir),
@@ -89,9 +73,9 @@ def test_a_warm_started_run_logs_the_saved_adapters_loss_at_step_1(tiny, adapter
 
     model_dir, data = tiny
     adapter_dir, _, mask_id = adapter
-    main(flags(tiny, tmp_path / "warm", *LORA, "--init-adapter", str(adapter_dir), "--max-steps", "1"))
-    main(flags(tiny, tmp_path / "fresh", *LORA, "--max-steps", "1"))
-    warm, fresh = metrics(tmp_path / "warm")[0], metrics(tmp_path / "fresh")[0]
+    main(train_flags(tiny, tmp_path / "warm", *LORA, "--init-adapter", str(adapter_dir), "--max-steps", "1"))
+    main(train_flags(tiny, tmp_path / "fresh", *LORA, "--max-steps", "1"))
+    warm, fresh = train_metrics(tmp_path / "warm")[0], train_metrics(tmp_path / "fresh")[0]
 
     base = load_base(str(model_dir))
     examples = build_examples(load_conversations(str(data)), base.tokenizer, max_length=64, block_size=4,
@@ -113,7 +97,7 @@ def test_a_warm_started_run_logs_the_saved_adapters_loss_at_step_1(tiny, adapter
 def test_warm_start_refuses_settings_that_do_not_match_the_adapter(tiny, adapter, tmp_path, extra, message):
     adapter_dir, _, _ = adapter
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        main(flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(adapter_dir), "--max-steps", "1", *extra))
+        main(train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(adapter_dir), "--max-steps", "1", *extra))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
@@ -137,7 +121,7 @@ def run_cli(*args):
 def test_an_adapter_of_another_base_is_one_line_and_exit_2(tiny, adapter, tmp_path):
     adapter_dir, _, _ = adapter
     other = copy_adapter(adapter_dir, tmp_path / "other", base="smollm2")
-    done = run_cli(*flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(other), "--max-steps", "1"))
+    done = run_cli(*train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(other), "--max-steps", "1"))
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
         f"error: --init-adapter {str(other)!r} has base='smollm2' but this run has --base-model "
@@ -155,7 +139,7 @@ def test_an_adapter_whose_shapes_do_not_fit_the_model_is_refused_before_training
     lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
     save_adapter(tmp_path / "narrow", narrow, state["mask_row"], r=4, alpha=8, base=str(model_dir), mask_id=mask_id,
                  mask_token=lm.tokenizer.convert_ids_to_tokens(mask_id), block_size=4, dtype=torch.float32)
-    done = run_cli(*flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(tmp_path / "narrow"), "--max-steps", "1"))
+    done = run_cli(*train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(tmp_path / "narrow"), "--max-steps", "1"))
     assert done.returncode == 2, done.stderr[-2000:]
     # transformers' loading bar may come first; the refusal is the last line and the only error, no traceback
     lines = done.stderr.strip().splitlines()
@@ -192,20 +176,20 @@ def test_skip_seen_trains_on_new_examples_only_and_the_run_manifest_lists_both(t
     assert sources[0] == {"data": "round 1"} and sources[1]["left_out_as_seen"] == 12
 
     out = tmp_path / "run"
-    main(flags(tiny, out, "--stage", "mars", "--skip-seen", str(tmp_path / "seen.json"), "--max-steps", "1"))
+    main(train_flags(tiny, out, "--stage", "mars", "--skip-seen", str(tmp_path / "seen.json"), "--max-steps", "1"))
     for where in (out, out / "checkpoint-1"):     # the run and its checkpoint carry the union
         assert set(read_manifest(where)["prompts"]) == {prompt_key(c) for c in rows}
     # A next round that skips this run's manifest has nothing new left in the same data: refused, one line.
     with pytest.raises(ValueError, match="every one of the 40 conversations .* is in the --skip-seen manifest"):
-        main(flags(tiny, tmp_path / "next", "--stage", "mars", "--skip-seen", str(out), "--max-steps", "1"))
+        main(train_flags(tiny, tmp_path / "next", "--stage", "mars", "--skip-seen", str(out), "--max-steps", "1"))
 
 
 def test_skip_seen_refuses_a_missing_or_foreign_manifest(tiny, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"prompts": ["abc"]}))
     with pytest.raises(ValueError, match="no data_manifest.json there"):
-        main(flags(tiny, tmp_path / "a", "--skip-seen", str(tmp_path), "--max-steps", "1"))
+        main(train_flags(tiny, tmp_path / "a", "--skip-seen", str(tmp_path), "--max-steps", "1"))
     with pytest.raises(ValueError, match="is not a mars-data-manifest-v1 manifest"):
-        main(flags(tiny, tmp_path / "b", "--skip-seen", str(tmp_path / "bad.json"), "--max-steps", "1"))
+        main(train_flags(tiny, tmp_path / "b", "--skip-seen", str(tmp_path / "bad.json"), "--max-steps", "1"))
 
 
 def test_the_recipes_manifest_stage_lists_every_distilled_prompt(tmp_path):

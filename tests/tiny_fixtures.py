@@ -140,3 +140,15 @@ def write_addition_chats(path: Path, n: int = 40) -> Path:
             answer = {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}
             f.write(json.dumps({"messages": [question, answer]}) + "\n")
     return Path(path)
+
+
+def train_flags(tiny: tuple, out, *extra) -> list[str]:
+    """finetune.train's flags for a tiny run: `tiny` is (model folder, write_addition_chats's file)."""
+    model_dir, data = tiny
+    return ["--base-model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--batch-size", "4",
+            "--max-length", "64", "--threads", "1", *extra]
+
+
+def train_metrics(out) -> list[dict]:
+    """The rows of a finetune.train run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
