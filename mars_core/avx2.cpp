@@ -15,6 +15,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "w8a8_kernel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -124,16 +126,13 @@ void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                   const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d, int64_t length,
                   int64_t tail) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear: a float32 [rows, k] input is expected");
-  TORCH_CHECK(length >= 1 && tail >= 0 && tail <= length, "linear: 0 <= tail <= length is expected");
+  mars_w8a8::check_linear(x_in, length, tail);
   auto x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), kp = packed.size(1);
   TORCH_CHECK(packed.dim() == 2 && kp == (k + KS - 1) / KS * KS && packed.size(0) == (n + CH - 1) / CH * CH,
               "linear: the packed weight does not match the input width");
-  std::vector<int64_t> second(rows, -1);   // row -> the index of its second-pass row, or -1
-  int64_t all = rows;
-  for (int64_t m = 0; m < rows && two; ++m)
-    if (m % length < length - tail) second[m] = all++;
+  std::vector<int64_t> second;   // row -> the index of its second-pass row, or -1
+  const int64_t all = mars_w8a8::second_rows(rows, length, tail, two, second);
   const float inverse = static_cast<float>(inverse_d), step = static_cast<float>(step_d);
   std::vector<int16_t> a(all * kp, 0);   // zero in the padding columns
   std::vector<float> mags(rows), r_mags(rows, 0.f), u(k);
@@ -170,8 +169,4 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(mars_avx2, m) {
-  m.def("pack(Tensor w) -> Tensor", &pack);
-  m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "
-        "float step, int length=1, int tail=0) -> Tensor", &linear);
-}
+MARS_W8A8_OPS(mars_avx2)

@@ -1,9 +1,10 @@
-"""Building and loading our two small C++ ops (mars_core/vnni.cpp, mars_core/fused.cpp) on first use.
+"""Building and loading our two small C++ kernels (mars_core/vnni.cpp, mars_core/avx2.cpp) on first use.
 
-Each is one g++ call against the installed torch's headers (~30-60 s, once); the library is cached under
-`MARS_CACHE_DIR`/kernels by a hash of the source, the torch version and the compiler flags, and written
-atomically, so a half-built library never sits at the cached path. Loading never raises: where an op cannot be
-had (switched off, wrong CPU or OS, no compiler, a failed build) the reason is kept and w8a8 runs another kernel.
+Each is one g++ call against the installed torch's headers (~30-60 s, once). The library is cached under
+`MARS_CACHE_DIR`/kernels by a hash of the source (with mars_core's headers), the torch version and the compiler
+flags, and written atomically, so a half-built library never sits at the cached path. Loading never raises: where
+a kernel cannot be had (switched off, wrong CPU or OS, no compiler, a failed build) the reason is kept and w8a8
+runs another kernel.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ class NativeOp:
     def library_path(self, cxx: str) -> Path:
         from mars_core.sources import cache_dir
 
-        key = self.source.read_bytes() + " ".join([torch.__version__, cxx, *self.flags]).encode()
+        headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))   # what it #includes
+        key = self.source.read_bytes() + headers + " ".join([torch.__version__, cxx, *self.flags]).encode()
         return cache_dir() / "kernels" / f"{self.name}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
     def _build(self, cxx: str, target: Path) -> None:
