@@ -431,11 +431,14 @@ def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], su
             return (yield from timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
                                                    settings.block_size, stop=give_way))
 
+    status = [f"✓ Race finished: {summary}."]   # the line last shown, repeated while a repeat runs
+
     def show(progress):
         msg, so_far = progress
-        return page.show(f"✓ Race finished: {summary}. {msg}", measured=so_far or None, measuring=msg,
-                         tau_line=tau_line)
-    return (yield from turn.in_thread(repeats, "race-timing").relay(show, idle=_status_only(gr.skip())))
+        status[0] = f"✓ Race finished: {summary}. {msg}"
+        return page.show(status[0], measured=so_far or None, measuring=msg, tau_line=tau_line)
+    # idle repeats the status line itself, not gr.skip(): an API client reads every output's status as text
+    return (yield from turn.in_thread(repeats, "race-timing").relay(show, idle=lambda: _status_only(status[0])))
 
 
 def _decoder(lm):

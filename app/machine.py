@@ -160,14 +160,15 @@ class Background:
             self._out.put(last)
 
     def relay(self, show=lambda value: value, idle=None):
-        """A generator: `show(value)` for each of the work's values as they come and `idle` every POLL_S between
-        them (the moments at which Gradio may close the handler); returns the work's return value (None when
-        cancelled: only after cancel(), when no page waits for it) and raises its exception."""
+        """A generator: `show(value)` for each of the work's values as they come and `idle` (or `idle()` where it
+        is callable) every POLL_S between them (the moments at which Gradio may close the handler); returns the
+        work's return value (None when cancelled: only after cancel(), when no page waits for it) and raises its
+        exception."""
         while True:
             try:
                 kind, value = self._out.get(timeout=POLL_S)
             except queue.Empty:
-                yield idle
+                yield idle() if callable(idle) else idle
                 continue
             if kind == "value":
                 yield show(value)
