@@ -151,8 +151,8 @@ def test_a_job_already_waiting_skips_the_timing(tiny_mars):
 
 def test_a_race_whose_page_closed_during_the_timing_frees_the_machine_within_its_repeat(tiny_mars):
     from mars_core.decoding import net
-    # every forward 20 ms slower, as on a real model: one timing repeat (three decodes of 32 tokens) takes seconds
-    slow = net(tiny_mars).register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    # every forward 40 ms slower, as on a real model: one timing repeat (three decodes of 32 tokens) takes seconds
+    slow = net(tiny_mars).register_forward_pre_hook(lambda *_: time.sleep(0.04))
     try:
         m = Machine()
         race = generate.race_models(_settings(max_new=32, measure_after=True), "tiny-mars", "tiny-mars", "page-5",

@@ -21,8 +21,12 @@ def run_env() -> dict:
 
 
 def start(*args: str) -> subprocess.Popen:
+    """The CLI as a terminal starts it: SIGINT at its default, even where this test run was started in the
+    background, whose children inherit SIGINT ignored (Python then installs no KeyboardInterrupt handler, and the
+    CLI rightly keeps ignoring it)."""
     return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_until(proc: subprocess.Popen, ready, what: str, timeout: float = 90.0) -> None:
