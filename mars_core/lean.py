@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from mars_core.lean_script import _rms, layers
+from mars_core.w8a8 import OWN   # our kernels, which skip the second pass on a lossless step's masks
 
 ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
 FORMATS = ("float", "int8", "w8a8")
 GROW = 256   # cache columns added at a time
-TAIL_KERNELS = ("vnni", "avx2")   # the w8a8 kernels that skip the second pass on a lossless step's masks
 
 
 def unsupported(model) -> str | None:
@@ -301,7 +301,7 @@ class LeanLM(torch.nn.Module):
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
         if self.scripted is not None:
-            tail = {"tail": min(draft_tail, length)} if self.kernel in TAIL_KERNELS and draft_tail else {}
+            tail = {"tail": min(draft_tail, length)} if self.kernel in OWN and draft_tail else {}
             x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)
