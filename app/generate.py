@@ -10,8 +10,11 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import gradio as gr
+
+import mars_core   # its names load on first use: torch is imported by the first race, not by the page's start
 
 from app import models, notices, plots, timing
 # The input checks live in app.inputs (the Learn and Explorer tabs use them too); ui.py builds its sliders from
@@ -22,14 +25,15 @@ from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, 
 from app.race import LANE_LABELS, LANES, SideRecord, race
 from app.render import render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
-from mars_core import DecodeConfig, TauControl, generate as core_generate, generate_stream
-from mars_core.config import CRITERIA
-from mars_core.drafts import LAYOUTS
+
+if TYPE_CHECKING:
+    from mars_core import DecodeConfig, TauControl
 
 YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed down
-# What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA, labelled for the page.
+# What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA (mars_core.config, which imports torch,
+# so they are named here; tests/test_app.py checks they are the same, in the same order), labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
-CRITERION_CHOICES = [(_CRITERION_LABELS[c], c) for c in CRITERIA]
+CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
 # The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
 LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
                   ("a tree: also runner-up tokens", "tree")]
@@ -196,6 +200,7 @@ class RaceSettings:
         seed = check_seed(seed, temperature, notes)
         if not tau_off:
             _repeat_tau_note(session, tau, notes)
+        from mars_core.drafts import LAYOUTS
         if not isinstance(draft_layout, str) or draft_layout not in LAYOUTS:
             raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of {', '.join(LAYOUTS)}")
         return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
@@ -211,12 +216,12 @@ class RaceSettings:
     def config(self, lane: str) -> DecodeConfig:
         common = dict(block_size=self.block_size, max_new_tokens=self.max_new_tokens)
         if lane == "ar":
-            return DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
+            return mars_core.DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
         if lane == "verify":
-            return DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion, draft_layout=self.draft_layout,
-                                prompt_lookup=self.prompt_lookup, **common)
-        return DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
-                            criterion=self.criterion, **common)
+            return mars_core.DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion,
+                                          draft_layout=self.draft_layout, prompt_lookup=self.prompt_lookup, **common)
+        return mars_core.DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
+                                      criterion=self.criterion, **common)
 
 
 @dataclass
@@ -229,15 +234,15 @@ class _Lane:
     def rerun(self, prompt_ids: list[int], taus: list[float]):
         """A function decoding the prompt once more as the race did: a lane whose τ moved replays its τ per step."""
         replay = self.control is not None and len(set(taus)) > 1
-        return lambda: core_generate(self.lm, [prompt_ids], self.cfg,
-                                     tau_control=ReplayTau(taus) if replay else None)
+        return lambda: mars_core.generate(self.lm, [prompt_ids], self.cfg,
+                                          tau_control=ReplayTau(taus) if replay else None)
 
 
 def _make_lanes(settings: RaceSettings, lm, ar_lm) -> dict[str, _Lane]:
     def lane(n):
         if n == "ar":
             return _Lane(ar_lm, settings.config(n))
-        return _Lane(lm, settings.config(n), TauControl(settings.tau))
+        return _Lane(lm, settings.config(n), mars_core.TauControl(settings.tau))
     return {n: lane(n) for n in settings.lanes}
 
 
@@ -377,7 +382,8 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
         _tau_controls[session] = controls
     try:
         words = {n: (token_texts(lane.lm), _decoder(lane.lm)) for n, lane in lanes.items()}
-        racing = race(lanes={n: generate_stream(lane.lm, [settings.prompt], lane.cfg, tau_control=lane.control)
+        racing = race(lanes={n: mars_core.generate_stream(lane.lm, [settings.prompt], lane.cfg,
+                                                          tau_control=lane.control)
                              for n, lane in lanes.items()})
         yield page.show("▶ Racing …")
         last = 0.0

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gradio as gr
 
-from mars_core.config import CRITERIA
-
 TAU_MIN, TAU_MAX = 0.5, 1.0
 MAX_PROMPT_CHARS = 4000
 MAX_NEW_TOKENS = 512
@@ -129,6 +127,7 @@ def check_seed(seed, temperature, notes) -> int | None:
 
 
 def check_criterion(criterion) -> str:
+    from mars_core.config import CRITERIA   # here, not at import: mars_core.config imports torch
     if criterion not in CRITERIA:
         what = "no confidence criterion is chosen" if criterion in (None, "") else \
             f"confidence criterion {criterion!r} is unknown"

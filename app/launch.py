@@ -38,7 +38,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     preloaded = threading.Event()
 
-    def preload():  # load and warm up the start-up model while the server starts (a race waits for it)
+    def preload():  # torch, transformers and the start-up model, once the page answers (a race waits for them)
         try:
             import torch
             torch.set_num_threads(args.threads)
@@ -50,14 +50,9 @@ def main(argv=None):
         finally:
             preloaded.set()
 
-    threading.Thread(target=preload, daemon=True).start()   # torch/transformers import beside gradio's
-    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's and
-    # after the server answers, in their own thread: gradio's launch checks that localhost answers, and a
-    # load running beside that check (the w8a8 calibration and compile) could starve it until launch gave up.
-    # The page polls models.prepare_status() and never waits for it.
-    server_up, go = threading.Event(), threading.Event()
-    threading.Thread(target=lambda: (preloaded.wait(), server_up.wait(), go.set()), daemon=True).start()
-    if models.start_background_prepare(wait_for=go, log=lambda msg: print(f"[app] {msg}", flush=True)):
+    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's, in
+    # their own thread. The page polls models.prepare_status() and never waits for it.
+    if models.start_background_prepare(wait_for=preloaded, log=lambda msg: print(f"[app] {msg}", flush=True)):
         print(f"[app] {models.SMOLLM2_MARS} loads in the background ({models.PREPARE_ESTIMATE}; "
               "seconds when built before)", flush=True)
 
@@ -67,6 +62,11 @@ def main(argv=None):
     demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, share=False, show_error=False, ssr_mode=False,
         max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, footer_links=[], prevent_thread_lock=True)
-    server_up.set()
+    # The page answers now, before torch and transformers are imported (neither is needed to build it): on a
+    # 2-core CPU they cost 4-5 s of CPU, and importing them beside gradio's import and the page's build (one
+    # GIL) delayed the page by as much. They load now, then the start-up model, then smollm2-mars; a race asked
+    # for meanwhile says it is loading and waits for them. Loading after launch also keeps gradio's start-up
+    # check (that localhost answers) from being starved by the w8a8 calibration and compile.
+    threading.Thread(target=preload, daemon=True, name="preload").start()
     demo.block_thread()
 

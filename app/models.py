@@ -10,13 +10,14 @@ results, and `PREPARER` builds and loads smollm2-mars in a background thread at 
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from pathlib import Path
 
+import mars_core
 from mars_core import catalogue
-from mars_core.sources import find_assets
 
 # Every list below is read from mars_core.catalogue; the names stay because app code and tests import them.
 # The picker's named models in catalogue order (the default first); adapters join them only when present.
@@ -24,6 +25,21 @@ BUILTIN_MODELS = [(r.label, r.name) for r in catalogue.models() if r.label is no
 # The MARS-trained real-language model: listed (first) only while its adapter folder exists.
 SMOLLM2_MARS = catalogue.names(prompts=catalogue.NATURAL, mars=True)[0]
 SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
+
+
+def find_assets() -> Path:
+    """mars_core.sources.find_assets, the same rule without importing mars_core.sources: that module imports torch
+    and transformers (4-5 s of CPU here), which the page's start no longer waits for (tests/test_app.py checks
+    the two agree). $MARS_ASSETS if set; else the copy inside the installed package; else this checkout's."""
+    if os.environ.get("MARS_ASSETS", "").strip():   # empty (or blank) counts as unset
+        return Path(os.environ["MARS_ASSETS"]).expanduser().resolve()
+    package = Path(mars_core.__file__).resolve().parent
+    for path in (package / "assets", package.parent / "assets"):
+        if path.is_dir():
+            return path
+    return package.parent / "assets"
+
+
 SMOLLM2_MARS_DIR = find_assets() / SMOLLM2_MARS   # a checkout's assets/, an installed copy's, or $MARS_ASSETS
 ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
 DEFAULT_MODEL = catalogue.DEFAULT_MODEL   # the page starts here
@@ -367,8 +383,21 @@ LOAD_ESTIMATES = {"tiny": "(about 2 s)", "prepared": "(about 10-15 s on a small 
                   "build": "(the first load converts or merges the model once: 30-40 s, then about 10-15 s to load)"}
 
 
+# The page is served before torch and transformers are imported (app.launch): the first model this process loads
+# also waits for them (4-5 s of CPU on the project's 2-core CPU, docs/experiments.md, "The app's race and sweep at
+# class speed").
+LIBRARIES_ESTIMATE = "the first load also imports torch and transformers: about 5 s more"
+
+
 def load_estimate(name: str) -> str:
     """An honest, parenthesised estimate of how long loading `name` takes here ('' when unknown)."""
+    estimate = _model_estimate(name)
+    if estimate and not _cache:   # no model loaded yet in this process: the libraries come first
+        estimate = f"{estimate[:-1]}; {LIBRARIES_ESTIMATE})"
+    return estimate
+
+
+def _model_estimate(name: str) -> str:
     if name in TINY_MODELS:
         return LOAD_ESTIMATES["tiny"]
     if name in SMOLLM2_MODELS:

@@ -28,7 +28,7 @@ MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 
 
 def _gpu_visible() -> bool:
-    import torch
+    import torch   # asked when a command is built, not at import: the page's start does not wait for torch
     return torch.cuda.is_available()
 
 
@@ -36,8 +36,7 @@ def _gpu_visible() -> bool:
 # visible, so a machine with a GPU trains on it).
 # One thread: on a small shared CPU a second thread makes each training step several times slower.
 ACCELERATE = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
-              *([] if _gpu_visible() else ["--cpu"]), "-m", "finetune.train"]
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1"]
 PLAIN = ["-m", "finetune.train"]
 
 
@@ -75,7 +74,7 @@ class FinetuneRequest:
 
 def build_command(req: FinetuneRequest, run_dir: Path, launcher: str = "accelerate") -> list[str]:
     """The exact argv that Start runs (shown on the page before it runs)."""
-    head = ACCELERATE if launcher == "accelerate" else PLAIN
+    head = [*ACCELERATE, *([] if _gpu_visible() else ["--cpu"]), *PLAIN] if launcher == "accelerate" else PLAIN
     cmd = [sys.executable, *head,
            "--base-model", req.base_model, "--data", req.data, "--stage", req.stage,
            "--block-size", str(int(req.block_size)), "--ar-weight", f"{float(req.ar_weight):g}",

@@ -830,7 +830,7 @@ def test_app_start_preloads_tiny_mars_then_prepares_smollm2_mars_in_the_backgrou
         return True
 
     def fake_launch(self, **kw):
-        launched.update(kw, demo=self)
+        launched.update(kw, demo=self, loaded_before=list(loaded))
         return self
 
     monkeypatch.setattr(models, "get_model", lambda name: loaded.append(name))
@@ -839,7 +839,38 @@ def test_app_start_preloads_tiny_mars_then_prepares_smollm2_mars_in_the_backgrou
     app_main.main(["--runs-dir", str(tmp_path / "runs")])
     assert isinstance(started["wait_for"], threading.Event) and started["wait_for"].wait(10)
     assert loaded == ["tiny-mars"]                   # the page's model first; smollm2-mars waits for it
+    assert launched["loaded_before"] == []           # and only once the page answers: it never waits for a model
     assert launched["server_name"] == "127.0.0.1" and launched["share"] is False
     assert launched["prevent_thread_lock"] is True     # launch returns once the server answers; then smollm2-mars loads
     poll = next(f for f in launched["demo"].fns.values() if getattr(f.fn, "func", None) is generate.poll_default_model)
     assert poll.inputs[2].value is False              # automatic mode: the page may switch free text
+
+
+# ----------------------------------------------------------------------------- a quick start
+def test_the_page_is_built_without_importing_torch_or_transformers(tmp_path):
+    """They cost 4-5 s of CPU on the project's 2-core CPU; the page answers first and they load after it
+    (app.launch). A fresh interpreter, as `python app.py` starts."""
+    import subprocess
+    import sys
+    code = ("import sys; from app import ui; ui.build_ui(None, runs_dir=sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300,
+                          env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
+
+
+@pytest.mark.parametrize("assets", [None, "", "  ", "elsewhere"])
+def test_the_app_finds_the_assets_where_mars_core_does(monkeypatch, tmp_path, assets):
+    from mars_core import sources
+    if assets is None:
+        monkeypatch.delenv("MARS_ASSETS", raising=False)
+    else:
+        monkeypatch.setenv("MARS_ASSETS", str(tmp_path / assets) if assets.strip() else assets)
+    assert models.find_assets() == sources.find_assets()
+
+
+def test_the_criteria_the_page_offers_are_the_decoder_s_in_its_order():
+    from mars_core.config import CRITERIA
+    assert [c for _, c in generate.CRITERION_CHOICES] == list(CRITERIA)
