@@ -9,7 +9,8 @@ arithmetic with fewer ops, in the manner of gpt-fast's `model.py`:
     from transformers' half-split layout to an interleaved one, which leaves q . k unchanged;
   * the KV cache is two preallocated tensors and a length (`LeanCache`), with exactly what the decoder asks of a
     cache: append a chunk, crop, keep some batch rows; holes are columns the caller's mask hides;
-  * attention is torch's SDPA with the decoder's own 4D mask, and the LM head runs only on the kept positions.
+  * attention takes the decoder's own 4D mask, and the LM head runs only on the kept positions;
+  * with our w8a8 kernels every layer is one C++ call (mars_core/w8a8_layers.h), the small ops as plain loops.
 
 It takes its weights from a loaded transformers model (which stays usable beside it) and answers the call the
 decoder makes of `lm.net`: `net(input_ids=, attention_mask=, position_ids=, cache=, logits_to_keep=)` with

@@ -1,4 +1,5 @@
-"""The layer stack of `mars_core.lean.LeanLM`: one loop per weight format, two of them compiled by TorchScript.
+"""The layer stack of `mars_core.lean.LeanLM`: one loop per weight format, three compiled by TorchScript, and the
+one call into our own kernels' native layer stack.
 
 On one CPU thread a SmolLM2 forward is ~1,300 small ops besides its 121 matrix products, and Python's share of
 each op is what an eager loop pays most for (docs/experiments.md, "lean forward"). TorchScript runs the same ops
@@ -7,10 +8,13 @@ checks it) at about two thirds of the time. The w8a8 and fp32 loops are scripted
 the same arithmetic through the modules' own forward. `torch.jit.script` is deprecated in favour of
 torch.compile, which compiled this forward for minutes and did not run it faster; if a torch release drops it,
 `scripted()` returns None and LeanLM runs the plain Python functions below, which give the same numbers.
+
+Our w8a8 kernels (mars_core/vnni.cpp, avx2.cpp) go further: their `layers` op runs every layer in one C++ call
+(mars_core/w8a8_layers.h), the small ops as plain loops. Its logits are close to, not bitwise, the eager loop's,
+and each position's are independent of the others in the call (tests/test_lean.py checks both).
 """
 from __future__ import annotations
 
-import types
 import warnings
 from typing import List, Optional
 
@@ -104,39 +108,20 @@ def layers_w8a8_onednn(x: torch.Tensor, packs: List[torch.Tensor], w_scales: Lis
     return x
 
 
-_product = None   # our kernel's op, bound in each of _own_loop's copies of layers_w8a8_own
+def native_loop(kernel: str):
+    """Every layer in w8a8 through one call of our kernel's `layers` op (mars_core/w8a8_layers.h, built into
+    mars_core/vnni.cpp and avx2.cpp), which takes layers_w8a8_onednn's arguments plus `tail`: the last `tail`
+    positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
+    op = getattr(torch.ops, f"mars_{kernel}").layers
 
+    def loop(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
+             biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor], k_cache: torch.Tensor,
+             v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
+             hidden: Optional[torch.Tensor], eps: float, tail: int = 0) -> torch.Tensor:
+        return op(x, packs, scales, biases, two, norms, k_cache, v_cache, past, b, length, heads, kv, d,
+                  torch.view_as_real(rope), hidden, eps, _INVERSE, _STEP_F, tail)
 
-def layers_w8a8_own(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
-                    biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor],
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int,
-                    d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor], eps: float,
-                    inverse: float = _INVERSE, step: float = _STEP_F, tail: int = 0) -> torch.Tensor:
-    """Every layer in w8a8 through one of our kernels, mars_core/vnni.cpp or avx2.cpp (one call per product; see
-    _own_loop), as layers_w8a8; the last `tail` positions of each row skip the second pass (LeanLM.forward's
-    `draft_tail`)."""
-    for i in range(len(norms) // 2):
-        j = 4 * i
-        qkv = _product(_rms(x, norms[2 * i], eps), packs[j], scales[j], biases[j], two[j], inverse, step, length, tail)
-        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + _product(att, packs[j + 1], scales[j + 1], biases[j + 1], two[j + 1], inverse, step, length, tail)
-        h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = _product(h, packs[j + 2], scales[j + 2], biases[j + 2], two[j + 2], inverse, step, length,
-                            tail).chunk(2, -1)
-        x = x + _product(torch.nn.functional.silu(gate) * up, packs[j + 3], scales[j + 3], biases[j + 3], two[j + 3],
-                         inverse, step, length, tail)
-    return x
-
-
-def _own_loop(kernel: str):
-    """layers_w8a8_own with `_product` bound to `torch.ops.mars_<kernel>.linear`. TorchScript fixes which op a call
-    names when it compiles the function, and a CPU loads only the kernels it can run, so each kernel gets its own
-    copy of the function: the same code (and source, which TorchScript reads), its own globals."""
-    own = layers_w8a8_own
-    copy = types.FunctionType(own.__code__, dict(own.__globals__, _product=getattr(torch.ops, f"mars_{kernel}").linear),
-                              f"layers_w8a8_{kernel}", own.__defaults__)
-    copy.__qualname__ = copy.__name__
-    return copy
+    return loop
 
 
 def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -171,16 +156,16 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 
 def scripted(name: str):
-    """The TorchScript-compiled "w8a8", "w8a8-onednn", "w8a8-vnni", "w8a8-avx2" or "fp32" loop, or None where
-    torch cannot script it (w8a8-vnni and w8a8-avx2: only once their op is registered, mars_core.native)."""
+    """The TorchScript-compiled "w8a8", "w8a8-onednn" or "fp32" loop, or None where torch cannot script it; for
+    "w8a8-vnni" and "w8a8-avx2", that kernel's native layer stack (only once its op is registered, mars_core.native)."""
+    if name in ("w8a8-vnni", "w8a8-avx2"):   # already one C++ call: nothing to compile
+        return native_loop(name.split("-")[1])
     if name not in _COMPILED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
-                loops = {"w8a8": lambda: layers_w8a8, "w8a8-onednn": lambda: layers_w8a8_onednn,
-                         "w8a8-vnni": lambda: _own_loop("vnni"), "w8a8-avx2": lambda: _own_loop("avx2"),
-                         "fp32": lambda: layers_fp32}
-                _COMPILED[name] = torch.jit.script(loops[name]())
+                loops = {"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn, "fp32": layers_fp32}
+                _COMPILED[name] = torch.jit.script(loops[name])
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None
     return _COMPILED[name]

@@ -1,7 +1,10 @@
 // What mars_core/vnni.cpp and mars_core/avx2.cpp share: the checks of a linear call, which rows get a second pass,
-// and the two ops' schemas. Built into each by mars_core/native.py, whose cache key includes this file.
+// the layer stack around a file's `linear` (mars_core/w8a8_layers.h), and the three ops' schemas. Built into each
+// by mars_core/native.py, whose cache key includes this file.
 #pragma once
 #include <ATen/core/Tensor.h>
+
+#include "w8a8_layers.h"
 
 #include <cstdint>
 #include <vector>
@@ -30,4 +33,8 @@ inline int64_t second_rows(int64_t rows, int64_t length, int64_t tail, bool two,
     m.def("pack(Tensor w) -> Tensor", &pack);                                                             \
     m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "         \
           "float step, int length=1, int tail=0) -> Tensor", &linear);                                   \
+    m.def("layers(Tensor x, Tensor[] packs, Tensor[] scales, Tensor?[] biases, bool[] two, Tensor[] norms, "   \
+          "Tensor(a!) k_cache, Tensor(b!) v_cache, int past, int b, int length, int heads, int kv, int d, "      \
+          "Tensor rope, Tensor? hidden, float eps, float inverse, float step, int tail=0) -> Tensor",            \
+          &mars_w8a8::layers<&linear>);                                                                   \
   }

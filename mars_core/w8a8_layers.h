@@ -1,0 +1,202 @@
+// Every decoder layer of a w8a8 forward in one call: what mars_core.lean_script.layers_w8a8 does op for op in
+// torch, with RMSNorm, RoPE, the cache writes, attention, SiLU and the residual adds as plain loops around the
+// file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
+//
+// Why: on one thread of a slow core, the ~4,000 small torch ops of a SmolLM2 forward cost as much as its 121
+// matrix products (docs/experiments.md, "A native layer stack"). Here they cost next to nothing.
+//
+// Every position is computed on its own, in an order that depends on nothing but its own inputs: a row's outputs
+// are bitwise the same whatever other rows, positions or hidden columns the call holds. That is what makes a
+// lossless step write AR's answer and a batch row equal the row alone. Attention runs in float64 (the cache's
+// dtype), as the torch loop does.
+#pragma once
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace mars_w8a8 {
+
+using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const c10::optional<at::Tensor>&, bool, double, double, int64_t, int64_t);
+
+// out = x * (1 / sqrt(mean(x^2) + eps)) * w per row: transformers' RMSNorm, its mean summed in float64.
+inline void rms(const float* x, const float* w, float* out, int64_t rows, int64_t n, double eps) {
+  for (int64_t r = 0; r < rows; ++r, x += n, out += n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(s / n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+  }
+}
+
+// q . k in float64 for `count` (1..4) keys `stride` apart: one accumulator of 4 lanes per key, run over d (a
+// multiple of 4) in order and its lanes summed in a fixed order, so a score never depends on which keys share the
+// call. Four keys at a time keep four independent chains of multiply-adds in flight.
+inline void dots(const double* q, const double* k, int64_t stride, int64_t d, int count, double* out) {
+  __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  if (count == 4) {
+    for (int64_t i = 0; i < d; i += 4) {
+      const __m256d qv = _mm256_loadu_pd(q + i);
+      a[0] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + i), a[0]);
+      a[1] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + stride + i), a[1]);
+      a[2] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + 2 * stride + i), a[2]);
+      a[3] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + 3 * stride + i), a[3]);
+    }
+  } else {
+    for (int j = 0; j < count; ++j)
+      for (int64_t i = 0; i < d; i += 4)
+        a[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), a[j]);
+  }
+  alignas(32) double lanes[4];
+  for (int j = 0; j < count; ++j) {
+    _mm256_store_pd(lanes, a[j]);
+    out[j] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+}
+
+// out[0 .. 4W) = sum over t of p[t] * v[t][0 .. 4W) (rows `stride` apart), summed over t in order in W registers,
+// then rounded to float. Columns with p = 0 (hidden, or underflowed) are skipped: they would add exact zeros.
+template <int W>
+inline void weigh(const double* p, const double* v, int64_t stride, int64_t end, float* out) {
+  __m256d acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_pd();
+  for (int64_t t = 0; t < end; ++t) {
+    if (p[t] == 0) continue;
+    const __m256d pt = _mm256_set1_pd(p[t]);
+    const double* vr = v + t * stride;
+    for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_pd(pt, _mm256_loadu_pd(vr + 4 * j), acc[j]);
+  }
+  for (int j = 0; j < W; ++j) _mm_storeu_ps(out + 4 * j, _mm256_cvtpd_ps(acc[j]));
+}
+
+struct Shape {
+  int64_t b, length, heads, kv, d, past;
+};
+
+// Layer i's attention: RoPE on the q and k rows of `qkv` (the table holds each row's cos/sin pairs, q's already
+// scaled by 1/sqrt(d)), the chunk's k and v written into the caches at columns past.., and each query's softmax
+// over the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
+inline void attention(int64_t i, const float* qkv, const float* rope, const at::Tensor& kc, const at::Tensor& vc,
+                      const bool* hidden, const Shape& s, float* att) {
+  const int64_t heads = s.heads, kv = s.kv, d = s.d, group = heads / kv, end = s.past + s.length;
+  const int64_t width = (heads + 2 * kv) * d, rows = s.b * s.length;
+  std::vector<double> q(static_cast<size_t>(rows) * heads * d);   // the rotated queries, in float64
+  double* kb = kc.data_ptr<double>();
+  double* vb = vc.data_ptr<double>();
+  const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2), k3 = kc.stride(3);
+  const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2), v3 = vc.stride(3);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bi = r / s.length, col = s.past + r % s.length;
+    const float* row = qkv + r * width;
+    const float* cs = rope + r * (heads + kv) * d;   // (cos, sin) per pair of each head
+    for (int64_t h = 0; h < heads + kv; ++h)
+      for (int64_t p = 0; p < d; p += 2) {
+        const float x0 = row[h * d + p], x1 = row[h * d + p + 1], c = cs[h * d + p], sn = cs[h * d + p + 1];
+        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+        if (h < heads) {
+          q[(r * heads + h) * d + p] = y0;
+          q[(r * heads + h) * d + p + 1] = y1;
+        } else {
+          double* kt = kb + i * k0 + bi * k1 + (h - heads) * k2 + col * k3;
+          kt[p] = y0;
+          kt[p + 1] = y1;
+        }
+      }
+    for (int64_t g = 0; g < kv; ++g) {
+      double* vt = vb + i * v0 + bi * v1 + g * v2 + col * v3;
+      for (int64_t e = 0; e < d; ++e) vt[e] = row[(heads + kv + g) * d + e];
+    }
+  }
+  std::vector<double> score(end);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bi = r / s.length, l = r % s.length;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t g = h / group;
+      const double* qh = q.data() + (r * heads + h) * d;
+      const double* kt = kb + i * k0 + bi * k1 + g * k2;
+      const double* vt = vb + i * v0 + bi * v1 + g * v2;
+      const bool* hid = hidden ? hidden + (bi * s.length * group + l * group + h % group) * end : nullptr;
+      for (int64_t t = 0; t < end; t += 4) dots(qh, kt + t * k3, k3, d, static_cast<int>(std::min<int64_t>(4, end - t)),
+                                                  score.data() + t);
+      double top = -std::numeric_limits<double>::infinity();
+      for (int64_t t = 0; t < end; ++t) {
+        if (hid && hid[t]) score[t] = -std::numeric_limits<double>::infinity();
+        top = std::max(top, score[t]);
+      }
+      double sum = 0;
+      for (int64_t t = 0; t < end; ++t) sum += score[t] = std::exp(score[t] - top);
+      for (int64_t t = 0; t < end; ++t) score[t] = score[t] / sum;
+      float* out = att + r * heads * d + h * d;
+      int64_t e = 0;
+      for (; e + 32 <= d; e += 32) weigh<8>(score.data(), vt + e, v3, end, out + e);
+      for (; e < d; e += 4) weigh<1>(score.data(), vt + e, v3, end, out + e);
+    }
+  }
+}
+
+// x [b*L, hidden] through every layer: products in the order qkv, o, gate_up, down per layer, norms in, post.
+template <Linear linear>
+at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, const c10::List<at::Tensor>& scales,
+                  const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<bool>& two,
+                  const c10::List<at::Tensor>& norms, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t past, int64_t b,
+                  int64_t length, int64_t heads, int64_t kv, int64_t d, const at::Tensor& rope_in,
+                  const c10::optional<at::Tensor>& hidden_in, double eps, double inverse, double step, int64_t tail) {
+  const int64_t rows = b * length, n = x_in.size(1), count = static_cast<int64_t>(norms.size()) / 2;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) == rows,
+              "layers: a float32 [b * length, hidden] input is expected");
+  TORCH_CHECK(k_cache.scalar_type() == at::kDouble && v_cache.scalar_type() == at::kDouble &&
+                  k_cache.stride(4) == 1 && v_cache.stride(4) == 1 && k_cache.size(3) >= past + length,
+              "layers: float64 caches [layers, batch, kv, columns, d] with room for the chunk are expected");
+  TORCH_CHECK(static_cast<int64_t>(packs.size()) == 4 * count && heads % kv == 0 && d % 4 == 0,
+              "layers: four products per layer, heads a multiple of kv heads and a head size a multiple of 4 are "
+              "expected");
+  auto rope = rope_in.contiguous();
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.numel() == rows * (heads + kv) * d,
+              "layers: a float32 RoPE table [b * length, heads + kv, d / 2, 2] is expected");
+  at::Tensor hidden;
+  if (hidden_in.has_value() && hidden_in->defined()) {
+    hidden = hidden_in->contiguous();
+    TORCH_CHECK(hidden.scalar_type() == at::kBool && hidden.numel() == rows * (heads / kv) * (past + length),
+                "layers: a bool mask [b, 1, length * group, past + length] is expected");
+  }
+  const Shape s{b, length, heads, kv, d, past};
+  auto x = x_in.contiguous().clone();
+  auto h = at::empty({rows, n}, x.options());
+  auto att = at::empty({rows, heads * d}, x.options());
+  float* xp = x.data_ptr<float>();
+  auto product = [&](const at::Tensor& in, int64_t j) -> at::Tensor {
+    return linear(in, packs.get(j), scales.get(j), biases.get(j), two.get(j), inverse, step, length, tail);
+  };
+  auto add = [&](const at::Tensor& y) {
+    const float* yp = y.data_ptr<float>();
+    for (int64_t e = 0; e < rows * n; ++e) xp[e] = xp[e] + yp[e];
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    rms(xp, norms.get(2 * i).data_ptr<float>(), h.data_ptr<float>(), rows, n, eps);
+    const at::Tensor qkv = product(h, 4 * i);
+    attention(i, qkv.data_ptr<float>(), rope.data_ptr<float>(), k_cache, v_cache,
+              hidden.defined() ? hidden.data_ptr<bool>() : nullptr, s, att.data_ptr<float>());
+    add(product(att, 4 * i + 1));
+    rms(xp, norms.get(2 * i + 1).data_ptr<float>(), h.data_ptr<float>(), rows, n, eps);
+    const at::Tensor gate_up = product(h, 4 * i + 2);
+    const int64_t half = gate_up.size(1) / 2;
+    auto act = at::empty({rows, half}, x.options());
+    const float* gu = gate_up.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < half; ++e) {
+        const float g = gu[r * 2 * half + e];
+        ap[r * half + e] = g / (1.f + std::exp(-g)) * gu[r * 2 * half + half + e];
+      }
+    add(product(act, 4 * i + 3));
+  }
+  return x;
+}
+
+}  // namespace mars_w8a8
