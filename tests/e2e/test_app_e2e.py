@@ -339,6 +339,49 @@ def test_a_sweep_whose_page_closed_is_cancelled(browser, app_server, page):
     assert all("a τ sweep is running" in t for t in waits), waits
 
 
+@pytest.mark.slow
+def test_a_race_whose_page_closed_during_its_timing_frees_the_machine(browser, app_server, page):
+    """The timing repeats after a race run in a thread (app.machine.Turn.in_thread); a closed page cancels them at
+    their next forward pass, so the next race starts at once instead of waiting for repeats no one will read."""
+    from app import models
+    assert models.smollm2_mars_available(), "assets/smollm2-mars has no adapter: this checkout cannot test it"
+    url, _, _ = app_server
+    closing = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+    closing.set_default_timeout(60_000)
+    closing.goto(url)
+    closing.wait_for_selector("#generate-btn")
+    pick_model(closing, "smollm2-mars")   # a real model: one repeat decodes for seconds
+    closing.fill("#max-new input[type=number]", "20")   # short enough for two or more repeats in the budget
+    closing.press("#max-new input[type=number]", "Enter")
+    closing.fill("#prompt textarea", NATURAL_PROMPTS[0])
+    closing.click("#generate-btn")
+    status = "document.querySelector('#race-status')?.innerText"
+    # the first race on smollm2-mars may wait for its load (tens of seconds on a shared CPU)
+    closing.wait_for_function(f"{status}.includes('timing the decoders again')", timeout=300_000)
+    started = time.perf_counter()
+    closing.wait_for_function(f"{status}.includes('timing again: repeat 1 of')", timeout=120_000)
+    repeat_s = time.perf_counter() - started
+    planned = int(re.search(r"repeat 1 of (\d+)", closing.inner_text("#race-status")).group(1))
+    page.uncheck("#measure-after input[type=checkbox]")   # the next race: its answers only
+    page.fill("#prompt textarea", prompt_for_model())
+    page.evaluate(WATCH_STATUS, ["race-status"])
+    closing.context.close()   # mid-way through the second repeat
+    closed = time.perf_counter()
+    page.click("#generate-btn")
+    page.wait_for_function(f"{status}.includes('Racing')", timeout=120_000)
+    freed_after = time.perf_counter() - closed
+    (ARTIFACTS / "race-closed.txt").write_text(f"a repeat took {repeat_s:.1f} s ({planned} planned); the next race "
+                                               f"started {freed_after:.1f} s after the page closed\n")
+    # without the cancel the next race waits for the rest of the second repeat at least (about a repeat: the page
+    # closed as it began), then the bound's measure; with it, for the forward pass under way
+    assert planned >= 2, f"{planned} repeat of {repeat_s:.1f} s planned: the page closed after the repeats"
+    assert freed_after <= min(2.5, repeat_s / 2), (f"the next race started {freed_after:.1f} s after the page closed "
+                                                   f"(a repeat: {repeat_s:.1f} s)")
+    page.wait_for_function(f"{status}.includes('Done')", timeout=RACE_TIMEOUT_MS)
+    waits = [t for t in seen(page, "race-status") if "Waiting" in t]
+    assert all("a race is running" in t for t in waits), waits
+
+
 def test_status_lines_and_pickers_read_in_full(page):
     from app import models
     page.evaluate(WATCH_STATUS, ["race-status", "model-status"])
