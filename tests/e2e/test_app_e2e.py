@@ -351,31 +351,34 @@ def test_a_race_whose_page_closed_during_its_timing_frees_the_machine(browser, a
     closing.goto(url)
     closing.wait_for_selector("#generate-btn")
     pick_model(closing, "smollm2-mars")   # a real model: one repeat decodes for seconds
-    closing.fill("#max-new input[type=number]", "20")   # short enough for two or more repeats in the budget
+    closing.fill("#max-new input[type=number]", "20")
     closing.press("#max-new input[type=number]", "Enter")
     closing.fill("#prompt textarea", NATURAL_PROMPTS[0])
-    closing.click("#generate-btn")
     status = "document.querySelector('#race-status')?.innerText"
+    # a first race, timed to the end, measures how long one repeat takes (and warms the model up)
+    closing.click("#generate-btn")
     # the first race on smollm2-mars may wait for its load (tens of seconds on a shared CPU)
     closing.wait_for_function(f"{status}.includes('timing the decoders again')", timeout=300_000)
     started = time.perf_counter()
     closing.wait_for_function(f"{status}.includes('timing again: repeat 1 of')", timeout=120_000)
     repeat_s = time.perf_counter() - started
-    planned = int(re.search(r"repeat 1 of (\d+)", closing.inner_text("#race-status")).group(1))
+    closing.wait_for_function(f"{status}.includes('✓ Done')", timeout=300_000)
+    # the same race again, its page closed during its first repeat
+    closing.click("#generate-btn")
+    closing.wait_for_function(f"{status}.includes('timing the decoders again')", timeout=RACE_TIMEOUT_MS)
     page.uncheck("#measure-after input[type=checkbox]")   # the next race: its answers only
     page.fill("#prompt textarea", prompt_for_model())
     page.evaluate(WATCH_STATUS, ["race-status"])
-    closing.context.close()   # mid-way through the second repeat
+    closing.context.close()
     closed = time.perf_counter()
     page.click("#generate-btn")
     page.wait_for_function(f"{status}.includes('Racing')", timeout=120_000)
     freed_after = time.perf_counter() - closed
-    (ARTIFACTS / "race-closed.txt").write_text(f"a repeat took {repeat_s:.1f} s ({planned} planned); the next race "
-                                               f"started {freed_after:.1f} s after the page closed\n")
-    # without the cancel the next race waits for the rest of the second repeat at least (about a repeat: the page
-    # closed as it began), then the bound's measure; with it, for the forward pass under way
-    assert planned >= 2, f"{planned} repeat of {repeat_s:.1f} s planned: the page closed after the repeats"
-    assert freed_after <= min(2.5, repeat_s / 2), (f"the next race started {freed_after:.1f} s after the page closed "
+    (ARTIFACTS / "race-closed.txt").write_text(f"a repeat took {repeat_s:.1f} s; the next race started "
+                                               f"{freed_after:.1f} s after the page closed during one\n")
+    # without the cancel the next race waits for the rest of that repeat (about a whole one: the page closed as it
+    # began) and the bound's measure; with it, for the forward pass under way (5 s at most, as for the sweep)
+    assert freed_after <= min(5.0, repeat_s / 2), (f"the next race started {freed_after:.1f} s after the page closed "
                                                    f"(a repeat: {repeat_s:.1f} s)")
     page.wait_for_function(f"{status}.includes('Done')", timeout=RACE_TIMEOUT_MS)
     waits = [t for t in seen(page, "race-status") if "Waiting" in t]
