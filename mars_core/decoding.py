@@ -296,6 +296,8 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         n_leaves = max(len(r.leaves) for r in batch.rows)
+        if planner is not None and not n_leaves and not planner.drafting():
+            n_masks = 0   # drafting does not pay on this machine for now: check what is drafted, draft no more
         behind = groups_behind(cfg, n_verify, n_masks, planner, batch.rows)
         ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, n_leaves, bool(n_masks))
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
@@ -313,7 +315,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
                 for r, st in zip(batch.rows, settled)]
         batch.rollback(n_mask_cols, kept, width + n_leaves)
         if planner is not None:
-            planner.observe(batch.rows, settled, ids.shape[1])
+            planner.observe(batch.rows, settled, ids.shape[1], drafting=bool(n_masks or n_verify or n_leaves))
         step_time = time.perf_counter() - t0
 
         events, still = _advance(lm, cfg, batch.rows, settled, len(prompt_ids))

@@ -130,7 +130,15 @@ class DraftPlanner:
     Their cost is what the extra positions add to a forward, from `costs` (the relative forward cost by
     positions fed, as `mars_core.bench.row_costs` measures it; none given: positions are free, as on a GPU at
     batch 1). An addition is made when its tokens per cost beat the tokens per cost the generation reaches so
-    far, the only case in which it raises tokens per second. Answers stay AR's whatever it picks."""
+    far, the only case in which it raises tokens per second.
+
+    Drafting itself is weighed too: where the masks' positions cost more than their confirmed drafts bring (a CPU
+    on which a forward's cost grows with its positions), the steps that draft write fewer tokens per cost than AR's
+    one per one-position forward. After every WINDOW drafting steps the planner compares the two, and when drafting
+    lost it appends no masks for a pause (AR's own steps), then tries again; each loss in a row doubles the pause.
+    With free positions drafting never loses. Answers stay AR's whatever it picks."""
+
+    WINDOW, PAUSE, LONGEST = 6, 8, 64   # drafting steps per verdict; the first pause and the longest, in steps
 
     def __init__(self, costs, slots: int):
         # a measured curve dips here and there (noise); a dip must not look like free positions
@@ -140,6 +148,15 @@ class DraftPlanner:
         self.drafted_tokens, self.drafted_steps = 2.0, 1.0   # tokens a step with drafts commits; prior 2
         self.tokens, self.spent = 1.0, 1.0                   # per row; prior: AR's one token per AR forward
         self.prefilled = False
+        self.window = [0.0, 0.0, 0]     # this verdict's drafting steps: tokens per row, cost, steps
+        self.paused, self.pause = 0, self.PAUSE
+
+    def drafting(self) -> bool:
+        """Whether a step with nothing to check appends masks (False during a pause, which it counts down)."""
+        if self.paused:
+            self.paused -= 1
+            return False
+        return True
 
     def cost(self, positions: int) -> float:
         """Relative cost of a forward over `positions` (past the measured range: the last measured slope)."""
@@ -191,9 +208,10 @@ class DraftPlanner:
                 positions += 1 + n_masks
         return [leaves[i] for i in sorted(kept)]
 
-    def observe(self, rows, settled, positions: int) -> None:
-        """Count one step: each row's drafts checked and confirmed, its tokens, and the forward's cost. The
-        prompt's forward costs the same whatever the layout, so it is not counted."""
+    def observe(self, rows, settled, positions: int, drafting: bool = True) -> None:
+        """Count one step: each row's drafts checked and confirmed, its tokens, and the forward's cost
+        (`drafting`: whether it appended masks or checked drafts). The prompt's forward costs the same whatever
+        the layout, so it is not counted."""
         if not self.prefilled:
             self.prefilled = True
             return
@@ -205,8 +223,23 @@ class DraftPlanner:
                     self.confirmed[j] += j <= ok
                 self.drafted_tokens += len(s.commit)
                 self.drafted_steps += 1
-        self.tokens += sum(len(s.commit) for s in settled) / len(settled)
+        tokens = sum(len(s.commit) for s in settled) / len(settled)
+        self.tokens += tokens
         self.spent += self.cost(positions)
+        if drafting:
+            self._verdict(tokens, self.cost(positions))
+
+    def _verdict(self, tokens: float, cost: float) -> None:
+        """Count a drafting step; after WINDOW of them, pause drafting if they wrote fewer tokens per cost than AR."""
+        w = self.window
+        w[0], w[1], w[2] = w[0] + tokens, w[1] + cost, w[2] + 1
+        if w[2] < self.WINDOW:
+            return
+        if w[0] < w[1] * self.cost(1):      # AR: one token per one-position forward
+            self.paused, self.pause = self.pause, min(2 * self.pause, self.LONGEST)
+        else:
+            self.pause = self.PAUSE
+        self.window = [0.0, 0.0, 0]
 
 
 def groups_behind(cfg, n_verify: int, n_masks: int, planner=None, rows=None) -> list[int]:

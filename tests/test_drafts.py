@@ -196,6 +196,42 @@ def test_auto_keeps_ars_answer_and_with_free_positions_decodes_as_the_tree(tiny_
         assert max(dear.positions[1:]) < max(auto.positions[1:])
 
 
+def test_the_planner_pauses_drafting_after_a_window_that_lost_to_ar_and_doubles_the_pause():
+    from mars_core.drafts import DraftPlanner
+
+    steep = DraftPlanner([1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0], 3)
+    for _ in range(steep.WINDOW):
+        assert steep.drafting()
+        steep._verdict(1.4, 2.5)                         # 1.4 tokens for 2.5 forwards' cost: AR writes more
+    assert [steep.drafting() for _ in range(steep.PAUSE + 1)] == [False] * steep.PAUSE + [True]
+    for _ in range(steep.WINDOW):
+        steep._verdict(1.4, 2.5)
+    assert steep.paused == 2 * steep.PAUSE and steep.pause == 4 * steep.PAUSE   # a second loss in a row: twice as long
+    steep.paused = 0
+    for _ in range(steep.WINDOW):
+        steep._verdict(3.0, 2.5)                         # drafting won this window
+    assert steep.paused == 0 and steep.pause == steep.PAUSE
+    free = DraftPlanner(None, 3)                         # free positions: a drafting step never loses to AR
+    for _ in range(3 * free.WINDOW):
+        free._verdict(1.0, free.cost(7))
+    assert free.drafting() and free.paused == 0
+
+
+def test_auto_drafts_only_while_it_pays_and_keeps_ars_answer(tiny_mars, suite_prompts):
+    """Where every extra position costs two forwards, drafting loses to AR: auto then pauses it for AR's own
+    one-position steps (a third of them here, none before), and writes AR's answer; with free positions it
+    drafts on every step."""
+    ar = generate(tiny_mars, suite_prompts[:4], DecodeConfig(mode="ar", max_new_tokens=MAX_NEW))
+    dear = tuple(1.0 + 2.0 * p for p in range(30))
+    for costs, ar_like in ((dear, True), (None, False)):
+        c = DecodeConfig(mode="verify", tau=0.9, max_new_tokens=MAX_NEW, draft_layout="auto", row_costs=costs)
+        out = generate(tiny_mars, suite_prompts[:4], c)
+        assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+        positions = [p for r in out for p in r.positions[1:]]
+        share = positions.count(1) / len(positions)
+        assert (share > 0.25) if ar_like else (share == 0), (costs, share)
+
+
 def test_auto_is_refused_by_the_uncached_reference_and_bad_costs_are_named(tiny_mars, suite_prompts):
     with pytest.raises(ValueError, match="draft_layout='auto' adapts"):
         reference_generate(tiny_mars, suite_prompts[:1], cfg(0.9, 4, "auto", 0))
