@@ -110,8 +110,9 @@ def layers_w8a8_onednn(x: torch.Tensor, packs: List[torch.Tensor], w_scales: Lis
 
 def native_loop(kernel: str):
     """Every layer in w8a8 through one call of our kernel's `layers` op (mars_core/w8a8_layers.h, built into
-    mars_core/vnni.cpp and avx2.cpp), which takes layers_w8a8_onednn's arguments plus `tail`: the last `tail`
-    positions of each row skip the second pass (LeanLM.forward's `draft_tail`)."""
+    mars_core/vnni.cpp and avx2.cpp). It takes the kernel's weight lists (LeanLM._script: packed weights, scales,
+    biases, second-pass flags, norms), the loops' shape arguments and `tail`: the last `tail` positions of each row
+    skip the second pass (LeanLM.forward's `draft_tail`)."""
     op = getattr(torch.ops, f"mars_{kernel}").layers
 
     def loop(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],

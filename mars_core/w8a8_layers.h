@@ -1,6 +1,6 @@
-// Every decoder layer of a w8a8 forward in one call: what mars_core.lean_script.layers_w8a8 does op for op in
-// torch, with RMSNorm, RoPE, the cache writes, attention, SiLU and the residual adds as plain loops around the
-// file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
+// Every decoder layer of a w8a8 forward in one call: the arithmetic of mars_core.lean_script.layers_w8a8 (not
+// its order of operations), with RMSNorm, RoPE, the cache writes, attention, SiLU and the residual adds as plain
+// loops around the file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
 //
 // Why: on one thread of a slow core, the ~4,000 small torch ops of a SmolLM2 forward cost as much as its 121
 // matrix products (docs/experiments.md, "A native layer stack"). Here they cost next to nothing.
@@ -15,6 +15,7 @@
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
