@@ -54,7 +54,7 @@ from torch import nn
 from finetune.checkpoint import (
     CONFIG_FILE, check_resumable, keep_metrics, list_checkpoints, load_resume, save_checkpoint, set_rng_state, warn,
 )
-from finetune.config import TrainConfig, config_from_args, refuse_file_above
+from finetune.config import TrainConfig, config_from_args, native_bf16_cpu, refuse_file_above
 from finetune.data import (
     MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
     pad_id_of, prompt_key, read_manifest, write_manifest,
@@ -116,11 +116,24 @@ def ignored_settings(cfg: TrainConfig) -> list[str]:
     return [f"{k}={getattr(cfg, k)!r}" for k, default in MARS_ONLY_DEFAULTS.items() if getattr(cfg, k) != default]
 
 
+def emulated_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True on an x86 CPU that lists its flags and has no bf16 instructions (where a bf16 step is slow)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False   # no flags to read (not Linux): say nothing
+    return "avx2" in text.split() and not native_bf16_cpu(cpuinfo)
+
+
 def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
     """Checks that need no model or data: run before anything slow, so a bad flag fails in a second."""
     if cfg.mixed_precision == "fp16" and use_cpu:
         raise ValueError("--mixed-precision fp16 needs a CUDA GPU and this run trains on the CPU: "
                          "use --mixed-precision bf16 or --mixed-precision no")
+    if cfg.mixed_precision == "bf16" and use_cpu and emulated_bf16():
+        warn("--mixed-precision bf16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in "
+             "/proc/cpuinfo): torch emulates it and a step runs several times slower than in fp32; "
+             "use --mixed-precision no")
     ignored = ignored_settings(cfg)
     if ignored:
         warn(f"--stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: drop them, or use --stage mars")

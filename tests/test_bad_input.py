@@ -277,6 +277,22 @@ def test_ar_sft_warns_about_mars_only_settings(tmp_path, capsys):
     assert train_mod.ignored_settings(TrainConfig(stage="mars", ar_weight=5.0)) == []
 
 
+def test_bf16_training_on_a_cpu_that_emulates_it_is_warned_about(tmp_path, capsys, monkeypatch):
+    zen1, zen4 = tmp_path / "zen1", tmp_path / "zen4"
+    zen1.write_text("flags\t\t: fpu sse2 avx fma avx2 bmi2\n")
+    zen4.write_text("flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert train_mod.emulated_bf16(zen1) and not train_mod.emulated_bf16(zen4)
+    assert not train_mod.emulated_bf16(tmp_path / "missing")      # nothing to read: no warning
+    real = train_mod.emulated_bf16
+    for info, warned in ((zen1, True), (zen4, False)):
+        monkeypatch.setattr(train_mod, "emulated_bf16", lambda info=info: real(info))   # as if this were the CPU
+        with pytest.raises(ValueError, match="--output-dir"):   # stop right after the warnings
+            train_mod.main(["--base-model", NO_MODEL, "--output-dir", str(out_is_file(tmp_path)),
+                            "--mixed-precision", "bf16"])
+        err = capsys.readouterr().err
+        assert ("bf16 instructions" in err and "use --mixed-precision no" in err) == warned
+
+
 @pytest.mark.parametrize("change", [("--builtin-examples", "300"), ("--max-length", "128"), ("--overlong", "truncate"),
                                     ("--lora-alpha", "32")])
 def test_resume_refuses_settings_that_change_the_data_or_model(tmp_path, change):
