@@ -132,6 +132,10 @@ class DraftPlanner:
     batch 1). An addition is made when its tokens per cost beat the tokens per cost the generation reaches so
     far, the only case in which it raises tokens per second.
 
+    The number of masks is chosen the same way (`masks`): the j-th mask is appended when the chance that its
+    draft is confirmed next step pays for its position now and its draft's position then. With free positions
+    that is every mask; on a CPU whose forward grows steeply with its positions it is few or none.
+
     Drafting itself is weighed too: where the masks' positions cost more than their confirmed drafts bring (a CPU
     on which a forward's cost grows with its positions), the steps that draft write fewer tokens per cost than AR's
     one per one-position forward. After every WINDOW drafting steps the planner compares the two, and when drafting
@@ -180,6 +184,23 @@ class DraftPlanner:
     def _worth(self, gain: float, positions: int, extra: int) -> bool:
         added = self.cost(positions + extra) - self.cost(positions)
         return gain > 0 and (added <= 0 or gain / added >= self.tokens / self.spent)
+
+    def masks(self, rows, most: int) -> int:
+        """How many masks (up to `most`) a step appends behind its last pending column. The j-th mask drafts next
+        step's j-th token, which adds a token when this step's drafts and the j - 1 before it are all confirmed;
+        it costs its position now and its draft's position next step. Masks are added while that pays (with free
+        positions: all of them), so on a CPU whose forward grows with its positions a step drafts only as deep as
+        its confirmation rates carry."""
+        positions = max(len(r.pending) + len(r.leaves) for r in rows)
+        used = sum(self.reach(r.n_drafts + 1) for r in rows) / len(rows)   # chance the group behind the last draft counts
+        m = 0
+        while m < most:
+            added = self.cost(positions + m + 1) - self.cost(positions + m) + self.cost(m + 2) - self.cost(m + 1)
+            gain = used * self.reach(m + 2)
+            if not (gain > 0 and (added <= 0 or gain / added >= self.tokens / self.spent)):
+                break
+            m += 1
+        return m
 
     def behind(self, rows, n_masks: int) -> list[int]:
         """The step's group offsets (from the last pending column, descending); offset 0 always."""

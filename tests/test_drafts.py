@@ -181,6 +181,29 @@ def test_the_planner_spends_positions_only_where_they_pay():
     assert [dips.cost(p) for p in (1, 2, 3, 4)] == [1.0, 1.5, 1.5, 1.6]   # a measured dip is not a free position
 
 
+def test_the_planner_appends_masks_only_as_deep_as_their_drafts_pay():
+    from mars_core.drafts import DraftPlanner
+
+    fresh = [_Row(0, 50, [1])]                            # nothing to check: the masks' group always counts
+    zen1 = [1.0, 1.22, 1.75, 2.27, 2.7, 3.1, 3.49]        # a CPU where each position costs about half a forward
+    free, cpu, steep = DraftPlanner(None, 3), DraftPlanner(zen1, 3), DraftPlanner([float(p) for p in range(1, 9)], 3)
+    assert free.masks(fresh, 3) == 3                      # free positions: every mask
+    assert steep.masks(fresh, 3) == 0                     # a full forward per position: AR's steps
+    assert cpu.masks(fresh, 3) == 1                       # prior rates (1 of 2): only the first draft pays
+    mild = DraftPlanner([1.0 + 0.1 * p for p in range(8)], 3)   # a tenth of a forward per position
+    assert mild.masks(fresh, 3) == 2
+    for planner in (cpu, mild):
+        planner.drafted[1:4], planner.confirmed[1:4] = [100.0] * 3, [95.0, 95.0, 95.0]
+    assert mild.masks(fresh, 3) == 3                      # drafts that almost always hold pay their positions
+    assert mild.masks(fresh, 2) == 2                      # never more than the step may append
+    assert cpu.masks(fresh, 3) == 1                       # here a second draft (0.9 tokens) costs more (1.06)
+    cpu.confirmed[1:4] = [20.0, 50.0, 50.0]
+    assert cpu.masks(fresh, 3) == 0                       # a first draft confirmed 1 time in 5 does not
+    behind = [_Row(0, 50, [1, 2, 3, 4], n_drafts=3)]      # behind 3 drafts the group counts only if all hold
+    cpu.confirmed[1:4] = [60.0, 60.0, 60.0]
+    assert cpu.masks(behind, 3) < cpu.masks(fresh, 3)
+
+
 def test_auto_keeps_ars_answer_and_with_free_positions_decodes_as_the_tree(tiny_mars, suite_prompts):
     ar = generate(tiny_mars, suite_prompts, DecodeConfig(mode="ar", max_new_tokens=MAX_NEW))
     steep = tuple(float(p) for p in range(1, 80))
