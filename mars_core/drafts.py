@@ -182,7 +182,10 @@ class DraftPlanner:
         return p
 
     def _worth(self, gain: float, positions: int, extra: int) -> bool:
-        added = self.cost(positions + extra) - self.cost(positions)
+        return self._pays(gain, self.cost(positions + extra) - self.cost(positions))
+
+    def _pays(self, gain: float, added: float) -> bool:
+        """Whether `gain` tokens for `added` cost beat the tokens per cost the generation reaches so far."""
         return gain > 0 and (added <= 0 or gain / added >= self.tokens / self.spent)
 
     def masks(self, rows, most: int) -> int:
@@ -196,8 +199,7 @@ class DraftPlanner:
         m = 0
         while m < most:
             added = self.cost(positions + m + 1) - self.cost(positions + m) + self.cost(m + 2) - self.cost(m + 1)
-            gain = used * self.reach(m + 2)
-            if not (gain > 0 and (added <= 0 or gain / added >= self.tokens / self.spent)):
+            if not self._pays(used * self.reach(m + 2), added):
                 break
             m += 1
         return m
