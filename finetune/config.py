@@ -94,6 +94,9 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
+    lora_layers: int = 0
+    """With --lora: adapt only the top N decoder layers (0 = every layer). Without --train-mask-row nothing below
+    them needs a gradient, so the backward pass stops at the lowest adapted layer: cheaper steps, less capacity."""
     gated_lora: bool = False
     """MARS with --lora: apply the LoRA delta only where the input token is the mask (Samragh et al., arXiv
     2507.11851), so every real token, hence the one-token path, is the base model exactly. Checkpoints then hold
@@ -176,6 +179,8 @@ class TrainConfig:
         need(not (self.init_adapter and self.gated_lora),
              "init_adapter is a plain (ungated) adapter, merged everywhere: --gated-lora would apply it at masks "
              "only; drop one of them")
+        need(self.lora_layers >= 0, f"lora_layers={self.lora_layers}; use 0 (every layer) or a layer count")
+        need(not self.lora_layers or self.lora, "lora_layers chooses which layers LoRA adapts: use it with --lora")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
         need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")

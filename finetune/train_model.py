@@ -43,11 +43,19 @@ def load_base(name: str) -> Base:
 def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    targets = "all-linear"   # every projection in attention and MLP; not the LM head
+    if cfg.lora_layers:
+        n = model.config.num_hidden_layers
+        if cfg.lora_layers > n:
+            raise ValueError(f"lora_layers={cfg.lora_layers} but {cfg.base_model} has {n} decoder layers: "
+                             f"use 1..{n}, or 0 for every layer")
+        top = tuple(f".layers.{i}." for i in range(n - cfg.lora_layers, n))
+        targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and any(t in name for t in top)]
     lora = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear",  # every projection in attention and MLP; not the LM head
+        target_modules=targets,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, lora)

@@ -179,3 +179,39 @@ def test_the_table_pairs_each_arm_with_the_first_prompt_by_prompt():
     assert "lossless vs a, paired" in rows[0]
     assert "| 1.200 | – |" in rows[2]                 # the first arm is the reference
     assert "| 1.200 | +0.000 (1 / 1) |" in rows[3]     # +0.3, 0, -0.3: same mean, one prompt higher, one lower
+
+
+def test_lora_layers_adapts_only_the_top_layers_and_the_backward_stops_below_them(tiny):
+    from finetune.config import TrainConfig
+    from finetune.train_model import load_base, prepare_model
+
+    model_dir, _ = tiny
+    base = load_base(str(model_dir))
+    n = base.model.config.num_hidden_layers
+    assert n >= 2
+    cfg = TrainConfig(base_model=str(model_dir), stage="mars", lora=True, lora_r=4, lora_layers=1)
+    model = prepare_model(base.model, cfg, None)
+    adapted = {name.split(".layers.")[1].split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {str(n - 1)}
+    ids = torch.tensor([[1, 5, 7, 9, base.mask_id, base.mask_id]])
+    out = model(input_ids=ids, output_hidden_states=True)
+    assert not out.hidden_states[n - 1].requires_grad     # the top layer's input: no graph below it
+    assert out.logits.requires_grad
+    out.logits.float().pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_layers_is_checked_against_the_model_and_needs_lora(tiny):
+    from finetune.config import TrainConfig
+    from finetune.train_model import load_base, prepare_model
+
+    model_dir, _ = tiny
+    base = load_base(str(model_dir))
+    n = base.model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"lora_layers={n + 1} but .* has {n} decoder layers"):
+        prepare_model(base.model, TrainConfig(base_model=str(model_dir), stage="mars", lora=True,
+                                              lora_layers=n + 1), None)
+    with pytest.raises(ValueError, match="lora_layers chooses .* use it with --lora"):
+        TrainConfig(lora_layers=2)
+    with pytest.raises(ValueError, match="lora_layers=-1"):
+        TrainConfig(lora=True, lora_layers=-1)
