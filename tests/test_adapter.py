@@ -394,3 +394,32 @@ def test_shipped_smollm2_mars_adapter_is_small_and_well_formed():
     assert cfg["base"] == "smollm2" and cfg["mask_token"] == "<repo_name>" and cfg["mask_id"] == 3
     assert mask_row is not None and mask_row.shape == (576,)
     assert len(modules) == 30 * 7 and not any("lm_head" in m for m in modules)
+
+
+def test_an_adapter_of_the_top_layers_only_saves_and_merges_those_layers(base_dir, tmp_path):
+    from finetune.config import TrainConfig
+    from finetune.train_model import add_lora
+
+    cfg = TrainConfig(base_model=str(base_dir), stage="mars", lora=True, lora_r=R, lora_alpha=int(2 * R), lora_layers=1)
+    model = add_lora(_fresh(base_dir), cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    out = tmp_path / "top"
+    save_adapter(out, peft.get_peft_model_state_dict(model), None, r=R, alpha=2 * R,
+                       base=str(base_dir), mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4,
+                       dtype=torch.float32)
+    assert set(load_file(str(out / "adapter.safetensors"))) == {f"model.layers.1.{m}.lora_{p}" for m in MODULES
+                                                                for p in "AB"}
+    ours, base = _fresh(base_dir), _fresh(base_dir)
+    merge_adapter(ours, out)
+    want = model.merge_and_unload()
+    ids = _ids(_mask_id(base_dir))
+    with torch.no_grad():
+        got, ref = ours(ids).logits, want(ids).logits
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+    for name, p in ours.named_parameters():   # layer 0 and the embeddings are the base model's
+        if ".layers.1." not in name:
+            assert torch.equal(p, dict(base.named_parameters())[name]), name
