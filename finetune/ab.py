@@ -41,8 +41,6 @@ ARMS = {
     "gated": {"gated_lora": True, "train_mask_row": False},          # delta at masks only: clean = base exactly
     "gated-row": {"gated_lora": True},                                # the same with the mask row trained
     "top10": {"lora_layers": 10, "train_mask_row": False},            # LoRA in the top 10 layers: backward stops there
-    "top15": {"lora_layers": 15, "train_mask_row": False},
-    "top10-r64": {"lora_layers": 10, "lora_r": 64, "lora_alpha": 128, "train_mask_row": False},
     "shipped": {"init_adapter": WARM},                                # --init-adapter as it is: scored, not trained
     "warm": {"init_adapter": WARM},                                   # the recipe, from --init-adapter
     "warm-soft": {"init_adapter": WARM, "soft_target_weight": 0.5},   # soft targets, from --init-adapter

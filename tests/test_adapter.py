@@ -408,9 +408,8 @@ def test_an_adapter_of_the_top_layers_only_saves_and_merges_those_layers(base_di
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     out = tmp_path / "top"
-    save_adapter(out, peft.get_peft_model_state_dict(model), None, r=R, alpha=2 * R,
-                       base=str(base_dir), mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4,
-                       dtype=torch.float32)
+    save_adapter(out, peft.get_peft_model_state_dict(model), None, r=R, alpha=2 * R, base=str(base_dir),
+                 mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4, dtype=torch.float32)
     assert set(load_file(str(out / "adapter.safetensors"))) == {f"model.layers.1.{m}.lora_{p}" for m in MODULES
                                                                 for p in "AB"}
     ours, base = _fresh(base_dir), _fresh(base_dir)
@@ -420,6 +419,7 @@ def test_an_adapter_of_the_top_layers_only_saves_and_merges_those_layers(base_di
     with torch.no_grad():
         got, ref = ours(ids).logits, want(ids).logits
     assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+    base_params = dict(base.named_parameters())
     for name, p in ours.named_parameters():   # layer 0 and the embeddings are the base model's
         if ".layers.1." not in name:
-            assert torch.equal(p, dict(base.named_parameters())[name]), name
+            assert torch.equal(p, base_params[name]), name
