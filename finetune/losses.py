@@ -257,6 +257,7 @@ def mars_loss(
     block_offset: int = 0,
     soft_weight: float = 0.0,
     soft_top_k: int = 0,
+    frozen_clean: bool = False,
 ) -> LossOutput:
     """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
 
@@ -273,6 +274,12 @@ def mars_loss(
     ``soft_weight`` > 0 mixes in the clean stream's detached distribution as a soft target for the masks
     (``soft_target_loss``; ``soft_top_k`` its vocabulary); ``loss_mask`` still reports the hard mask CE, so runs
     with and without it compare on one number.
+
+    ``frozen_clean`` says that no trained parameter acts on the clean stream (gated LoRA: every delta is gated to
+    the mask positions, and the clean stream holds no mask token), so that stream is the base model. It then runs
+    first without a graph and the noisy rows attend to its keys and values through a KV cache: the backward pass
+    covers the noisy rows only, and the clean CE (zero gradient here either way) is reported, not trained. Same
+    losses and gradients as the joint forward up to fp32 rounding (a test checks it).
     """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
@@ -280,10 +287,13 @@ def mars_loss(
     assert n_labels > 0, "batch has no labelled tokens"
     start = first_noisy_block_start(labels, block_size, block_offset) if skip_prompt_blocks else 0
     ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start, block_offset)
-    hidden = model.model(
-        input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
-    ).last_hidden_state  # [b, m + n, d]
     m = n - start
+    if frozen_clean:
+        hidden = _frozen_clean_forward(model, ids, positions, attn, m)
+    else:
+        hidden = model.model(
+            input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
+        ).last_hidden_state  # [b, m + n, d]
     if soft_weight > 0:
         return _soft_mars_loss(hidden, m, targets, start, model.lm_head, ar_weight, soft_weight, soft_top_k,
                                mask_label_smoothing, n_labels)
@@ -294,9 +304,31 @@ def mars_loss(
         with torch.no_grad():
             loss_ar = labelled_cross_entropy(hidden[:, m:].detach(), targets, model.lm_head)
         return LossOutput(loss_mask, loss_mask.detach(), loss_ar, n_labels)
+    if frozen_clean:
+        # The clean CE is a constant here (the stream has no graph); adding it keeps ``loss`` the joint forward's.
+        with torch.no_grad():
+            loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
+        return LossOutput(loss_mask + ar_weight * loss_ar, loss_mask.detach(), loss_ar, n_labels)
     loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
     loss = loss_mask + ar_weight * loss_ar
     return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)
+
+
+def _frozen_clean_forward(model, ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
+                          m: int) -> torch.Tensor:
+    """``[b, m + n, d]`` hidden states of ``[noisy | clean]`` in two forwards: the clean half without a graph (its
+    keys and values kept in a cache), then the noisy half reading that cache. The noisy rows' mask is the joint
+    mask's with its key columns reordered to the cache's [clean | noisy]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        clean = model.model(input_ids=ids[:, m:], attention_mask=model_attention_mask(model, attn[:, :, m:, m:]),
+                            position_ids=positions[:, m:], cache=cache, use_cache=True).last_hidden_state
+    noisy_attn = torch.cat([attn[:, :, :m, m:], attn[:, :, :m, :m]], dim=-1)  # [b, 1, m, n + m]
+    noisy = model.model(input_ids=ids[:, :m], attention_mask=model_attention_mask(model, noisy_attn),
+                        position_ids=positions[:, :m], cache=cache, use_cache=True).last_hidden_state
+    return torch.cat([noisy, clean], dim=1)
 
 
 def _soft_mars_loss(hidden, m, targets, start, lm_head, ar_weight, soft_weight, top_k, label_smoothing,

@@ -251,6 +251,8 @@ class TrainModule(nn.Module):
                 lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
                 mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
                 soft_weight=self.soft_target_weight, soft_top_k=self.soft_target_top_k,
+                # gated: the clean stream holds no mask token, so it is the base model and needs no backward pass
+                frozen_clean=self.gate is not None,
             )
         return ar_loss(lm, input_ids, labels, valid)
 
