@@ -278,8 +278,8 @@ def mars_loss(
     ``frozen_clean`` says that no trained parameter acts on the clean stream (gated LoRA: every delta is gated to
     the mask positions, and the clean stream holds no mask token), so that stream is the base model. It then runs
     first without a graph and the noisy rows attend to its keys and values through a KV cache: the backward pass
-    covers the noisy rows only, and the clean CE (zero gradient here either way) is reported, not trained. Same
-    losses and gradients as the joint forward up to fp32 rounding (a test checks it).
+    covers the noisy rows only. The clean CE still reaches a trained mask row through a tied head's mask-id logit,
+    as in the joint forward. Same losses and gradients as the joint forward up to fp32 rounding (a test checks it).
     """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
@@ -304,11 +304,6 @@ def mars_loss(
         with torch.no_grad():
             loss_ar = labelled_cross_entropy(hidden[:, m:].detach(), targets, model.lm_head)
         return LossOutput(loss_mask, loss_mask.detach(), loss_ar, n_labels)
-    if frozen_clean:
-        # The clean CE is a constant here (the stream has no graph); adding it keeps ``loss`` the joint forward's.
-        with torch.no_grad():
-            loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
-        return LossOutput(loss_mask + ar_weight * loss_ar, loss_mask.detach(), loss_ar, n_labels)
     loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
     loss = loss_mask + ar_weight * loss_ar
     return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)

@@ -383,17 +383,19 @@ def test_the_training_module_passes_the_soft_target_settings_and_bad_values_name
 
 # ----------------------------------------------------------------------------- gated LoRA: a frozen clean stream
 
-@pytest.mark.parametrize("kind,attention,mask_row,soft,offset", [
-    ("llama", "sdpa", False, 0.0, 0), ("llama", "eager", True, 0.0, 1), ("qwen2", "sdpa", True, 0.5, 3)])
+@pytest.mark.parametrize("kind,attention,mask_row,tie,soft,offset", [
+    ("llama", "sdpa", False, False, 0.0, 0), ("llama", "eager", True, True, 0.0, 1),
+    ("qwen2", "sdpa", True, True, 0.5, 3), ("qwen2", "sdpa", True, False, 0.0, 2)])
 def test_a_gated_run_trains_the_masks_exactly_as_the_joint_forward_with_no_backward_through_the_clean_stream(
-        kind, attention, mask_row, soft, offset):
+        kind, attention, mask_row, tie, soft, offset):
     from finetune.config import TrainConfig
     from finetune.train_model import TrainModule, prepare_model
 
     cfg = TrainConfig(stage="mars", block_size=4, lora=True, lora_r=4, lora_dropout=0.0, gated_lora=True,
                       train_mask_row=mask_row, attention=attention, soft_target_weight=soft)
-    module = TrainModule(prepare_model(tiny_causal_lm(VOCAB, kind, context=128), cfg, None), cfg, MASK_ID)
+    module = TrainModule(prepare_model(tiny_causal_lm(VOCAB, kind, context=128, tie=tie), cfg, None), cfg, MASK_ID)
     trained = [p for p in module.parameters() if p.requires_grad]
+    assert (module.mask_row is not None) == mask_row and (not mask_row or module.mask_row.tied == tie)
     torch.manual_seed(1)
     with torch.no_grad():   # LoRA's B starts at zero, which would make every delta (and most gradients) vanish
         for p in trained:
