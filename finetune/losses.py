@@ -278,8 +278,9 @@ def mars_loss(
     ``frozen_clean`` says that no trained parameter acts on the clean stream (gated LoRA: every delta is gated to
     the mask positions, and the clean stream holds no mask token), so that stream is the base model. It then runs
     first without a graph and the noisy rows attend to its keys and values through a KV cache: the backward pass
-    covers the noisy rows only. The clean CE still reaches a trained mask row through a tied head's mask-id logit,
-    as in the joint forward. Same losses and gradients as the joint forward up to fp32 rounding (a test checks it).
+    covers the noisy rows only (a batch whose text holds the mask token itself takes the joint forward). The clean
+    CE still reaches a trained mask row through a tied head's mask-id logit, as in the joint forward. Same losses
+    and gradients as the joint forward up to fp32 rounding (a test checks it).
     """
     n = input_ids.shape[1]
     targets = shift_labels(labels)
@@ -288,7 +289,8 @@ def mars_loss(
     start = first_noisy_block_start(labels, block_size, block_offset) if skip_prompt_blocks else 0
     ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start, block_offset)
     m = n - start
-    if frozen_clean:
+    # A real token equal to the mask id would switch the gate on inside the clean stream: then the joint forward.
+    if frozen_clean and not bool((input_ids[valid] == mask_id).any()):
         hidden = _frozen_clean_forward(model, ids, positions, attn, m)
     else:
         hidden = model.model(

@@ -421,6 +421,14 @@ def test_a_gated_run_trains_the_masks_exactly_as_the_joint_forward_with_no_backw
     assert sum(float(g.abs().sum()) for g in joint_grads) > 0
     for a, b in zip(frozen_grads, joint_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # a real token equal to the mask id turns the gate on in the clean stream: that batch takes the joint forward
+    kept, input_ids[0, 1] = int(input_ids[0, 1]), MASK_ID
+    joint, joint_grads = run(False)
+    grad_modes.clear()
+    frozen, frozen_grads = run(True)
+    assert grad_modes == [True]
+    torch.testing.assert_close(frozen.loss, joint.loss, atol=0, rtol=0)
+    input_ids[0, 1] = kept
     # the module itself takes this path whenever LoRA is gated
     grad_modes.clear()
     with torch.no_grad():
