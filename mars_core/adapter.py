@@ -1,15 +1,21 @@
-"""The shipped MARS adapter format ("mars-lora-v1"): LoRA deltas + one mask-embedding row over a base model.
+"""The shipped MARS adapter formats: LoRA deltas + one mask-embedding row over a base model.
+
+"mars-lora-v1" is merged into the base: the delta acts at every position. "mars-gated-lora-v1" holds the same
+files, but its delta acts only where the input token is the mask (a --gated-lora run, Samragh et al., arXiv
+2507.11851): it cannot be merged, so real tokens run the base model exactly (mars_core.gated applies it while
+decoding). Each format has its own string so that a loader which knows only the first refuses the second rather
+than merging it.
 
 A folder holds
   adapter.safetensors   "<module>.lora_A" [r, in] and "<module>.lora_B" [out, r] for each adapted nn.Linear
                         (module paths inside the CausalLM, e.g. "model.layers.0.self_attn.q_proj"), in the
                         config's dtype; optionally "mask_row" [hidden] in float32, the trained embedding
                         row of the mask token
-  adapter_config.json   {"format": "mars-lora-v1", "base", "r", "alpha", "mask_id", "mask_token",
+  adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id", "mask_token",
                          "block_size", "dtype", ...extra}
   README.md             (optional) how it was made
 
-Merging is W += (alpha / r) * B @ A for each module, then embedding row mask_id := mask_row. With tied
+Merging (mars-lora-v1 only) is W += (alpha / r) * B @ A for each module, then embedding row mask_id := mask_row. With tied
 embeddings that also sets the LM head's row, which is intended. Nothing here needs peft: peft is only
 used to train (`save_adapter` takes its `get_peft_model_state_dict`).
 """
@@ -25,6 +31,8 @@ import torch
 from mars_core.storage import atomic_path, atomic_write_text
 
 FORMAT = "mars-lora-v1"
+GATED_FORMAT = "mars-gated-lora-v1"
+FORMATS = (FORMAT, GATED_FORMAT)
 WEIGHTS_FILE = "adapter.safetensors"
 CONFIG_FILE = "adapter_config.json"
 MASK_ROW_KEY = "mask_row"
@@ -93,14 +101,15 @@ def _modules_from_peft(lora_state: dict, r: int) -> dict[str, dict[str, torch.Te
 
 def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r: int, alpha: float, base: str,
                  mask_id: int, mask_token: str, block_size: int, dtype=torch.bfloat16,
-                 extra: dict | None = None) -> list[Path]:
+                 extra: dict | None = None, gated: bool = False) -> list[Path]:
     """Write adapter.safetensors + adapter_config.json to `out_dir`; returns both paths.
 
     `lora_state` is peft's `get_peft_model_state_dict(model)`; `mask_row` the mask token's trained
     embedding row (None: keep the base's row). LoRA tensors are stored in `dtype`, the mask row in fp32
-    (one row: precision is free there).
+    (one row: precision is free there). `gated`: the delta was trained to act at mask positions only
+    (--gated-lora), so the folder is written as mars-gated-lora-v1.
     """
-    config = {"format": FORMAT, "base": base, "r": r, "alpha": alpha, "mask_id": mask_id,
+    config = {"format": GATED_FORMAT if gated else FORMAT, "base": base, "r": r, "alpha": alpha, "mask_id": mask_id,
               "mask_token": mask_token, "block_size": block_size, "dtype": _dtype_name(dtype)}
     extra = dict(extra or {})
     clash = sorted(set(extra) & set(REQUIRED_KEYS))
@@ -132,7 +141,7 @@ def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r:
     out.mkdir(parents=True, exist_ok=True)
     weights, cfg_path = out / WEIGHTS_FILE, out / CONFIG_FILE
     with atomic_path(weights, "the adapter's weights") as tmp:   # a full disk: one line, no half-written file
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+        save_file(tensors, str(tmp), metadata={"format": config["format"]})
     atomic_write_text(cfg_path, json.dumps(config, indent=2, sort_keys=True) + "\n", "the adapter's config")
     return [weights, cfg_path]
 
@@ -148,8 +157,9 @@ def _check_config(cfg, path: Path, fix: str = RECIPE_HINT) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"{path} lacks {missing}: it is not a {FORMAT} adapter config; {_restore_hint(path)}")
-    if cfg["format"] != FORMAT:
-        bad("format", f"is not {FORMAT!r} (a peft adapter folder? convert it with mars_core.adapter.save_adapter)")
+    if cfg["format"] not in FORMATS:
+        bad("format", f"is not one of {', '.join(map(repr, FORMATS))} (a peft adapter folder? convert it with "
+                      "mars_core.adapter.save_adapter)")
     if not isinstance(cfg["base"], str) or not cfg["base"].strip():
         bad("base", "must name the base model (a known name like 'smollm2' or a checkpoint folder)")
     if not isinstance(cfg["r"], int) or isinstance(cfg["r"], bool) or cfg["r"] < 1:
@@ -178,6 +188,11 @@ def read_adapter_config(adapter_dir) -> dict:
         raise ValueError(f"{path} is damaged ({exc}): {_restore_hint(path)}") from exc
     _check_config(cfg, path)
     return cfg
+
+
+def is_gated(cfg: dict) -> bool:
+    """Whether an adapter config (read_adapter_config's) is a gated one: applied at mask positions, never merged."""
+    return cfg["format"] == GATED_FORMAT
 
 
 def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
@@ -243,6 +258,10 @@ def merge_adapter(model: torch.nn.Module, adapter_dir) -> None:
     """
     cfg, modules, mask_row = read_adapter(adapter_dir)
     where = Path(adapter_dir) / WEIGHTS_FILE
+    if is_gated(cfg):
+        raise ValueError(f"{Path(adapter_dir) / CONFIG_FILE} is a {GATED_FORMAT} adapter, which acts at mask "
+                         "positions only and cannot be merged: load it with mars_core.load_model(folder), or apply it "
+                         "with mars_core.gated.attach_gated")
     named = dict(model.named_modules())
     targets = []
     for module, (a, b) in modules.items():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mars_core.gated import GatedLinear, gate_of
 from mars_core.lean_script import _rms, layers
 from mars_core.w8a8 import OWN   # our kernels, which skip the second pass on a lossless step's masks
 
@@ -176,12 +177,20 @@ class LeanLM(torch.nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.context = cfg.rms_norm_eps, cfg.max_position_embeddings
         self.scale = self.head_dim ** -0.5
+        self.gate = gate_of(model)   # a gated adapter (mars_core.gated): its deltas ride on the fused products
+        if self.gate is not None and fmt == "w8a8":
+            raise ValueError("the lean w8a8 forward cannot apply a gated adapter (its layers are one native call): "
+                             "use dtype float32, bfloat16 or int8, or backend='hf'")
         if fmt == "w8a8":
             from mars_core.w8a8 import pick_kernel
 
             kernel = kernel or pick_kernel()
         self.kernel = kernel if fmt == "w8a8" else None
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
+        mask_row = getattr(model, "_mars_gated_mask_row", None)
+        if mask_row is not None:   # the mask token's input row only; a tied head keeps the base's
+            self.embed = self.embed.clone()
+            self.embed[self.gate.mask_id] = mask_row.to(self.embed.device, self.dtype)
         self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype, None if ranges is None else ranges["layers"][i])
                                           for i, layer in enumerate(model.model.layers))
         norm, head = model.model.norm.weight.detach().float(), model.lm_head.weight.detach().float()
@@ -215,7 +224,8 @@ class LeanLM(torch.nn.Module):
         loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
                 None: "fp32"}[self.kernel]
         self.scripted = scripted(loop)
-        lins = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        lins = [getattr(getattr(layer, n), "inner", getattr(layer, n))   # a GatedLinear's base product
+                for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
         norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
         two = [m.passes == 2 for m in lins] if self.format == "w8a8" else []
         own = lambda: ([m._own.packed for m in lins], [m._own.scale for m in lins], [m.bias for m in lins], two, norms)
@@ -232,7 +242,9 @@ class LeanLM(torch.nn.Module):
             self._smooth(w, ranges)
         out = torch.nn.Module()
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(out, name, make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel))
+            linear = make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel)
+            delta = self._gated_delta(layer, name) if self.gate is not None else None
+            setattr(out, name, linear if delta is None else GatedLinear(linear, *delta, self.gate))
         out.register_buffer("norm_in", w["norm_in"].to(self.dtype))
         out.register_buffer("norm_post", w["norm_post"].to(self.dtype))
         return out
@@ -253,6 +265,27 @@ class LeanLM(torch.nn.Module):
         if getattr(m.gate_proj, "bias", None) is not None:
             w["gate_up_b"] = torch.cat([f(m.gate_proj.bias), f(m.up_proj.bias)])
         return w
+
+    def _gated_delta(self, layer, role: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [R, in], B [out, R]) of a fused product whose parts carry gated deltas (mars_core.gated): the parts'
+        A stacked, their B on the block diagonal (q and k rows interleaved as the fused weight's are), zero rows
+        for a part without one. None if no part has one."""
+        a, m = layer.self_attn, layer.mlp
+        parts = {"qkv": [(a.q_proj, True), (a.k_proj, True), (a.v_proj, False)], "o": [(a.o_proj, False)],
+                 "gate_up": [(m.gate_proj, False), (m.up_proj, False)], "down": [(m.down_proj, False)]}[role]
+        gated = [(p, inter) for p, inter in parts if isinstance(p, GatedLinear)]
+        if not gated:
+            return None
+        big_a = torch.cat([p.a_t.t() for p, _ in gated])
+        big_b = torch.zeros(sum(p.weight.shape[0] for p, _ in parts), big_a.shape[0])
+        row = col = 0
+        for p, inter in parts:
+            if isinstance(p, GatedLinear):
+                b = p.b_t.t()
+                big_b[row: row + b.shape[0], col: col + b.shape[1]] = _interleave_rows(b, self.head_dim) if inter else b
+                col += b.shape[1]
+            row += p.weight.shape[0]
+        return big_a, big_b
 
     def _smooth(self, w: dict, ranges: dict) -> None:
         """SmoothQuant's migration (mars_core.w8a8.smoothing), folded into the weights that feed each product."""
@@ -301,11 +334,15 @@ class LeanLM(torch.nn.Module):
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
-        if self.scripted is not None:
+        # a gated adapter's deltas act at mask positions: a step with masks runs the modules, which apply them
+        gated = self.gate is not None and self.gate.read(input_ids)
+        if self.scripted is not None and not gated:
             tail = {"tail": min(draft_tail, length)} if self.kernel in OWN and draft_tail else {}
             x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)
+        if gated:
+            self.gate.clear()
         cache.length = past + length
         x = x.view(b, length, -1)
         if isinstance(logits_to_keep, torch.Tensor):

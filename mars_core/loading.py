@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from mars_core.adapter import read_adapter_config
+from mars_core.adapter import is_gated, read_adapter_config
 from mars_core.cpu_layout import RowMajorLinear, cpu_decoding_layout  # noqa: F401  (also imported from here)
 from mars_core.formats import BACKENDS, auto_cpu_format, lean_net, pick_backend, pick_dtype  # noqa: F401
 # Also imported from here by code older than mars_core.sources and mars_core.tokens (finetune, w8a8, vnni, app).
@@ -150,7 +150,9 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     """Load a model for decoding. `None` loads the embedded default (tiny-mars).
 
     An adapter (smollm2-mars, or a folder with adapter_config.json) is merged into its base once and the
-    merged folder loaded; its mask token is the one it was trained with.
+    merged folder loaded; its mask token is the one it was trained with. A gated adapter (mars-gated-lora-v1) is
+    never merged: the base is loaded and the adapter applied at mask positions only (mars_core.gated), so real
+    tokens run the base model exactly; dtype="auto" serves it in float32 on a CPU.
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
     `cpu_layout=False` keeps the stock modules. `dtype="int8"` (CPU only) stores the linear weights as int8
     with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.int8`);
@@ -162,12 +164,17 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
     name_or_path = _model_name(name_or_path)   # a Path works as its text
     kind, where = resolve_source(name_or_path)
+    adapter_dir = where if kind == "adapter" else None
     adapter_cfg = read_adapter_config(where) if kind == "adapter" else None
     if adapter_cfg is not None:
         if mask_token is not None and mask_token != adapter_cfg["mask_token"]:
             raise ValueError(f"mask_token={mask_token!r} but {name_or_path!r} was trained with "
                              f"{adapter_cfg['mask_token']!r}: leave mask_token unset for an adapter")
         mask_token = adapter_cfg["mask_token"]
+    gated = adapter_cfg is not None and is_gated(adapter_cfg)
+    if gated and dtype == "w8a8" and backend == "lean":
+        raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward cannot apply: use "
+                         "backend='hf' (or auto) with w8a8, or dtype float32, bfloat16 or int8")
     dev = pick_device(device)   # cheap checks before any conversion or loading
     torch_dtype = pick_dtype(dtype, dev)
     where = _checkpoint_dir(kind, where, name_or_path)
@@ -175,10 +182,16 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     tokenizer = _load_tokenizer(where)
     quantized = dtype in ("int8", "w8a8")   # weights rounded once, from fp32
     model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
+    if gated:   # before any change of layout or format, which keep the wrappers (mars_core.gated)
+        from mars_core.gated import attach_gated
+
+        attach_gated(model, adapter_dir)
     model.to(dev).eval()
-    lean, net = pick_backend(backend, model, dev) == "lean", None
+    lean, net = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8"), None
     n_params = sum(p.numel() for p in model.parameters())
-    if dev.type == "cpu" and dtype == "auto":
+    if dev.type == "cpu" and dtype == "auto" and gated:   # w8a8's lean forward cannot apply the gate
+        dtype = "float32"
+    elif dev.type == "cpu" and dtype == "auto":
         dtype, net = auto_cpu_format(model, tokenizer, name_or_path or DEFAULT_MODEL, str(where), lean)
         torch_dtype = pick_dtype(dtype, dev)
     if lean and net is None:

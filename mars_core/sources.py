@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
-from mars_core.adapter import merge_adapter, read_adapter_config
+from mars_core.adapter import is_gated, merge_adapter, read_adapter_config
 from mars_core.catalogue import CATALOGUE, DEFAULT_MODEL, SMOLLM2_GGUF, SMOLLM2_RECIPE, TINY_RECIPE  # noqa: F401
 from mars_core.storage import check_free_space, storage_error
 
@@ -310,6 +310,21 @@ def _fp32_bytes(checkpoint_dir: str) -> int:
     return 2 * size if half else size
 
 
+def _check_mask_token(adapter_dir: Path, cfg: dict, tokenizer) -> None:
+    if tokenizer.get_vocab().get(cfg["mask_token"]) != cfg["mask_id"]:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: mask_token={cfg['mask_token']!r} is id "
+                         f"{tokenizer.get_vocab().get(cfg['mask_token'])} in {cfg['base']!r}'s tokenizer, but the "
+                         f"adapter was trained with mask_id={cfg['mask_id']}: it belongs to another base; rebuild it")
+
+
+def gated_base_checkpoint(adapter_dir: Path, cfg: dict) -> str:
+    """The base checkpoint a gated adapter is applied to (built once if it is a GGUF), its mask token checked."""
+    kind, where = _adapter_base(adapter_dir, cfg)
+    base_dir = _checkpoint_dir(kind, where, cfg["base"])
+    _check_mask_token(adapter_dir, cfg, AutoTokenizer.from_pretrained(base_dir))
+    return base_dir
+
+
 def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
     """Merge an adapter into its base once, into merged_dir(adapter_dir); later loads read that folder."""
     adapter_dir = Path(adapter_dir)
@@ -323,10 +338,7 @@ def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
         kind, where = _adapter_base(adapter_dir, cfg)
         base_dir = _checkpoint_dir(kind, where, cfg["base"])
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        if tokenizer.get_vocab().get(cfg["mask_token"]) != cfg["mask_id"]:   # refuse before caching a wrong merge
-            raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: mask_token={cfg['mask_token']!r} is id "
-                             f"{tokenizer.get_vocab().get(cfg['mask_token'])} in {cfg['base']!r}'s tokenizer, but the "
-                             f"adapter was trained with mask_id={cfg['mask_id']}: it belongs to another base; rebuild it")
+        _check_mask_token(adapter_dir, cfg, tokenizer)   # refuse before caching a wrong merge
         what = f"the merge of {adapter_dir.name} into {cfg['base']}"
         check_free_space(target.parent, _fp32_bytes(base_dir) + 50_000_000, what)   # before the slow load
         # Merge in fp32 into the stock modules (no CPU layout), whatever dtype the user loads it in later.
@@ -357,6 +369,9 @@ def _checkpoint_dir(kind: str, where: str, name: str | None) -> str:
         with _BUILD_LOCK:
             return gguf_to_checkpoint(where)
     if kind == "adapter":
+        cfg = read_adapter_config(where)
+        if is_gated(cfg):   # never merged (mars_core.gated): the base's folder, the adapter applied at load
+            return gated_base_checkpoint(Path(where), cfg)
         return merge_adapter_to_checkpoint(where)
     from huggingface_hub import (
         snapshot_download,  # network: only when the user named a hub id

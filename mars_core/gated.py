@@ -1,0 +1,125 @@
+"""Gated MARS adapters while decoding: a LoRA delta that acts only at positions whose input token is the mask.
+
+A --gated-lora run (finetune) trains the delta at mask positions only, so every real token runs the base model.
+Decoding keeps that promise by construction: a step's masks are its last positions, attention is causal, and
+each `GatedLinear` adds its delta to the mask rows alone, so every real position computes exactly what the base
+model computes. Hence τ >= 1 (no masks) is the base model's greedy answer, and lossless decoding is too; only the
+drafts and MARS guesses come from the adapter.
+
+`attach_gated` wraps the adapted `nn.Linear` modules of a transformers model in place and hooks its input
+embedding to read which positions are masks. `mars_core.lean.LeanLM` built from that model finds the wrappers and
+carries the same deltas into its fused products. The trained mask row, if any, replaces the mask token's input
+embedding only: a tied LM head keeps the base's row, so the logits of real positions stay the base model's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class Gate:
+    """The flat indices of the current forward's mask positions (None: there are none), shared by every
+    GatedLinear of one model. `read` sets it from the input ids at the start of each forward."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id, self.rows, self.positions = mask_id, None, 0
+
+    def read(self, input_ids: torch.Tensor) -> bool:
+        """Mark the mask positions of `input_ids`; True if there is one."""
+        rows = (input_ids.reshape(-1) == self.mask_id).nonzero().squeeze(1)
+        self.rows, self.positions = (rows if rows.numel() else None), input_ids.numel()
+        return self.rows is not None
+
+    def clear(self) -> None:
+        self.rows, self.positions = None, 0
+
+
+class GatedLinear(torch.nn.Module):
+    """`inner(x)` plus, on the gate's rows only, x @ A^T @ B^T (B carries the LoRA scale alpha / r).
+
+    `inner` is any linear module (nn.Linear, RowMajorLinear, Int8Linear, W8A8Linear, lean's FloatLinear); the
+    quantizers replace an nn.Linear inside the wrapper, so the delta survives a change of weight format."""
+
+    def __init__(self, inner: torch.nn.Module, a: torch.Tensor, b: torch.Tensor, gate: Gate):
+        super().__init__()
+        self.inner, self.gate = inner, gate
+        self.register_buffer("a_t", a.detach().t().contiguous())   # [in, r]
+        self.register_buffer("b_t", b.detach().t().contiguous())   # [r, out]
+
+    @property
+    def weight(self) -> torch.Tensor:   # what code that reads a linear layer's weight (the lean builder) finds
+        return self.inner.weight
+
+    @property
+    def bias(self):
+        return getattr(self.inner, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        rows = self.gate.rows
+        if rows is None:
+            return y
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] != self.gate.positions:
+            raise RuntimeError(f"a gated adapter saw {flat.shape[0]} positions but its gate was read from "
+                               f"{self.gate.positions} input ids: run the model on input_ids, not inputs_embeds")
+        delta = (flat[rows].to(self.a_t.dtype) @ self.a_t) @ self.b_t
+        return y.reshape(-1, y.shape[-1]).index_add(0, rows, delta.to(y.dtype)).view(y.shape)
+
+
+def attach_gated(model: torch.nn.Module, adapter_dir) -> Gate:
+    """Apply a mars-gated-lora-v1 adapter to a transformers CausalLM, in place; returns its Gate.
+
+    Everything is checked before the model changes. The deltas are kept in fp32 (they follow a later .to(dtype)
+    of the model, as buffers do)."""
+    from mars_core.adapter import CONFIG_FILE, WEIGHTS_FILE, is_gated, read_adapter
+
+    cfg, modules, mask_row = read_adapter(adapter_dir)
+    where = Path(adapter_dir) / WEIGHTS_FILE
+    if not is_gated(cfg):
+        raise ValueError(f"{Path(adapter_dir) / CONFIG_FILE} is a plain (merged) adapter: load it with "
+                         "mars_core.load_model or merge it with mars_core.adapter.merge_adapter")
+    other = f"the adapter was made for another base (its config says base={cfg['base']!r})"
+    named = dict(model.named_modules())
+    targets = []
+    for module, (a, b) in modules.items():
+        layer = named.get(module)
+        if layer is None:
+            raise ValueError(f"{where} adapts {module!r}, which {type(model).__name__} does not have: {other}")
+        if type(layer) is not torch.nn.Linear:
+            raise ValueError(f"{module!r} is a {type(layer).__name__}, not an nn.Linear: attach the adapter to the "
+                             "stock model, before any change of layout or weight format")
+        if (b.shape[0], a.shape[1]) != (layer.out_features, layer.in_features):
+            raise ValueError(f"{where}: {module} is [{b.shape[0]}, {a.shape[1]}] but the model's is "
+                             f"{[layer.out_features, layer.in_features]}: {other}")
+        targets.append((module, layer, a, b))
+    embedding = model.get_input_embeddings()
+    rows, hidden = embedding.weight.shape
+    if cfg["mask_id"] >= rows or (mask_row is not None and mask_row.shape[0] != hidden):
+        raise ValueError(f"{where}: mask_id={cfg['mask_id']} and a mask row of "
+                         f"{None if mask_row is None else mask_row.shape[0]} values do not fit an embedding of "
+                         f"{rows} x {hidden}: {other}")
+    gate = Gate(cfg["mask_id"])
+    scale = cfg["alpha"] / cfg["r"]
+    for module, layer, a, b in targets:
+        parent, _, name = module.rpartition(".")
+        setattr(model.get_submodule(parent), name, GatedLinear(layer, a.float(), scale * b.float(), gate))
+    def read_ids(_module, args):   # returns None: the call's arguments stay as they are
+        gate.read(args[0])
+
+    embedding.register_forward_pre_hook(read_ids)
+    # cleared after each forward, so a later call that bypasses the embedding (inputs_embeds) meets no stale gate
+    model.register_forward_hook(lambda *_: gate.clear())
+    if mask_row is not None:
+        row = mask_row.float()
+        embedding.register_forward_hook(lambda _module, args, out: torch.where(
+            (args[0] == gate.mask_id).unsqueeze(-1), row.to(out.device, out.dtype), out))
+        model._mars_gated_mask_row = row   # LeanLM copies it into its own embedding table
+    model._mars_gate = gate
+    return gate
+
+
+def gate_of(model) -> Gate | None:
+    """The Gate attach_gated gave `model`, or None for a model without a gated adapter."""
+    return getattr(model, "_mars_gate", None)
