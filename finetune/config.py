@@ -104,9 +104,11 @@ class TrainConfig:
     Since the clean stream is then the base model, it runs without a graph and only the masks are backpropagated
     (finetune.losses, frozen_clean): a step costs ~0.7 of an ungated one on SmolLM2."""
     init_adapter: str = ""
-    """Warm start (MARS with --lora): a mars-lora-v1 adapter folder, e.g. assets/smollm2-mars, whose LoRA weights
-    and mask row this run starts from instead of a fresh adapter; --base-model, --lora-r, --lora-alpha, --block-size
-    and --train-mask-row must match it. Optimizer and schedule start afresh. Empty: a fresh adapter."""
+    """Warm start (MARS with --lora): an adapter folder, e.g. assets/smollm2-mars, whose LoRA weights and mask row
+    this run starts from instead of a fresh adapter; --base-model, --lora-r, --lora-alpha, --block-size and
+    --train-mask-row must match it, and --gated-lora must be set exactly when it is a gated one
+    (mars-gated-lora-v1, written by finetune.export_adapter from a --gated-lora run). Optimizer and schedule
+    start afresh. Empty: a fresh adapter."""
     skip_seen: str = ""
     """A data manifest (data_manifest.json, or a folder holding one: a run, a checkpoint, an exported adapter):
     conversations whose prompt it lists are left out, so a continued run adds only new examples. Every run writes
@@ -178,9 +180,6 @@ class TrainConfig:
              "gated_lora gates a LoRA delta by the mask token: use it with --lora and --stage mars")
         need(not self.init_adapter or (self.lora and self.stage == "mars"),
              "init_adapter warm-starts a MARS LoRA adapter: use it with --lora and --stage mars")
-        need(not (self.init_adapter and self.gated_lora),
-             "init_adapter is a plain (ungated) adapter, merged everywhere: --gated-lora would apply it at masks "
-             "only; drop one of them")
         need(self.lora_layers >= 0, f"lora_layers={self.lora_layers}; use 0 (every layer) or a layer count")
         need(not self.lora_layers or self.lora, "lora_layers chooses which layers LoRA adapts: use it with --lora")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")

@@ -148,20 +148,12 @@ def final_checkpoint(train_dir: Path) -> Path:
     return checkpoints[-1]
 
 
-def stage_export(work: Path, out: Path, base: str, settings: dict) -> dict:
-    import torch
+def stage_export(work: Path, out: Path, base: str) -> dict:
+    """The final checkpoint as the shipped adapter (finetune.export_adapter: gated if the run was)."""
+    from finetune.export_adapter import export_adapter
 
-    from mars_core import load_model
-    from mars_core.adapter import adapter_files_size, save_adapter
-
-    ckpt = final_checkpoint(work / "train")
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
-    lm = load_model(base, device="cpu", cpu_layout=False)      # the mask token the training resolved
-    mask_token = lm.tokenizer.convert_ids_to_tokens(lm.mask_id)
-    save_adapter(out, state["lora"], state.get("mask_row"), r=settings["lora_r"], alpha=settings["lora_alpha"],
-                 base=base, mask_id=lm.mask_id, mask_token=mask_token, block_size=settings["block_size"],
-                 extra={"steps": state["step"], "checkpoint": ckpt.name})
-    return {"step": state["step"], "bytes": adapter_files_size(out)}
+    done = export_adapter(final_checkpoint(work / "train"), out, base=base)
+    return {"step": done["step"], "bytes": done["bytes"], "format": done["format"]}
 
 
 def stage_manifest(work: Path, out: Path) -> dict:
@@ -316,7 +308,7 @@ def run_stage(recipe: Recipe, stage: str) -> dict:
     if stage == "train":
         return stage_train(recipe)
     if stage == "export":
-        return stage_export(work, out, args.base, recipe.settings)
+        return stage_export(work, out, args.base)
     if stage == "manifest":
         return stage_manifest(work, out)
     if stage == "eval-base":

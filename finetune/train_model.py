@@ -92,8 +92,9 @@ def same_base(a: str, b: str) -> bool:
 
 @dataclass
 class WarmStart:
-    """A mars-lora-v1 adapter to start from: checked against the run's settings when read (before any model is
-    loaded) and against the model's shapes when loaded (before the first step)."""
+    """A MARS adapter to start from (mars-lora-v1; mars-gated-lora-v1 for a --gated-lora run): checked against the
+    run's settings when read (before any model is loaded) and against the model's shapes when loaded (before the
+    first step)."""
 
     path: str
     config: dict
@@ -102,13 +103,17 @@ class WarmStart:
 
     @classmethod
     def read(cls, cfg: TrainConfig) -> "WarmStart":
-        from mars_core.adapter import read_adapter
+        from mars_core.adapter import is_gated, read_adapter
 
         path = cfg.init_adapter
         if not Path(path).expanduser().is_dir():
             raise ValueError(f"--init-adapter {path!r} is not a folder: pass an adapter folder such as "
                              "assets/smollm2-mars (adapter.safetensors + adapter_config.json)")
         config, modules, mask_row = read_adapter(Path(path).expanduser())
+        if is_gated(config) != cfg.gated_lora:   # a delta trained at masks only must stay there, and vice versa
+            theirs, fix = ("gated", "pass --gated-lora") if is_gated(config) else ("plain (merged)", "drop --gated-lora")
+            raise ValueError(f"--init-adapter {path!r} is a {theirs} adapter but this run is "
+                             f"{'gated' if cfg.gated_lora else 'not gated'}: {fix}, or start without --init-adapter")
         wants = [("base", config["base"], cfg.base_model, "--base-model"),
                  ("r", config["r"], cfg.lora_r, "--lora-r"), ("alpha", config["alpha"], cfg.lora_alpha, "--lora-alpha"),
                  ("block_size", config["block_size"], cfg.block_size, "--block-size")]

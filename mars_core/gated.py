@@ -19,24 +19,26 @@ import torch
 
 
 class Gate:
-    """The flat indices of the current forward's mask positions (None: there are none), shared by every
-    GatedLinear of one model. `read` sets it from the input ids at the start of each forward."""
+    """Which positions of the current forward are masks, as a column [positions, 1] of 1.0 at masks and 0.0
+    elsewhere (None: there are none), shared by every GatedLinear of one model. `read` sets it from the input ids
+    at the start of each forward. A dense column rather than indices keeps the delta at three plain ops."""
 
     def __init__(self, mask_id: int):
-        self.mask_id, self.rows, self.positions = mask_id, None, 0
+        self.mask_id, self.column, self.positions = mask_id, None, 0
 
     def read(self, input_ids: torch.Tensor) -> bool:
         """Mark the mask positions of `input_ids`; True if there is one."""
-        rows = (input_ids.reshape(-1) == self.mask_id).nonzero().squeeze(1)
-        self.rows, self.positions = (rows if rows.numel() else None), input_ids.numel()
-        return self.rows is not None
+        hit = input_ids.reshape(-1, 1) == self.mask_id
+        self.column, self.positions = (hit.float() if bool(hit.any()) else None), input_ids.numel()
+        return self.column is not None
 
     def clear(self) -> None:
-        self.rows, self.positions = None, 0
+        self.column, self.positions = None, 0
 
 
 class GatedLinear(torch.nn.Module):
-    """`inner(x)` plus, on the gate's rows only, x @ A^T @ B^T (B carries the LoRA scale alpha / r).
+    """`inner(x)` plus ((x @ A^T) * gate) @ B^T, B carrying the LoRA scale alpha / r. The gate's zero rows make a
+    real position's delta exactly zero, so its output is `inner`'s bit for bit.
 
     `inner` is any linear module (nn.Linear, RowMajorLinear, Int8Linear, W8A8Linear, lean's FloatLinear); the
     quantizers replace an nn.Linear inside the wrapper, so the delta survives a change of weight format."""
@@ -57,15 +59,17 @@ class GatedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
-        rows = self.gate.rows
-        if rows is None:
+        column = self.gate.column
+        if column is None:
             return y
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] != self.gate.positions:
             raise RuntimeError(f"a gated adapter saw {flat.shape[0]} positions but its gate was read from "
                                f"{self.gate.positions} input ids: run the model on input_ids, not inputs_embeds")
-        delta = (flat[rows].to(self.a_t.dtype) @ self.a_t) @ self.b_t
-        return y.reshape(-1, y.shape[-1]).index_add(0, rows, delta.to(y.dtype)).view(y.shape)
+        dtype = self.a_t.dtype
+        z = (flat.to(dtype) @ self.a_t) * column.to(dtype)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]).to(dtype), z, self.b_t)
+        return out.to(y.dtype).view(y.shape)
 
 
 def attach_gated(model: torch.nn.Module, adapter_dir) -> Gate:

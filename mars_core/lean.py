@@ -235,6 +235,9 @@ class LeanLM(torch.nn.Module):
                                     [m.bias for m in lins], two, norms),
             "w8a8-vnni": own, "w8a8-avx2": own,
             "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
+        if self.gate is not None:   # only the fp32 loop applies deltas (w8a8 refuses a gated adapter)
+            gated = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+            self._lora = ([getattr(m, "a_t", None) for m in gated], [getattr(m, "b_t", None) for m in gated])
 
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
         w = self._float_weights(layer)
@@ -244,7 +247,9 @@ class LeanLM(torch.nn.Module):
         for name in ("qkv", "o", "gate_up", "down"):
             linear = make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel)
             delta = self._gated_delta(layer, name) if self.gate is not None else None
-            setattr(out, name, linear if delta is None else GatedLinear(linear, *delta, self.gate))
+            if delta is not None:   # in the activations' dtype, as the products take them
+                linear = GatedLinear(linear, *(t.to(self.dtype) for t in delta), self.gate)
+            setattr(out, name, linear)
         out.register_buffer("norm_in", w["norm_in"].to(self.dtype))
         out.register_buffer("norm_post", w["norm_post"].to(self.dtype))
         return out
@@ -334,10 +339,12 @@ class LeanLM(torch.nn.Module):
         cache.reserve(b, length)
         x = self.embed[input_ids.reshape(-1)]                                       # [b*L, hidden]
         shape = (cache.k, cache.v, past, b, length, self.heads, self.kv_heads, self.head_dim, rope, hidden, self.eps)
-        # a gated adapter's deltas act at mask positions: a step with masks runs the modules, which apply them
+        # a gated adapter's deltas act at mask positions (the fp32 loop takes them; the modules apply their own)
         gated = self.gate is not None and self.gate.read(input_ids)
-        if self.scripted is not None and not gated:
+        if self.scripted is not None:
             tail = {"tail": min(draft_tail, length)} if self.kernel in OWN and draft_tail else {}
+            if gated:
+                tail = {"column": self.gate.column, "lora_a": self._lora[0], "lora_b": self._lora[1]}
             x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)
             x = layers(x, self.layers, *shape)

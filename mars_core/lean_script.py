@@ -130,18 +130,36 @@ def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
+def _fp32_gated(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], column: Optional[torch.Tensor],
+                a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> torch.Tensor:
+    """_fp32 plus, where `column` (1 at mask positions, else 0) is given, a gated adapter's delta
+    (mars_core.gated.GatedLinear.forward, op for op)."""
+    y = _fp32(x, w, bias)
+    if column is None or a is None or b is None:
+        return y
+    return torch.addmm(y, (x @ a) * column, b)
+
+
 def layers_fp32(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
                 norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
                 length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor],
-                eps: float) -> torch.Tensor:
-    """Every layer in fp32, as layers_w8a8 with plain products."""
+                eps: float, column: Optional[torch.Tensor] = None, lora_a: Optional[List[Optional[torch.Tensor]]] = None,
+                lora_b: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    """Every layer in fp32, as layers_w8a8 with plain products; with `column`, a gated adapter's deltas
+    (`lora_a`/`lora_b`: [in, R] and [R, out] per product, None where a product has none) at the mask positions."""
     for i in range(len(norms) // 2):
         j = 4 * i
-        qkv = _fp32(_rms(x, norms[2 * i], eps), weights[j], biases[j])
+        a: List[Optional[torch.Tensor]] = [None, None, None, None]
+        bb: List[Optional[torch.Tensor]] = [None, None, None, None]
+        if column is not None and lora_a is not None and lora_b is not None:
+            a = lora_a[j: j + 4]
+            bb = lora_b[j: j + 4]
+        qkv = _fp32_gated(_rms(x, norms[2 * i], eps), weights[j], biases[j], column, a[0], bb[0])
         att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + _fp32(att, weights[j + 1], biases[j + 1])
-        gate, up = _fp32(_rms(x, norms[2 * i + 1], eps), weights[j + 2], biases[j + 2]).chunk(2, -1)
-        x = x + _fp32(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3])
+        x = x + _fp32_gated(att, weights[j + 1], biases[j + 1], column, a[1], bb[1])
+        h = _rms(x, norms[2 * i + 1], eps)
+        gate, up = _fp32_gated(h, weights[j + 2], biases[j + 2], column, a[2], bb[2]).chunk(2, -1)
+        x = x + _fp32_gated(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3], column, a[3], bb[3])
     return x
 
 

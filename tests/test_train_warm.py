@@ -149,13 +149,19 @@ def test_an_adapter_whose_shapes_do_not_fit_the_model_is_refused_before_training
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
-def test_init_adapter_needs_lora_mars_and_no_gate():
+def test_init_adapter_needs_lora_and_mars():
     from finetune.config import TrainConfig
 
     with pytest.raises(ValueError, match="init_adapter .*--lora and --stage mars"):
         TrainConfig(init_adapter="x")
-    with pytest.raises(ValueError, match="--gated-lora would apply it at masks only"):
-        TrainConfig(init_adapter="x", lora=True, stage="mars", gated_lora=True)
+
+
+def test_a_plain_adapter_does_not_warm_start_a_gated_run(tiny, adapter, tmp_path):
+    adapter_dir, _, _ = adapter
+    with pytest.raises(ValueError, match="is a plain \\(merged\\) adapter but this run is gated: drop --gated-lora"):
+        main(train_flags(tiny, tmp_path / "run", *LORA, "--gated-lora", "--init-adapter", str(adapter_dir),
+                         "--max-steps", "1"))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
 def test_skip_seen_trains_on_new_examples_only_and_the_run_manifest_lists_both(tiny, tmp_path):
