@@ -10,8 +10,9 @@ the base model, then scored on development data only:
   report seed 1 is refused): tokens/forward of lossless MARS at τ 0.3 and lossy MARS at τ 0.95.
 
 Warm-start arms (``--init-adapter DIR``, e.g. assets/smollm2-mars): ``shipped`` scores that adapter as it is
-(merged, as mars_core serves it; not trained), ``warm`` and ``warm-soft`` train the recipe (and soft targets) for
-the N steps starting from it (finetune.train --init-adapter). Give them data the adapter never saw.
+(as mars_core serves it: merged, or a gated one applied at the masks; not trained), ``warm`` and ``warm-soft``
+train the recipe (and soft targets) for the N steps starting from it (finetune.train --init-adapter), and
+``warm-gated`` the gated recipe from a gated adapter (mars-gated-lora-v1). Give them data the adapter never saw.
 
 One command, one markdown table (printed and written to WORK/table.md; every arm's numbers in
 WORK/<arm>/score.json). Resumable: a finished arm is not trained again (an interrupted one resumes from its last
@@ -44,6 +45,7 @@ ARMS = {
     "shipped": {"init_adapter": WARM},                                # --init-adapter as it is: scored, not trained
     "warm": {"init_adapter": WARM},                                   # the recipe, from --init-adapter
     "warm-soft": {"init_adapter": WARM, "soft_target_weight": 0.5},   # soft targets, from --init-adapter
+    "warm-gated": {"init_adapter": WARM, "gated_lora": True},         # gated, from a gated --init-adapter
 }
 UNTRAINED = ("shipped",)
 REPORT_SEED = 1   # the seed of the published tables (finetune.recipe_smollm2.EVAL_SEED): never tuned on
@@ -206,11 +208,12 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     base = load_base(args.base)
-    if arm in UNTRAINED:   # the adapter as mars_core serves it: merged into the base weights
-        from mars_core.adapter import merge_adapter
+    if arm in UNTRAINED:   # the adapter as mars_core serves it: merged into the base, or a gated one attached
+        from mars_core.adapter import is_gated, merge_adapter, read_adapter_config
+        from mars_core.gated import attach_gated
 
         model = base.model.eval()
-        merge_adapter(model, checkpoint)
+        (attach_gated if is_gated(read_adapter_config(checkpoint)) else merge_adapter)(model, checkpoint)
     else:
         model = trained_model(checkpoint, base)
     settings = arm_settings(arm, args.steps, args.init_adapter)

@@ -215,3 +215,29 @@ def test_lora_layers_is_checked_against_the_model_and_needs_lora(tiny):
         TrainConfig(lora_layers=2)
     with pytest.raises(ValueError, match="lora_layers=-1"):
         TrainConfig(lora=True, lora_layers=-1)
+
+
+@pytest.mark.slow
+def test_a_gated_adapter_is_scored_as_served_and_warm_gated_trains_from_it(tiny, tmp_path):
+    import json
+
+    from finetune.export_adapter import export_adapter
+
+    model_dir, data = tiny
+    first = tmp_path / "first"
+    train_main(["--base-model", str(model_dir), "--data", str(data), "--output-dir", str(first), "--batch-size", "4",
+                "--max-length", "64", "--threads", "1", "--stage", "mars", "--lora", "--lora-r", "32",
+                "--lora-alpha", "64", "--train-mask-row", "--gated-lora", "--lr", "1e-2", "--max-steps", "1"])
+    assert export_adapter(first / "checkpoint-1", tmp_path / "gated", dtype="float32")["format"] == "mars-gated-lora-v1"
+    work = tmp_path / "ab"
+    done = run_ab("--data", str(data), "--work", str(work), "--base", str(model_dir), "--arms", "shipped,warm-gated",
+                  "--init-adapter", str(tmp_path / "gated"), "--steps", "2", "--dev-examples", "8", "--prompts", "2",
+                  "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (work / "table.md").read_text()
+    assert f"| shipped | init_adapter={tmp_path / 'gated'} (as it is) | 0 | – | – |" in table
+    cfg = json.loads((work / "warm-gated" / "train" / "train_config.json").read_text())
+    assert cfg["gated_lora"] and cfg["init_adapter"] == str(tmp_path / "gated")
+    shipped, warm = (json.loads((work / a / "score.json").read_text()) for a in ("shipped", "warm-gated"))
+    # gated both: the lossless answers are the base model's, so they agree; the masks have trained on
+    assert shipped["lossless_answers"] == warm["lossless_answers"] and shipped["mask_ce"] != warm["mask_ce"]

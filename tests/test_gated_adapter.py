@@ -129,6 +129,18 @@ def test_lean_logits_equal_the_transformers_model_with_the_adapter(gated):
     assert (lm.net(input_ids=ids[:, -3:], cache=cache).logits - want[:, -3:]).abs().max() <= 1e-4
 
 
+def test_the_lean_module_loop_applies_the_deltas_as_the_scripted_fp32_loop(gated):
+    from mars_core.lean import LeanLM
+
+    lm = load_model(str(gated[0]), device="cpu", dtype="float32", backend="hf", cpu_layout=False)
+    ids = torch.tensor([lm.encode(PROMPTS[3]) + [lm.mask_id] * 3])
+    scripted, eager = LeanLM(lm.model, "float", torch.float32), LeanLM(lm.model, "float", torch.float32, script=False)
+    if scripted.scripted is None:
+        pytest.skip("this torch cannot script the fp32 loop")
+    assert eager.scripted is None
+    assert torch.equal(scripted(input_ids=ids).logits, eager(input_ids=ids).logits)
+
+
 def test_the_masks_see_what_training_trained_them_with(gated, base_dir):
     """The decoder's gate equals training's (finetune MaskGate on the peft model), on every column."""
     from finetune.train_model import MaskGate

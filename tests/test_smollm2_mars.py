@@ -74,3 +74,29 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
     assert tpf > 1.0 and any(len(s) > 1 for r in mars for s in r.steps), f"tokens/forward {tpf:.3f}"
     assert kept >= 0.7, f"only {kept:.0%} of the one-token answers kept at tau = 0.95"
     assert all(r.text.strip() for r in mars)
+
+
+@pytest.mark.slow
+def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural):
+    """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.gated); here the shipped A and B,
+    relabelled mars-gated-lora-v1, on SmolLM2 itself (fp32, the lean forward), four held-out natural prompts."""
+    import json
+    import shutil
+
+    gated = tmp_path / "smollm2-gated"
+    shutil.copytree(SHIPPED, gated)
+    cfg = json.loads((gated / "adapter_config.json").read_text())
+    (gated / "adapter_config.json").write_text(json.dumps({**cfg, "format": "mars-gated-lora-v1"}))
+    lm = load_model(str(gated), device="cpu", dtype="float32")
+    base = load_model("smollm2", device="cpu", dtype="float32", mask_token="<repo_name>")
+    assert lm.backend == base.backend == "lean" and lm.path == base.path   # the base folder: nothing merged
+    prompts, n = natural[4:8], 32
+    want = [r.token_ids for r in generate(base, prompts, DecodeConfig(mode="ar", max_new_tokens=n))]
+    assert [r.token_ids for r in generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=n))] == want
+    lossless = generate(lm, prompts, DecodeConfig(mode="verify", tau=0.3, max_new_tokens=n))
+    assert [r.token_ids for r in lossless] == want
+    ids = torch.tensor([lm.encode(prompts[0]) + [lm.mask_id] * 3])
+    with torch.no_grad():
+        ours, theirs = lm.net(input_ids=ids).logits[0], base.net(input_ids=ids).logits[0]
+    assert torch.equal(ours[:-3], theirs[:-3])
+    assert not torch.equal(ours[-3:].argmax(-1), theirs[-3:].argmax(-1))
