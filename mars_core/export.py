@@ -76,6 +76,12 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
     if dtype != "auto":
         torch_dtype = loading.pick_dtype(dtype, torch.device("cpu"))
     source = loading.resolve_source(model)
+    if source[0] == "adapter":
+        from mars_core.adapter import is_gated, read_adapter_config
+
+        if is_gated(read_adapter_config(source[1])):   # a plain checkpoint would lose the gate
+            raise ValueError(f"{model!r} is a gated adapter (its delta acts at mask positions only), which no plain "
+                             "transformers checkpoint can hold: share the adapter folder itself, or export its base")
     _refuse_overwriting_the_source(out, source[1], model or loading.DEFAULT_MODEL)
     folder = loading.prepare(model)                      # converts a GGUF / merges an adapter once (cached)
     _refuse_overwriting_the_source(out, folder, model or loading.DEFAULT_MODEL)

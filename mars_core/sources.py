@@ -403,6 +403,9 @@ def is_prepared(name_or_path: str | None = None) -> bool:
         if kind == "gguf":
             return (_gguf_target(Path(where)) / "config.json").exists()
         if kind == "adapter":
+            cfg = read_adapter_config(where)
+            if is_gated(cfg):   # nothing is merged: ready when its base is
+                return is_prepared(_adapter_base(Path(where), cfg)[1])
             return (merged_dir(where) / "source.json").exists()
         from huggingface_hub import snapshot_download
         snapshot_download(where, local_files_only=True)

@@ -12,6 +12,7 @@ import torch
 
 from mars_core import DecodeConfig, generate, load_model
 from mars_core.adapter import merge_adapter, read_adapter_config, save_adapter
+from mars_core.loading import is_prepared
 from tests.tiny_fixtures import make_tiny_model_dir
 
 peft = pytest.importorskip("peft")
@@ -77,6 +78,7 @@ def test_tau_1_and_lossless_give_the_base_models_answer_and_the_masks_differ(gat
     lm = load_model(str(folder), device="cpu", dtype="float32", backend=backend)
     base = load_model(str(base_dir), device="cpu", dtype="float32", backend=backend, mask_token=MASK_TOKEN)
     assert lm.backend == backend and lm.mask_id == base.mask_id
+    assert lm.path == base.path and is_prepared(str(folder))   # nothing merged or cached: the base's own folder
     one = DecodeConfig(mode="mars", tau=1.0, max_new_tokens=24)
     want = _ids(generate(base, PROMPTS, one))
     assert _ids(generate(lm, PROMPTS, one)) == want
@@ -181,3 +183,11 @@ def test_a_gated_adapter_for_another_base_is_refused_before_the_model_changes(ga
     with pytest.raises(ValueError, match="another base"):
         attach_gated(model, bad)
     assert not hasattr(model, "_mars_gate") and all(type(m).__name__ != "GatedLinear" for m in model.modules())
+
+
+def test_export_to_a_plain_checkpoint_refuses_a_gated_adapter(gated, tmp_path):
+    from mars_core.export import export
+
+    with pytest.raises(ValueError, match="gated adapter .* no plain transformers checkpoint can hold"):
+        export(str(gated[0]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
