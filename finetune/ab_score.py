@@ -123,20 +123,20 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
 
 
 def trained_model(checkpoint: Path, base) -> torch.nn.Module:
-    """The fp32 model ``checkpoint`` (a finetune.train checkpoint dir) holds, on ``base`` (train_model.Base)."""
+    """The fp32 model ``checkpoint`` (a finetune.train checkpoint dir) holds, on ``base`` (train_model.Base). A
+    gated run's adapter is applied as mars_core serves it (mars_core.gated: the deltas at mask positions, the mask
+    row in the input embedding only)."""
     from finetune.checkpoint import STATE_FILE, load_weights
     from finetune.config import TrainConfig
-    from finetune.train_model import MaskGate, prepare_model
+    from mars_core.adapter import peft_modules
+    from mars_core.gated import apply_gated
 
     cfg = TrainConfig.from_dict(__import__("json").loads((checkpoint / "train_config.json").read_text()))
     if not cfg.gated_lora:
         return load_weights(checkpoint).eval()
     state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
-    peft_model = prepare_model(base.model, cfg, state)
-    lm = peft_model.get_base_model()
-    lm.set_attn_implementation("sdpa")
-    MaskGate(lm, base.mask_id)
-    if state.get("mask_row") is not None:   # stored in the embedding (and a tied head), as a merged checkpoint has it
-        with torch.no_grad():
-            lm.get_input_embeddings().weight[base.mask_id] = state["mask_row"]
-    return lm.eval()
+    model = base.model.float().eval()
+    model.set_attn_implementation("sdpa")
+    apply_gated(model, {"mask_id": base.mask_id, "r": cfg.lora_r, "alpha": cfg.lora_alpha, "base": cfg.base_model},
+                peft_modules(state["lora"], cfg.lora_r), state.get("mask_row"), str(checkpoint / STATE_FILE))
+    return model

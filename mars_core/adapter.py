@@ -99,6 +99,11 @@ def _modules_from_peft(lora_state: dict, r: int) -> dict[str, dict[str, torch.Te
     return modules
 
 
+def peft_modules(lora_state: dict, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module path: (A [r, in], B [out, r])} from peft's state dict, as read_adapter returns a folder's."""
+    return {module: (parts["A"], parts["B"]) for module, parts in _modules_from_peft(lora_state, r).items()}
+
+
 def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r: int, alpha: float, base: str,
                  mask_id: int, mask_token: str, block_size: int, dtype=torch.bfloat16,
                  extra: dict | None = None, gated: bool = False) -> list[Path]:

@@ -73,17 +73,23 @@ class GatedLinear(torch.nn.Module):
 
 
 def attach_gated(model: torch.nn.Module, adapter_dir) -> Gate:
-    """Apply a mars-gated-lora-v1 adapter to a transformers CausalLM, in place; returns its Gate.
-
-    Everything is checked before the model changes. The deltas are kept in fp32 (they follow a later .to(dtype)
-    of the model, as buffers do)."""
+    """Apply a mars-gated-lora-v1 adapter folder to a transformers CausalLM, in place; returns its Gate."""
     from mars_core.adapter import CONFIG_FILE, WEIGHTS_FILE, is_gated, read_adapter
 
     cfg, modules, mask_row = read_adapter(adapter_dir)
-    where = Path(adapter_dir) / WEIGHTS_FILE
     if not is_gated(cfg):
         raise ValueError(f"{Path(adapter_dir) / CONFIG_FILE} is a plain (merged) adapter: load it with "
                          "mars_core.load_model or merge it with mars_core.adapter.merge_adapter")
+    return apply_gated(model, cfg, modules, mask_row, str(Path(adapter_dir) / WEIGHTS_FILE))
+
+
+def apply_gated(model: torch.nn.Module, cfg: dict, modules: dict, mask_row: torch.Tensor | None,
+                where: str = "the adapter") -> Gate:
+    """Wrap `model`'s adapted products (`modules`: {module path: (A [r, in], B [out, r])}, scaled by cfg's
+    alpha / r) and gate them by cfg's mask_id; `mask_row` replaces the mask token's input embedding.
+
+    Everything is checked before the model changes. The deltas are kept in fp32 (they follow a later .to(dtype)
+    of the model, as buffers do)."""
     other = f"the adapter was made for another base (its config says base={cfg['base']!r})"
     named = dict(model.named_modules())
     targets = []
@@ -109,6 +115,7 @@ def attach_gated(model: torch.nn.Module, adapter_dir) -> Gate:
     for module, layer, a, b in targets:
         parent, _, name = module.rpartition(".")
         setattr(model.get_submodule(parent), name, GatedLinear(layer, a.float(), scale * b.float(), gate))
+
     def read_ids(_module, args):   # returns None: the call's arguments stay as they are
         gate.read(args[0])
 
