@@ -4,7 +4,7 @@ A --gated-lora run (finetune) trains the delta at mask positions only, so every 
 Decoding keeps that promise by construction: a step's masks are its last positions, attention is causal, and
 each `GatedLinear` adds its delta to the mask rows alone, so every real position computes exactly what the base
 model computes. Hence τ >= 1 (no masks) is the base model's greedy answer in any format, and lossless decoding is
-too wherever the base's own lossless equals its AR (float32, w8a8); only the drafts and MARS guesses come from the
+too wherever the base's own lossless equals its AR (float32); only the drafts and MARS guesses come from the
 adapter.
 
 `attach_gated` wraps the adapted `nn.Linear` modules of a transformers model in place and hooks its input
