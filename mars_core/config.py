@@ -136,16 +136,22 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like SIGINT's KeyboardInterrupt so that one `except KeyboardInterrupt` stops cleanly on both."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 @contextmanager
 def sigterm_as_interrupt():
     """Within: SIGTERM raises Terminated (a KeyboardInterrupt) instead of killing the process unannounced; the
-    previous handler comes back on exit. Only the main thread may set handlers, so elsewhere this does nothing."""
+    previous handler comes back on exit. Only the main thread may set handlers, so elsewhere this does nothing.
+
+    A handler's exception that lands inside a finalizer (a `__del__`, a weakref callback) is printed and dropped by
+    Python, so the body would run on and exit 0; the signal is remembered too, and a body that ends normally after
+    one raises Terminated on the way out."""
+    received = []
+
+    def raise_terminated(signum, frame):
+        received.append(signum)
+        raise Terminated()
+
     try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
     except ValueError:   # not the main thread
         yield
         return
@@ -153,6 +159,8 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if received:
+        raise Terminated("as the command was finishing: its output is complete")
 
 
 def interrupt_exit(exc: BaseException, detail: str = "") -> int:
