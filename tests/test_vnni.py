@@ -79,18 +79,22 @@ def test_values_on_fbgemms_rounding_ties_round_as_fbgemm_rounds_them():
                                W8A8Linear(weight, passes=passes, kernel="fbgemm")(x))
 
 
-def test_tiny_mars_decodes_to_the_same_logits_with_either_kernel(monkeypatch):
+def test_tiny_mars_decodes_to_the_same_logits_with_either_own_kernel_and_near_fbgemms(monkeypatch):
+    """Our two kernels share the native layer stack (mars_core/w8a8_layers.h), so a machine's choice between them
+    changes no bit; fbgemm's runs the TorchScript loop, whose small ops round differently, so it is close only."""
     from mars_core import load_model
 
     nets = {}
-    for kernel in ("fbgemm", "vnni"):
+    for kernel in ("fbgemm", "vnni", "avx2"):
         monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
-        nets[kernel] = load_model("tiny-mars", device="cpu", dtype="w8a8")
+        nets[kernel] = load_model("tiny-mars", device="cpu", dtype="w8a8", backend="lean")
         assert nets[kernel].net.kernel == kernel
     ids = torch.tensor([nets["vnni"].encode("What is 12 plus 30?")])
     with torch.inference_mode():
         logits = {k: lm.net(input_ids=ids, cache=lm.net.new_cache()).logits for k, lm in nets.items()}
-    assert torch.equal(logits["vnni"], logits["fbgemm"])
+    assert torch.equal(logits["vnni"], logits["avx2"])
+    assert (logits["vnni"] - logits["fbgemm"]).abs().max() < 0.2
+    assert torch.equal(logits["vnni"].argmax(-1), logits["fbgemm"].argmax(-1))
 
 
 def test_the_kernel_is_the_default_here_and_off_falls_back_to_fbgemm(monkeypatch):
