@@ -16,8 +16,13 @@
 
 #include "w8a8_kernel.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -193,6 +198,113 @@ constexpr std::array<BlockFn, sizeof...(R)> table(std::integer_sequence<int, R..
 const auto BLOCKS = table(std::make_integer_sequence<int, ROWS>{});
 constexpr std::array<BlockFn, 4> FEW = {&few<1>, &few<2>, &few<3>, &few<4>};
 
+// ----------------------------------------------------------------------------------------------------------------
+// AMX, Intel's tile unit, for many rows: the same int32 sums, so the results stay bitwise the VNNI loop's (and
+// fbgemm's). TDPBSUD multiplies up to 16 rows of 64 signed activation bytes by 64 inputs x 16 channels of unsigned
+// weight bytes in the layout pack() already writes (16 rows of 16 channels x 4 inputs), so one tile load takes 1 KB
+// of a channel block. vpdpbusd does 16 x 4 multiply-adds per instruction, a tile product 16 x 64 x 16: at 5-7 rows
+// the VNNI loop is compute-bound and the weights' reading no longer hides it (docs/experiments.md).
+// From one row on: a one-row tile product wastes 15 of its 16 rows, but reading the weights is the bound there, and
+// the tile loads read them faster than the VNNI loop (all of SmolLM2's products, one row: ~0.9x its time).
+constexpr int AMX_MIN_ROWS = 1;
+constexpr int TILE_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+std::atomic<int> amx_state{-1};   // -1: not yet asked, 0: off, 1: on
+
+bool amx_detect() {   // the CPU has AMX-TILE and AMX-INT8, and Linux lets this process use the tile registers
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+bool amx_on() {
+  int state = amx_state.load();
+  if (state < 0) amx_state = state = amx_detect() ? 1 : 0;
+  return state == 1;
+}
+
+// want 1: use AMX where it is available; 0: never; -1: leave as is. Returns whether AMX is used.
+bool use_amx(int64_t want) {
+  if (want >= 0) amx_state = want > 0 && amx_detect() ? 1 : 0;
+  return amx_on();
+}
+
+// Sums of the configured rows (tiles 0-3: G blocks' int32 sums, 4: activations, 5 and 6: weights) over `chunks` x 64
+// inputs, for G consecutive channel blocks `stride` bytes apart, stored 16 int32 per row into out + g * out_stride.
+template <int G>
+__attribute__((target("amx-tile,amx-int8"))) void amx_group(const int8_t* a, int64_t kp, const int8_t* w,
+                                                             int64_t stride, int64_t chunks, int32_t* out,
+                                                             int64_t out_stride) {
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  if constexpr (G > 3) _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int8_t* wc = w + c * TILE_ROWS * LANES * 4;
+    _tile_loadd(4, a + c * 64, kp);
+    _tile_loadd(5, wc, LANES * 4);
+    _tile_dpbsud(0, 4, 5);
+    if constexpr (G > 1) { _tile_loadd(6, wc + stride, LANES * 4); _tile_dpbsud(1, 4, 6); }
+    if constexpr (G > 2) { _tile_loadd(5, wc + 2 * stride, LANES * 4); _tile_dpbsud(2, 4, 5); }
+    if constexpr (G > 3) { _tile_loadd(6, wc + 3 * stride, LANES * 4); _tile_dpbsud(3, 4, 6); }
+  }
+  _tile_stored(0, out, LANES * 4);
+  if constexpr (G > 1) _tile_stored(1, out + out_stride, LANES * 4);
+  if constexpr (G > 2) _tile_stored(2, out + 2 * out_stride, LANES * 4);
+  if constexpr (G > 3) _tile_stored(3, out + 3 * out_stride, LANES * 4);
+}
+
+// ldtilecfg written out: gcc's _tile_loadconfig tells the compiler it reads only a pointer's worth of the
+// configuration, so the stores of the rows and widths were dropped as dead and the tiles stayed unconfigured.
+void amx_configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : TILE_ROWS);   // sums and activations: the rows; weights: 16
+  }
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+void amx_release() { asm volatile("tilerelease" ::: "memory"); }
+
+// The int32 sums of all `all` rows against channel blocks first .. first + g - 1 (g <= 4), into sums[g][all][16]:
+// tiles for the 64-input chunks, the VNNI loop for the last k4 % 16 groups of 4 inputs. `configured`: the rows the
+// tiles are configured for (0: none), kept across calls so that a product configures them once, not per block.
+void amx_sums(const int8_t* a, int64_t all, int64_t kp, const int8_t* w, int64_t k4, int64_t first, int64_t g,
+              int32_t* sums, int32_t* rest, int64_t& configured) {
+  const int64_t chunks = k4 / TILE_ROWS, left = k4 % TILE_ROWS, stride = k4 * LANES * 4;
+  for (int64_t m0 = 0; m0 < all; m0 += TILE_ROWS) {
+    const int64_t r = std::min<int64_t>(TILE_ROWS, all - m0);
+    int32_t* out = sums + m0 * LANES;
+    const int8_t* w0 = w + first * stride;
+    if (chunks > 0) {
+      if (r != configured) amx_configure(configured = r);
+      switch (g) {
+        case 1: amx_group<1>(a + m0 * kp, kp, w0, stride, chunks, out, all * LANES); break;
+        case 2: amx_group<2>(a + m0 * kp, kp, w0, stride, chunks, out, all * LANES); break;
+        case 3: amx_group<3>(a + m0 * kp, kp, w0, stride, chunks, out, all * LANES); break;
+        default: amx_group<4>(a + m0 * kp, kp, w0, stride, chunks, out, all * LANES);
+      }
+    } else {
+      for (int64_t j = 0; j < g; ++j) std::fill_n(out + j * all * LANES, r * LANES, 0);
+    }
+    if (left == 0) continue;
+    const BlockFn fn = r <= 4 ? FEW[r - 1] : BLOCKS[r - 1];
+    for (int64_t j = 0; j < g; ++j) {
+      fn(a + m0 * kp + chunks * 64, kp, w0 + j * stride + chunks * TILE_ROWS * LANES * 4, left, rest);
+      int32_t* o = out + j * all * LANES;
+      for (int64_t i = 0; i < r * LANES; ++i) o[i] += rest[i];
+    }
+  }
+}
+
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
 // channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
 // every `length` rows: a lossless step's mask positions, whose outputs only propose drafts that the next step
@@ -219,22 +331,34 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sc = scale.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const bool amx = all >= AMX_MIN_ROWS && amx_on();
+  const int64_t group = amx ? 4 : 1;   // channel blocks whose sums are ready before their outputs are finished
   at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
-    std::vector<int32_t> sums(all * LANES);
-    for (int64_t nb = first; nb < last; ++nb) {
-      for (int64_t m0 = 0; m0 < all; m0 += ROWS) {
-        const int64_t r = std::min<int64_t>(ROWS, all - m0);
-        const BlockFn fn = r <= 4 ? FEW[r - 1] : BLOCKS[r - 1];
-        fn(a.data() + m0 * kp, kp, wp + nb * k4 * LANES * 4, k4, sums.data() + m0 * LANES);
+    std::vector<int32_t> sums(group * all * LANES), rest(TILE_ROWS * LANES);
+    int64_t configured = 0;
+    for (int64_t nb0 = first; nb0 < last; nb0 += group) {
+      const int64_t g = std::min<int64_t>(group, last - nb0);
+      if (amx) {
+        amx_sums(a.data(), all, kp, wp, k4, nb0, g, sums.data(), rest.data(), configured);
+      } else {
+        for (int64_t m0 = 0; m0 < all; m0 += ROWS) {
+          const int64_t r = std::min<int64_t>(ROWS, all - m0);
+          const BlockFn fn = r <= 4 ? FEW[r - 1] : BLOCKS[r - 1];
+          fn(a.data() + m0 * kp, kp, wp + nb0 * k4 * LANES * 4, k4, sums.data() + m0 * LANES);
+        }
       }
-      const int64_t j0 = nb * LANES, width = std::min<int64_t>(LANES, n - j0);
-      const __mmask16 keep = width == LANES ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-      for (int64_t m = 0; m < rows; ++m) {
-        const int64_t s = std::max<int64_t>(second[m], 0);
-        finish(sums.data() + m * LANES, a_sums[m], sums.data() + s * LANES, a_sums[s], second[m] >= 0 ? r_mags[m] : 0.f,
-               mags[m], sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, second[m] >= 0);
+      for (int64_t nb = nb0; nb < nb0 + g; ++nb) {
+        const int32_t* bs = sums.data() + (nb - nb0) * all * LANES;
+        const int64_t j0 = nb * LANES, width = std::min<int64_t>(LANES, n - j0);
+        const __mmask16 keep = width == LANES ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t s = std::max<int64_t>(second[m], 0);
+          finish(bs + m * LANES, a_sums[m], bs + s * LANES, a_sums[s], second[m] >= 0 ? r_mags[m] : 0.f, mags[m],
+                 sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, second[m] >= 0);
+        }
       }
     }
+    if (configured) amx_release();
   });
   return y;
 }
@@ -242,3 +366,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 }  // namespace
 
 MARS_W8A8_OPS(mars_vnni)
+
+TORCH_LIBRARY_FRAGMENT(mars_vnni, m) {
+  m.def("use_amx(int want) -> bool", &use_amx);
+}

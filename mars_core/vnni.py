@@ -16,7 +16,10 @@ under `MARS_CACHE_DIR`/kernels by a hash of the source, the torch version and th
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from mars_core.native import BASE_FLAGS, NativeOp
 
@@ -26,4 +29,19 @@ OP = NativeOp(Path(__file__).with_name("vnni.cpp"), "mars_vnni",
 
 # load(): build (once) and load the kernel, True where `torch.ops.mars_vnni` is ready; it never raises, and a reason it
 # is not available is kept for why_not(); w8a8 then runs another kernel (mars_core.w8a8.pick_kernel)
-load, why_not, cpu_supported = OP.load, OP.why_not, OP.cpu_supported
+why_not, cpu_supported = OP.why_not, OP.cpu_supported
+
+
+def load() -> bool:
+    """OP.load, and on a CPU with AMX the tile unit for products of two or more rows (the same integer sums, so
+    the same bits) unless MARS_AMX=0."""
+    ok = OP.load()
+    if ok and os.environ.get("MARS_AMX", "1") == "0":
+        torch.ops.mars_vnni.use_amx(0)
+    return ok
+
+
+def amx_used() -> bool:
+    """Whether the kernel multiplies several rows on AMX tiles here (a CPU with AMX-INT8, Linux letting the process
+    use them, and MARS_AMX not 0)."""
+    return load() and torch.ops.mars_vnni.use_amx(-1)

@@ -111,3 +111,48 @@ def test_the_kernel_is_the_default_here_and_off_falls_back_to_fbgemm(monkeypatch
     with pytest.raises(ValueError, match=r"the w8a8 kernel 'vnni' is not available here \(MARS_VNNI=0\): use "
                                          r"MARS_W8A8_KERNEL=fbgemm"):
         W8A8Linear(torch.ones(4, 4), kernel="vnni")
+
+
+amx_cpu = pytest.mark.skipif("amx_int8" not in __import__("mars_core.native").native.cpu_flags(),
+                             reason="this CPU has no AMX-INT8, which the kernel's many-row path uses")
+
+
+@amx_cpu
+def test_amx_is_used_here_and_gives_the_vnni_loops_bits_for_any_rows_widths_and_tails(monkeypatch):
+    """On an AMX CPU products of two or more rows run on tiles (64-input chunks; the last k % 64 inputs on the VNNI
+    loop). The int32 sums are the same integers, so the outputs must be bitwise the VNNI loop's: shapes with and
+    without a remainder, fewer than 64 inputs, 1 to 49 rows (more than one group of 16), a lossless step's tail."""
+    from mars_core.w8a8 import _INVERSE, _STEP
+
+    monkeypatch.delenv("MARS_AMX", raising=False)
+    assert vnni.amx_used()
+    op = torch.ops.mars_vnni
+    try:
+        for n, k, bias in SHAPES + [(50, 200, None), (33, 64, None), (70, 1000, "bias")]:
+            gen = torch.Generator().manual_seed(3 * n + k)
+            weight = torch.randn(n, k, generator=gen) * 0.05
+            b = torch.randn(n, generator=gen) if bias else None
+            v = W8A8Linear(weight, b, passes=2, kernel="vnni")._own
+            for rows in (1, 2, 5, 16, 17, 49):
+                x = torch.randn(rows, k, generator=gen) * 3
+                for length, tail in ((1, 0), (rows, min(2, rows - 1))):
+                    args = (x, v.packed, v.scale, b, True, _INVERSE, float(_STEP), length, tail)
+                    with torch.inference_mode():
+                        op.use_amx(0)
+                        loop = op.linear(*args)
+                        op.use_amx(1)
+                        tiles = op.linear(*args)
+                    assert torch.equal(tiles, loop), (n, k, rows, tail, (tiles - loop).abs().max().item())
+    finally:
+        op.use_amx(1)
+
+
+@amx_cpu
+def test_mars_amx_0_keeps_the_vnni_loop(monkeypatch):
+    monkeypatch.setenv("MARS_AMX", "0")
+    try:
+        assert vnni.load() and not vnni.amx_used()
+    finally:
+        torch.ops.mars_vnni.use_amx(1)
+    monkeypatch.delenv("MARS_AMX")
+    assert vnni.amx_used()
