@@ -1,6 +1,6 @@
 // Every decoder layer of a w8a8 forward in one call: the arithmetic of mars_core.lean_script.layers_w8a8 (not
-// its order of operations), with RMSNorm, RoPE, the cache writes, attention, SiLU and the residual adds as plain
-// loops around the file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
+// its order of operations, nor libm's exp: exp8/exp4 below), with RMSNorm, RoPE, the cache writes, attention, SiLU
+// and the residual adds as plain or vectorized loops around the file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
 //
 // Why: on one thread of a slow core, the ~4,000 small torch ops of a SmolLM2 forward cost as much as its 121
 // matrix products (docs/experiments.md, "A native layer stack"). Here they cost next to nothing.
@@ -36,35 +36,117 @@ inline void rms(const float* x, const float* w, float* out, int64_t rows, int64_
   }
 }
 
-// q . k in float64 for `count` (1..4) keys `stride` apart: one accumulator of 4 lanes per key, run over d (a
-// multiple of 4) in order and its lanes summed in a fixed order, so a score never depends on which keys share the
-// call. Four keys at a time keep four independent chains of multiply-adds in flight.
-inline void dots(const double* q, const double* k, int64_t stride, int64_t d, int count, double* out) {
-  __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-  if (count == 4) {
-    for (int64_t i = 0; i < d; i += 4) {
-      const __m256d qv = _mm256_loadu_pd(q + i);
-      a[0] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + i), a[0]);
-      a[1] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + stride + i), a[1]);
-      a[2] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + 2 * stride + i), a[2]);
-      a[3] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + 3 * stride + i), a[3]);
-    }
-  } else {
-    for (int j = 0; j < count; ++j)
-      for (int64_t i = 0; i < d; i += 4)
-        a[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), a[j]);
+// exp on 8 floats and on 4 doubles: range reduction by ln 2 (in two parts), a Taylor polynomial on |r| <= ln2 / 2
+// (degree 7 in float, 13 in double: within an ulp or two of std::exp), scaled by 2^n through the exponent bits.
+// Written with AVX2 + FMA intrinsics only, so that both kernels' builds (AVX-512 and AVX2) run the same
+// instructions and give the same bits. libm's scalar exp was most of a position's cost outside the products:
+// SiLU's 1,536 per layer and the softmax's one per key and head. Results below exp's normal range are 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.72283f), lo = _mm256_set1_ps(-87.33654f);
+  const __m256 big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (float k : c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
+  __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  __m256 y = _mm256_castsi256_ps(bits);
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), small);
+  return _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
+}
+
+inline __m256d exp4(__m256d x) {
+  const __m256d lo = _mm256_set1_pd(-708.0);
+  const __m256d small = _mm256_cmp_pd(x, lo, _CMP_LT_OQ);   // also -inf (a hidden column)
+  const __m256d xc = _mm256_max_pd(x, lo);
+  const __m256d n = _mm256_round_pd(_mm256_mul_pd(xc, _mm256_set1_pd(1.4426950408889634)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93145751953125e-1), xc);
+  r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.42860682030941723212e-6), r);
+  double f = 1;
+  for (int k = 2; k <= 13; ++k) f *= k;                      // 13!
+  __m256d p = _mm256_set1_pd(1 / f);
+  for (int k = 12; k >= 0; --k) {
+    f /= (k + 1);                                            // k!
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1 / f));
   }
+  const __m256d shift = _mm256_set1_pd(6755399441055744.0);  // 2^52 + 2^51: n's integer lands in the low bits
+  const __m256i e = _mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n, shift)), 52);
+  const __m256d y = _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(p), e));
+  return _mm256_blendv_pd(y, _mm256_setzero_pd(), small);
+}
+
+// q . k in float64 for C (1..4) keys `stride` apart: eight partial sums per key (element i into sum i mod 8) run
+// over d in order, then summed in a fixed tree, so a score never depends on which keys share the call. The AVX-512
+// build keeps the eight in one register, the AVX2 build in two (elements i..i+3 and i+4..i+7 of each eight), by
+// the same multiply-adds: both give the same bits. A last group of 4 (d = 4 mod 8) goes to sums 0-3.
+template <int C>
+inline void dots(const double* q, const double* k, int64_t stride, int64_t d, double* out) {
+  __m256d s[C];
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512d a[C];
+  for (int j = 0; j < C; ++j) a[j] = _mm512_setzero_pd();
+  for (; i + 8 <= d; i += 8) {
+    const __m512d qv = _mm512_loadu_pd(q + i);
+    for (int j = 0; j < C; ++j) a[j] = _mm512_fmadd_pd(qv, _mm512_loadu_pd(k + j * stride + i), a[j]);
+  }
+  for (int j = 0; j < C; ++j) s[j] = _mm512_castpd512_pd256(a[j]);
+  if (i < d)
+    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), s[j]);
+  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], _mm512_extractf64x4_pd(a[j], 1));
+#else
+  __m256d h[C];
+  for (int j = 0; j < C; ++j) s[j] = h[j] = _mm256_setzero_pd();
+  for (; i + 8 <= d; i += 8) {
+    const __m256d ql = _mm256_loadu_pd(q + i), qh = _mm256_loadu_pd(q + i + 4);
+    for (int j = 0; j < C; ++j) {
+      s[j] = _mm256_fmadd_pd(ql, _mm256_loadu_pd(k + j * stride + i), s[j]);
+      h[j] = _mm256_fmadd_pd(qh, _mm256_loadu_pd(k + j * stride + i + 4), h[j]);
+    }
+  }
+  if (i < d)
+    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), s[j]);
+  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], h[j]);
+#endif
   alignas(32) double lanes[4];
-  for (int j = 0; j < count; ++j) {
-    _mm256_store_pd(lanes, a[j]);
+  for (int j = 0; j < C; ++j) {
+    _mm256_store_pd(lanes, s[j]);
     out[j] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
 }
 
-// out[0 .. 4W) = sum over t of p[t] * v[t][0 .. 4W) (rows `stride` apart), summed over t in order in W registers,
-// then rounded to float. Columns with p = 0 (hidden, or underflowed) are skipped: they would add exact zeros.
+inline void dots(const double* q, const double* k, int64_t stride, int64_t d, int count, double* out) {
+  switch (count) {
+    case 4: dots<4>(q, k, stride, d, out); break;
+    case 3: dots<3>(q, k, stride, d, out); break;
+    case 2: dots<2>(q, k, stride, d, out); break;
+    default: dots<1>(q, k, stride, d, out);
+  }
+}
+
+// out[0 .. 4W) = sum over t of p[t] * v[t][0 .. 4W) (rows `stride` apart), summed over t in order in W registers
+// (W / 2 in the AVX-512 build: each output takes the same multiply-adds), then rounded to float. Columns with p = 0
+// (hidden, or underflowed) are skipped: they would add exact zeros.
 template <int W>
 inline void weigh(const double* p, const double* v, int64_t stride, int64_t end, float* out) {
+#ifdef __AVX512F__
+  if constexpr (W % 2 == 0) {
+    __m512d acc[W / 2];
+    for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_setzero_pd();
+    for (int64_t t = 0; t < end; ++t) {
+      if (p[t] == 0) continue;
+      const __m512d pt = _mm512_set1_pd(p[t]);
+      const double* vr = v + t * stride;
+      for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_fmadd_pd(pt, _mm512_loadu_pd(vr + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < W / 2; ++j) _mm256_storeu_ps(out + 8 * j, _mm512_cvtpd_ps(acc[j]));
+    return;
+  }
+#endif
   __m256d acc[W];
   for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_pd();
   for (int64_t t = 0; t < end; ++t) {
@@ -74,6 +156,22 @@ inline void weigh(const double* p, const double* v, int64_t stride, int64_t end,
     for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_pd(pt, _mm256_loadu_pd(vr + 4 * j), acc[j]);
   }
   for (int j = 0; j < W; ++j) _mm_storeu_ps(out + 4 * j, _mm256_cvtpd_ps(acc[j]));
+}
+
+// out = g / (1 + exp(-g)) * u, 8 at a time (the last few through a padded copy, by the same instructions).
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  auto eight = [&](__m256 gv, __m256 uv) {
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))), uv);
+  };
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(out + e, eight(_mm256_loadu_ps(g + e), _mm256_loadu_ps(u + e)));
+  if (e == n) return;
+  alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
+  std::copy(g + e, g + n, gb);
+  std::copy(u + e, u + n, ub);
+  _mm256_store_ps(ob, eight(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+  std::copy(ob, ob + (n - e), out + e);
 }
 
 struct Shape {
@@ -114,7 +212,7 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
       for (int64_t e = 0; e < d; ++e) vt[e] = row[(heads + kv + g) * d + e];
     }
   }
-  std::vector<double> score(end);
+  std::vector<double> score((end + 3) / 4 * 4);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t bi = r / s.length, l = r % s.length;
     for (int64_t h = 0; h < heads; ++h) {
@@ -130,8 +228,11 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
         if (hid && hid[t]) score[t] = -std::numeric_limits<double>::infinity();
         top = std::max(top, score[t]);
       }
+      const __m256d topv = _mm256_set1_pd(top);
+      for (int64_t t = 0; t < end; t += 4)   // the buffer is padded to a multiple of 4
+        _mm256_storeu_pd(score.data() + t, exp4(_mm256_sub_pd(_mm256_loadu_pd(score.data() + t), topv)));
       double sum = 0;
-      for (int64_t t = 0; t < end; ++t) sum += score[t] = std::exp(score[t] - top);
+      for (int64_t t = 0; t < end; ++t) sum += score[t];
       for (int64_t t = 0; t < end; ++t) score[t] = score[t] / sum;
       float* out = att + r * heads * d + h * d;
       int64_t e = 0;
@@ -190,11 +291,7 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, co
     auto act = at::empty({rows, half}, x.options());
     const float* gu = gate_up.data_ptr<float>();
     float* ap = act.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t e = 0; e < half; ++e) {
-        const float g = gu[r * 2 * half + e];
-        ap[r * half + e] = g / (1.f + std::exp(-g)) * gu[r * 2 * half + half + e];
-      }
+    for (int64_t r = 0; r < rows; ++r) silu_mul(gu + r * 2 * half, gu + r * 2 * half + half, ap + r * half, half);
     add(product(act, 4 * i + 3));
   }
   return x;
