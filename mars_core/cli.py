@@ -274,10 +274,9 @@ def check_bench_args(args) -> None:
     if args.prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup {args.prompt_lookup} must be >= 0 (0: off; 3 is a good start)")
     if getattr(args, "llamacpp", None) is not None:
-        from mars_core.llamacpp import HINT, available
+        from mars_core.llamacpp import check_usable
 
-        if not available():
-            raise ValueError(f"--llamacpp needs llama-cpp-python, which is not installed: {HINT}")
+        check_usable()
 
 
 def _bench_row_costs(lm, prompt: str, args) -> int:

@@ -21,6 +21,17 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def check_usable() -> None:
+    """A ValueError naming the fix unless llama-cpp-python is installed and imports (bench checks it before loading)."""
+    if not available():
+        raise ValueError(f"--llamacpp needs llama-cpp-python, which is not installed: {HINT}")
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:   # installed with --no-deps, say: its own imports fail
+        raise ValueError(f"--llamacpp: llama-cpp-python is installed but does not import ({e}): install what "
+                         f"it names, or reinstall it with its dependencies") from None
+
+
 def default_gguf(model_name: str) -> str | None:
     """The GGUF that matches an embedded SmolLM2 model, or None."""
     if model_name.lower().startswith("smollm2"):
@@ -35,8 +46,7 @@ class LlamaCppAR:
     """Greedy decoding of token-id prompts with llama.cpp on `threads` threads; one prompt at a time."""
 
     def __init__(self, gguf: str, eos_ids: list[int], threads: int = 1, context: int = 2048):
-        if not available():
-            raise ValueError(f"--llamacpp needs llama-cpp-python, which is not installed: {HINT}")
+        check_usable()
         if not Path(gguf).is_file():
             raise ValueError(f"--llamacpp {gguf!r} is not a GGUF file: pass the path of one")
         import llama_cpp

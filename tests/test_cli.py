@@ -238,3 +238,27 @@ def test_bench_llamacpp_without_the_package_is_one_clear_line(monkeypatch, capsy
     assert main(["bench", "--model", "tiny-mars", "--llamacpp", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err
+
+
+def test_bench_llamacpp_installed_without_its_dependencies_is_one_clear_line(monkeypatch, capsys, tmp_path):
+    """llama-cpp-python installed with --no-deps imports diskcache at import time: one line naming the missing
+    module, exit 2, not a traceback."""
+    import builtins
+
+    import mars_core.llamacpp as llamacpp
+    from mars_core.cli import main
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ModuleNotFoundError("No module named 'diskcache'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert main(["bench", "--model", "tiny-mars", "--llamacpp", str(gguf), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not import (No module named 'diskcache')" in err
