@@ -33,7 +33,7 @@ why_not, cpu_supported = OP.why_not, OP.cpu_supported
 
 
 def load() -> bool:
-    """OP.load, and on a CPU with AMX the tile unit for products of two or more rows (the same integer sums, so
+    """OP.load, and on a CPU with AMX the tile unit for its products (the same integer sums, so
     the same bits) unless MARS_AMX=0."""
     ok = OP.load()
     if ok and os.environ.get("MARS_AMX", "1") == "0":
