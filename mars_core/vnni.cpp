@@ -199,14 +199,12 @@ const auto BLOCKS = table(std::make_integer_sequence<int, ROWS>{});
 constexpr std::array<BlockFn, 4> FEW = {&few<1>, &few<2>, &few<3>, &few<4>};
 
 // ----------------------------------------------------------------------------------------------------------------
-// AMX, Intel's tile unit, for many rows: the same int32 sums, so the results stay bitwise the VNNI loop's (and
-// fbgemm's). TDPBSUD multiplies up to 16 rows of 64 signed activation bytes by 64 inputs x 16 channels of unsigned
-// weight bytes in the layout pack() already writes (16 rows of 16 channels x 4 inputs), so one tile load takes 1 KB
-// of a channel block. vpdpbusd does 16 x 4 multiply-adds per instruction, a tile product 16 x 64 x 16: at 5-7 rows
-// the VNNI loop is compute-bound and the weights' reading no longer hides it (docs/experiments.md).
-// From one row on: a one-row tile product wastes 15 of its 16 rows, but reading the weights is the bound there, and
-// the tile loads read them faster than the VNNI loop (all of SmolLM2's products, one row: ~0.9x its time).
-constexpr int AMX_MIN_ROWS = 1;
+// AMX, Intel's tile unit: the same int32 sums, so the results stay bitwise the VNNI loop's (and fbgemm's).
+// TDPBSUD multiplies up to 16 rows of 64 signed activation bytes by 64 inputs x 16 channels of unsigned weight bytes
+// in the layout pack() already writes (16 rows of 16 channels x 4 inputs), so one tile load takes 1 KB of a channel
+// block. Where the CPU has it, every product uses it: on an AMX Xeon the 211 SmolLM2 products took about one row's
+// time from 1 to 8 rows, where the VNNI loop's 2-4-row calls were 15-25% slower, and one row itself ran ~0.9x the
+// loop's time (docs/experiments.md, "AMX tiles in the VNNI kernel").
 constexpr int TILE_ROWS = 16;
 
 struct alignas(64) TileConfig {
@@ -331,7 +329,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sc = scale.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-  const bool amx = all >= AMX_MIN_ROWS && amx_on();
+  const bool amx = amx_on();
   const int64_t group = amx ? 4 : 1;   // channel blocks whose sums are ready before their outputs are finished
   at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
     std::vector<int32_t> sums(group * all * LANES), rest(TILE_ROWS * LANES);

@@ -66,13 +66,11 @@ inline __m256d exp4(__m256d x) {
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93145751953125e-1), xc);
   r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.42860682030941723212e-6), r);
-  double f = 1;
-  for (int k = 2; k <= 13; ++k) f *= k;                      // 13!
-  __m256d p = _mm256_set1_pd(1 / f);
-  for (int k = 12; k >= 0; --k) {
-    f /= (k + 1);                                            // k!
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1 / f));
-  }
+  constexpr double c[] = {1.0 / 6227020800, 1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800,   // 1/k!, k = 13..0
+                          1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0,
+                          1.0};
+  __m256d p = _mm256_set1_pd(c[0]);
+  for (int k = 1; k < 14; ++k) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[k]));
   const __m256d shift = _mm256_set1_pd(6755399441055744.0);  // 2^52 + 2^51: n's integer lands in the low bits
   const __m256i e = _mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n, shift)), 52);
   const __m256d y = _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(p), e));
@@ -85,7 +83,7 @@ inline __m256d exp4(__m256d x) {
 // the same multiply-adds: both give the same bits. A last group of 4 (d = 4 mod 8) goes to sums 0-3.
 template <int C>
 inline void dots(const double* q, const double* k, int64_t stride, int64_t d, double* out) {
-  __m256d s[C];
+  __m256d s[C], h[C];   // sums 0-3 and 4-7
   int64_t i = 0;
 #ifdef __AVX512F__
   __m512d a[C];
@@ -94,12 +92,11 @@ inline void dots(const double* q, const double* k, int64_t stride, int64_t d, do
     const __m512d qv = _mm512_loadu_pd(q + i);
     for (int j = 0; j < C; ++j) a[j] = _mm512_fmadd_pd(qv, _mm512_loadu_pd(k + j * stride + i), a[j]);
   }
-  for (int j = 0; j < C; ++j) s[j] = _mm512_castpd512_pd256(a[j]);
-  if (i < d)
-    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), s[j]);
-  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], _mm512_extractf64x4_pd(a[j], 1));
+  for (int j = 0; j < C; ++j) {
+    s[j] = _mm512_castpd512_pd256(a[j]);
+    h[j] = _mm512_extractf64x4_pd(a[j], 1);
+  }
 #else
-  __m256d h[C];
   for (int j = 0; j < C; ++j) s[j] = h[j] = _mm256_setzero_pd();
   for (; i + 8 <= d; i += 8) {
     const __m256d ql = _mm256_loadu_pd(q + i), qh = _mm256_loadu_pd(q + i + 4);
@@ -108,10 +105,12 @@ inline void dots(const double* q, const double* k, int64_t stride, int64_t d, do
       h[j] = _mm256_fmadd_pd(qh, _mm256_loadu_pd(k + j * stride + i + 4), h[j]);
     }
   }
-  if (i < d)
-    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(_mm256_loadu_pd(q + i), _mm256_loadu_pd(k + j * stride + i), s[j]);
-  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], h[j]);
 #endif
+  if (i < d) {
+    const __m256d qv = _mm256_loadu_pd(q + i);
+    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + j * stride + i), s[j]);
+  }
+  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], h[j]);
   alignas(32) double lanes[4];
   for (int j = 0; j < C; ++j) {
     _mm256_store_pd(lanes, s[j]);

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mars_core.vnni as vnni
+from mars_core.native import cpu_flags
 from mars_core.w8a8 import W8A8Linear, pick_kernel
 
 pytestmark = pytest.mark.skipif(not vnni.cpu_supported(),
@@ -113,15 +114,15 @@ def test_the_kernel_is_the_default_here_and_off_falls_back_to_fbgemm(monkeypatch
         W8A8Linear(torch.ones(4, 4), kernel="vnni")
 
 
-amx_cpu = pytest.mark.skipif("amx_int8" not in __import__("mars_core.native").native.cpu_flags(),
-                             reason="this CPU has no AMX-INT8, which the kernel's many-row path uses")
+amx_cpu = pytest.mark.skipif("amx_int8" not in cpu_flags(),
+                             reason="this CPU has no AMX-INT8, which the kernel's tile path uses")
 
 
 @amx_cpu
 def test_amx_is_used_here_and_gives_the_vnni_loops_bits_for_any_rows_widths_and_tails(monkeypatch):
-    """On an AMX CPU products of two or more rows run on tiles (64-input chunks; the last k % 64 inputs on the VNNI
-    loop). The int32 sums are the same integers, so the outputs must be bitwise the VNNI loop's: shapes with and
-    without a remainder, fewer than 64 inputs, 1 to 49 rows (more than one group of 16), a lossless step's tail."""
+    """On an AMX CPU every product runs on tiles (64-input chunks; the last k % 64 inputs on the VNNI loop). The
+    int32 sums are the same integers, so the outputs must be bitwise the VNNI loop's: shapes with and without a
+    remainder, fewer than 64 inputs, 1 to 49 rows (more than one group of 16), a lossless step's tail."""
     from mars_core.w8a8 import _INVERSE, _STEP
 
     monkeypatch.delenv("MARS_AMX", raising=False)
@@ -156,3 +157,19 @@ def test_mars_amx_0_keeps_the_vnni_loop(monkeypatch):
         torch.ops.mars_vnni.use_amx(1)
     monkeypatch.delenv("MARS_AMX")
     assert vnni.amx_used()
+
+
+def test_both_kernels_give_the_same_bits_when_the_head_size_leaves_a_last_group_of_four():
+    """The attention dot products sum eight partial sums (one AVX-512 register in this kernel, two AVX2 ones in the
+    other); a head size of 12 leaves a last group of 4 past them, which both builds must add."""
+    from mars_core.lean import LeanLM
+    from tests.tiny_fixtures import tiny_causal_lm
+
+    model = tiny_causal_lm(50, "llama", head_dim=12)
+    nets = {kernel: LeanLM(model, "w8a8", kernel=kernel) for kernel in ("vnni", "avx2")}
+    assert nets["vnni"].head_dim == 12
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        logits = {k: net(input_ids=ids, cache=net.new_cache()).logits for k, net in nets.items()}
+    assert torch.equal(logits["vnni"], logits["avx2"])
+    assert logits["vnni"].abs().max() > 0 and not torch.equal(logits["vnni"][0], logits["vnni"][1])
