@@ -178,14 +178,15 @@ class LeanLM(torch.nn.Module):
         self.eps, self.context = cfg.rms_norm_eps, cfg.max_position_embeddings
         self.scale = self.head_dim ** -0.5
         self.gate = gate_of(model)   # a gated adapter (mars_core.gated): its deltas ride on the fused products
-        if self.gate is not None and fmt == "w8a8":
-            raise ValueError("the lean w8a8 forward cannot apply a gated adapter (its layers are one native call): "
-                             "use dtype float32, bfloat16 or int8, or backend='hf'")
         if fmt == "w8a8":
             from mars_core.w8a8 import pick_kernel
 
             kernel = kernel or pick_kernel()
         self.kernel = kernel if fmt == "w8a8" else None
+        if self.gate is not None and fmt == "w8a8" and (kernel not in OWN or not script):
+            raise ValueError(f"the lean w8a8 forward applies a gated adapter only in our kernels' native layer "
+                             f"stack ({', '.join(OWN)}), not with the {kernel!r} kernel: use dtype float32, "
+                             f"bfloat16 or int8, or backend='hf'")
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
         mask_row = getattr(model, "_mars_gated_mask_row", None)
         if mask_row is not None:   # the mask token's input row only; a tied head keeps the base's
@@ -235,19 +236,42 @@ class LeanLM(torch.nn.Module):
                                     [m.bias for m in lins], two, norms),
             "w8a8-vnni": own, "w8a8-avx2": own,
             "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
-        if self.gate is not None:   # only the fp32 loop applies deltas (w8a8 refuses a gated adapter)
+        if self.gate is not None and self.format == "w8a8":   # the native stack's int8 deltas (_native_lora)
+            self._lora = self._native_lora()
+        elif self.gate is not None:   # the fp32 loop's deltas
             gated = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
             self._lora = ([getattr(m, "a_t", None) for m in gated], [getattr(m, "b_t", None) for m in gated])
 
+    def _native_lora(self) -> tuple:
+        """The native layer stack's gated deltas (mars_core/w8a8_layers.h, `Lora`): A products (one per adapted
+        product), B products (one per part) and the index [parts, 5] of (product, A entry, r offset, r width,
+        output offset), from each layer's `lora` (_layer)."""
+        a, a_scale, b, b_scale, index = [], [], [], [], []
+        for i, layer in enumerate(self.layers):
+            for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+                lora = layer.lora.get(name)
+                if lora is None:
+                    continue
+                a_lin, parts = lora
+                for b_lin, r_off, out_off in parts:
+                    index.append([4 * i + j, len(a), r_off, b_lin.in_features, out_off])
+                    b.append(b_lin._own.packed)
+                    b_scale.append(b_lin._own.scale)
+                a.append(a_lin._own.packed)
+                a_scale.append(a_lin._own.scale)
+        return a, a_scale, b, b_scale, torch.tensor(index, dtype=torch.long).reshape(-1, 5)
+
     def _layer(self, layer, fmt, dtype, ranges: dict | None = None) -> torch.nn.Module:
         w = self._float_weights(layer)
-        if ranges is not None:
-            self._smooth(w, ranges)
+        scales = self._smooth(w, ranges) if ranges is not None else {}
         out = torch.nn.Module()
+        out.lora = {}   # w8a8: the gated deltas the native stack applies (_native_lora)
         for name in ("qkv", "o", "gate_up", "down"):
             linear = make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel)
-            delta = self._gated_delta(layer, name) if self.gate is not None else None
-            if delta is not None:   # in the activations' dtype, as the products take them
+            if self.gate is not None and fmt == "w8a8":
+                out.lora[name] = self._w8a8_delta(layer, name, *scales.get(name, (None, None)))
+            elif self.gate is not None and (delta := self._gated_delta(layer, name)) is not None:
+                # in the activations' dtype, as the products take them
                 linear = GatedLinear(linear, *(t.to(self.dtype) for t in delta), self.gate)
             setattr(out, name, linear)
         out.register_buffer("norm_in", w["norm_in"].to(self.dtype))
@@ -271,35 +295,66 @@ class LeanLM(torch.nn.Module):
             w["gate_up_b"] = torch.cat([f(m.gate_proj.bias), f(m.up_proj.bias)])
         return w
 
-    def _gated_delta(self, layer, role: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A [R, in], B [out, R]) of a fused product whose parts carry gated deltas (mars_core.gated): the parts'
-        A stacked, their B on the block diagonal (q and k rows interleaved as the fused weight's are), zero rows
-        for a part without one. None if no part has one."""
+    def _gated_parts(self, layer, role: str) -> tuple[torch.Tensor, list, int] | None:
+        """A fused product's gated deltas (mars_core.gated): (the parts' A stacked [R, in], [(B [out_part, r],
+        r offset, output offset)] with q's and k's rows interleaved as the fused weight's are, the product's
+        outputs), or None if no part has one."""
         a, m = layer.self_attn, layer.mlp
         parts = {"qkv": [(a.q_proj, True), (a.k_proj, True), (a.v_proj, False)], "o": [(a.o_proj, False)],
                  "gate_up": [(m.gate_proj, False), (m.up_proj, False)], "down": [(m.down_proj, False)]}[role]
-        gated = [(p, inter) for p, inter in parts if isinstance(p, GatedLinear)]
-        if not gated:
+        if not any(isinstance(p, GatedLinear) for p, _ in parts):
             return None
-        big_a = torch.cat([p.a_t.t() for p, _ in gated])
-        big_b = torch.zeros(sum(p.weight.shape[0] for p, _ in parts), big_a.shape[0])
-        row = col = 0
+        big_a, bs, row, col = [], [], 0, 0
         for p, inter in parts:
             if isinstance(p, GatedLinear):
                 b = p.b_t.t()
-                big_b[row: row + b.shape[0], col: col + b.shape[1]] = _interleave_rows(b, self.head_dim) if inter else b
+                big_a.append(p.a_t.t())
+                bs.append((_interleave_rows(b, self.head_dim) if inter else b, col, row))
                 col += b.shape[1]
             row += p.weight.shape[0]
+        return torch.cat(big_a), bs, row
+
+    def _gated_delta(self, layer, role: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [R, in], B [out, R]) of a fused product's gated deltas: the parts' B on the block diagonal, zero rows
+        for a part without one (the fp32 loop's form). None if no part has one."""
+        found = self._gated_parts(layer, role)
+        if found is None:
+            return None
+        big_a, bs, rows = found
+        big_b = torch.zeros(rows, big_a.shape[0])
+        for b, col, row in bs:
+            big_b[row: row + b.shape[0], col: col + b.shape[1]] = b
         return big_a, big_b
 
-    def _smooth(self, w: dict, ranges: dict) -> None:
-        """SmoothQuant's migration (mars_core.w8a8.smoothing), folded into the weights that feed each product."""
+    def _w8a8_delta(self, layer, role: str, s_in: torch.Tensor | None, out_scale: torch.Tensor | None):
+        """A fused product's gated deltas as the native stack's int8 products, (A, [(B, r offset, output
+        offset)]), or None. Smoothing divided the product's input by `s_in` (so A's columns are multiplied by it)
+        and multiplied some outputs by `out_scale` (v's rows of qkv and up's of gate_up: B's rows follow)."""
+        from mars_core.w8a8 import W8A8Linear
+
+        found = self._gated_parts(layer, role)
+        if found is None:
+            return None
+        big_a, bs, _ = found
+        big_a = big_a.float() * (s_in[None, :] if s_in is not None else 1.0)
+        parts = []
+        for b, col, row in bs:
+            b = b.float() * (out_scale[row: row + b.shape[0], None] if out_scale is not None else 1.0)
+            parts.append((W8A8Linear(b, None, passes=2, kernel=self.kernel), col, row))
+        return W8A8Linear(big_a, None, passes=2, kernel=self.kernel), parts
+
+    def _smooth(self, w: dict, ranges: dict) -> dict:
+        """SmoothQuant's migration (mars_core.w8a8.smoothing), folded into the weights that feed each product.
+        Returns, per product, (what its input was divided by [in], what its outputs were multiplied by [out] or
+        None): what a gated delta on that product must follow (_w8a8_delta)."""
         from mars_core.w8a8 import smoothing
 
         col = lambda weight: weight.abs().amax(dim=0)
+        scales = {}
         for norm, name in (("norm_in", "qkv"), ("norm_post", "gate_up")):
             s = smoothing(ranges[name], col(w[name]))
             w[name], w[norm] = w[name] * s, w[norm] / s
+            scales[name] = [s, None]
         # o's input is attention's output, linear in v: one scale per v channel, shared by the heads that read it
         group, d = self.heads // self.kv_heads, self.head_dim
         x_range = ranges["o"].view(self.kv_heads, group, d).amax(dim=1)
@@ -310,12 +365,18 @@ class LeanLM(torch.nn.Module):
         w["qkv"][v] = w["qkv"][v] / s.reshape(-1, 1)
         if "qkv_b" in w:
             w["qkv_b"][v] = w["qkv_b"][v] / s.reshape(-1)
+        scales["o"] = [s.expand(self.kv_heads, group, d).reshape(-1), None]
+        scales["qkv"][1] = torch.ones(w["qkv"].shape[0])
+        scales["qkv"][1][v] = 1 / s.reshape(-1)
         # down's input is silu(gate) * up, linear in up
         s = smoothing(ranges["down"], col(w["down"]))
         half = w["gate_up"].shape[0] // 2
         w["down"], w["gate_up"][half:] = w["down"] * s, w["gate_up"][half:] / s[:, None]
         if "gate_up_b" in w:
             w["gate_up_b"][half:] = w["gate_up_b"][half:] / s
+        scales["down"] = [s, None]
+        scales["gate_up"][1] = torch.cat([torch.ones(half), 1 / s])
+        return scales
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.embed.device,
@@ -343,7 +404,9 @@ class LeanLM(torch.nn.Module):
         gated = self.gate is not None and self.gate.read(input_ids)
         if self.scripted is not None:
             tail = {"tail": min(draft_tail, length)} if self.kernel in OWN and draft_tail else {}
-            if gated:
+            if gated and self.kernel in OWN:   # the native stack: the mask rows' int8 deltas
+                tail.update(rows=self.gate.column[:, 0].nonzero()[:, 0], lora=self._lora)
+            elif gated:
                 tail = {"column": self.gate.column, "lora_a": self._lora[0], "lora_b": self._lora[1]}
             x = self.scripted(x, *self._script_weights, *shape, **tail)
         else:   # the same arithmetic through the modules (bf16, int8, or a torch that cannot script)

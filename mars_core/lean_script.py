@@ -112,15 +112,17 @@ def native_loop(kernel: str):
     """Every layer in w8a8 through one call of our kernel's `layers` op (mars_core/w8a8_layers.h, built into
     mars_core/vnni.cpp and avx2.cpp). It takes the kernel's weight lists (LeanLM._script: packed weights, scales,
     biases, second-pass flags, norms), the loops' shape arguments and `tail`: the last `tail` positions of each row
-    skip the second pass (LeanLM.forward's `draft_tail`)."""
+    skip the second pass (LeanLM.forward's `draft_tail`). A gated adapter adds `rows` (the mask positions) and
+    `lora`: LeanLM._native_lora's packed A and B products and their index."""
     op = getattr(torch.ops, f"mars_{kernel}").layers
 
     def loop(x: torch.Tensor, packs: List[torch.Tensor], scales: List[torch.Tensor],
              biases: List[Optional[torch.Tensor]], two: List[bool], norms: List[torch.Tensor], k_cache: torch.Tensor,
              v_cache: torch.Tensor, past: int, b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
-             hidden: Optional[torch.Tensor], eps: float, tail: int = 0) -> torch.Tensor:
+             hidden: Optional[torch.Tensor], eps: float, tail: int = 0, rows: Optional[torch.Tensor] = None,
+             lora: tuple = ([], [], [], [], None)) -> torch.Tensor:
         return op(x, packs, scales, biases, two, norms, k_cache, v_cache, past, b, length, heads, kv, d,
-                  torch.view_as_real(rope), hidden, eps, _INVERSE, _STEP_F, tail)
+                  torch.view_as_real(rope), hidden, eps, _INVERSE, _STEP_F, tail, rows, *lora)
 
     return loop
 

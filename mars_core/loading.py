@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from mars_core.adapter import is_gated, read_adapter_config
 from mars_core.cpu_layout import RowMajorLinear, cpu_decoding_layout  # noqa: F401  (also imported from here)
-from mars_core.formats import BACKENDS, auto_cpu_format, lean_net, pick_backend, pick_dtype  # noqa: F401
+from mars_core.formats import (BACKENDS, W8A8_KEEPS_QUALITY, auto_cpu_format, lean_net, pick_backend,  # noqa: F401
+                               pick_dtype)
 # Also imported from here by code older than mars_core.sources and mars_core.tokens (finetune, w8a8, vnni, app).
 from mars_core.sources import (  # noqa: F401
     ASSETS, DEFAULT_MODEL, KNOWN_MODELS, REPO_ROOT, _checkpoint_dir, _first_line, _from_pretrained, _model_name,
@@ -172,9 +173,14 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
                              f"{adapter_cfg['mask_token']!r}: leave mask_token unset for an adapter")
         mask_token = adapter_cfg["mask_token"]
     gated = adapter_cfg is not None and is_gated(adapter_cfg)
-    if gated and dtype == "w8a8" and backend == "lean":
-        raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward cannot apply: use "
-                         "backend='hf' (or auto) with w8a8, or dtype float32, bfloat16 or int8")
+    # the lean w8a8 forward applies a gated adapter in our own kernels' native stack only (asked only where w8a8
+    # may run: finding the kernel can mean building it)
+    native_gate = gated and (dtype == "w8a8" or (dtype == "auto" and (name_or_path or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)) \
+        and _own_w8a8_kernel()
+    if gated and dtype == "w8a8" and backend == "lean" and not native_gate:
+        raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward applies only with our "
+                         "own w8a8 kernels (not available here): use backend='hf' (or auto) with w8a8, or dtype "
+                         "float32, bfloat16 or int8")
     dev = pick_device(device)   # cheap checks before any conversion or loading
     torch_dtype = pick_dtype(dtype, dev)
     where = _checkpoint_dir(kind, where, name_or_path)
@@ -187,9 +193,9 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
 
         attach_gated(model, adapter_dir)
     model.to(dev).eval()
-    lean, net = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8"), None
+    lean, net = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8" and not native_gate), None
     n_params = sum(p.numel() for p in model.parameters())
-    if dev.type == "cpu" and dtype == "auto" and gated:   # w8a8's lean forward cannot apply the gate
+    if dev.type == "cpu" and dtype == "auto" and gated and not native_gate:   # no lean w8a8 forward for the gate
         dtype = "float32"
     elif dev.type == "cpu" and dtype == "auto":
         dtype, net = auto_cpu_format(model, tokenizer, name_or_path or DEFAULT_MODEL, str(where), lean)
@@ -230,3 +236,11 @@ def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None
         path="", name=name, device=device, mask_source=source,
         context_length=getattr(model.config, "max_position_embeddings", 2048), net=net,
     )
+
+
+def _own_w8a8_kernel() -> bool:
+    """Whether w8a8 runs on one of our own kernels here (mars_core.w8a8.OWN), whose native layer stack applies a
+    gated adapter's deltas."""
+    from mars_core.w8a8 import OWN, pick_kernel
+
+    return pick_kernel() in OWN

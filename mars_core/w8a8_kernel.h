@@ -35,6 +35,8 @@ inline int64_t second_rows(int64_t rows, int64_t length, int64_t tail, bool two,
           "float step, int length=1, int tail=0) -> Tensor", &linear);                                   \
     m.def("layers(Tensor x, Tensor[] packs, Tensor[] scales, Tensor?[] biases, bool[] two, Tensor[] norms, "   \
           "Tensor(a!) k_cache, Tensor(b!) v_cache, int past, int b, int length, int heads, int kv, int d, "      \
-          "Tensor rope, Tensor? hidden, float eps, float inverse, float step, int tail=0) -> Tensor",            \
+          "Tensor rope, Tensor? hidden, float eps, float inverse, float step, int tail, Tensor? lora_rows, "     \
+          "Tensor[] lora_a, Tensor[] lora_a_scale, Tensor[] lora_b, Tensor[] lora_b_scale, Tensor? lora_index) "  \
+          "-> Tensor",                                                                                      \
           &mars_w8a8::layers<&linear>);                                                                   \
   }

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace mars_w8a8 {
@@ -241,13 +242,75 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
   }
 }
 
+// A gated adapter's deltas (mars_core.gated) in w8a8: after product j, the rows `rows` (the mask positions) get
+// linear(linear(x_row, A_j) narrowed to a part's columns, B_part) added at the part's output columns. A is the
+// product's parts' A stacked ([R, in]: their input is the same); each part's B (q, k, v; gate, up; o; down) is a
+// product of its own, so the block-diagonal zeros of a fused B are never read. Both are int8 like the base's
+// weights (a delta read in fp32 would add a third to a forward's weight bytes). Only those rows change, each from
+// its own input, so every other row is the base model's bit for bit and rows stay independent.
+struct Lora {
+  at::Tensor rows;                          // int64 row indices, or undefined: no delta this call
+  c10::List<at::Tensor> a, a_scale, b, b_scale;
+  std::vector<std::vector<int64_t>> parts;  // product j -> rows of `index`: (j, a entry, r offset, r width, out offset)
+  const int64_t* index = nullptr;
+
+  Lora(const c10::optional<at::Tensor>& rows_in, c10::List<at::Tensor> a, c10::List<at::Tensor> a_scale,
+       c10::List<at::Tensor> b, c10::List<at::Tensor> b_scale, const c10::optional<at::Tensor>& index_in,
+       int64_t products)
+      : a(std::move(a)), a_scale(std::move(a_scale)), b(std::move(b)), b_scale(std::move(b_scale)), parts(products) {
+    if (!rows_in.has_value() || !rows_in->defined() || rows_in->numel() == 0 || !index_in.has_value()) return;
+    const at::Tensor& idx = *index_in;
+    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.dim() == 2 && idx.size(1) == 5 &&
+                    idx.size(0) == static_cast<int64_t>(this->b.size()) && this->b.size() == this->b_scale.size() &&
+                    this->a.size() == this->a_scale.size(),
+                "layers: a gated adapter's parts [parts, 5] (product, A entry, r offset, r width, out offset) with "
+                "one B and scale per part are expected");
+    TORCH_CHECK(rows_in->scalar_type() == at::kLong, "layers: int64 mask row indices are expected");
+    rows = rows_in->contiguous();
+    index = idx.data_ptr<int64_t>();
+    for (int64_t p = 0; p < idx.size(0); ++p) {
+      const int64_t* e = index + 5 * p;
+      TORCH_CHECK(e[0] >= 0 && e[0] < products && e[1] >= 0 && e[1] < static_cast<int64_t>(this->a.size()),
+                  "layers: a gated adapter part names a product or A entry that does not exist");
+      parts[e[0]].push_back(p);
+    }
+  }
+
+  template <Linear linear>
+  void add(const at::Tensor& in, int64_t j, at::Tensor& y, double inverse, double step) const {
+    if (!rows.defined() || parts[j].empty()) return;
+    const int64_t m = rows.size(0), k = in.size(1), n = y.size(1);
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    auto xm = at::empty({m, k}, in.options());
+    for (int64_t i = 0; i < m; ++i) std::copy_n(in.data_ptr<float>() + rp[i] * k, k, xm.data_ptr<float>() + i * k);
+    at::Tensor t;
+    int64_t a_entry = -1;
+    float* yp = y.data_ptr<float>();
+    for (int64_t p : parts[j]) {
+      const int64_t* e = index + 5 * p;
+      if (e[1] != a_entry)
+        t = linear(xm, a.get(a_entry = e[1]), a_scale.get(e[1]), c10::nullopt, true, inverse, step, m, 0);
+      const auto delta = linear(t.narrow(1, e[2], e[3]).contiguous(), b.get(p), b_scale.get(p), c10::nullopt, true,
+                                inverse, step, m, 0);
+      const int64_t width = delta.size(1);
+      TORCH_CHECK(e[4] + width <= n, "layers: a gated adapter part reaches past its product's outputs");
+      const float* dp = delta.data_ptr<float>();
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 0; c < width; ++c) yp[rp[i] * n + e[4] + c] += dp[i * width + c];
+    }
+  }
+};
+
 // x [b*L, hidden] through every layer: products in the order qkv, o, gate_up, down per layer, norms in, post.
 template <Linear linear>
 at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, const c10::List<at::Tensor>& scales,
                   const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<bool>& two,
                   const c10::List<at::Tensor>& norms, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t past, int64_t b,
                   int64_t length, int64_t heads, int64_t kv, int64_t d, const at::Tensor& rope_in,
-                  const c10::optional<at::Tensor>& hidden_in, double eps, double inverse, double step, int64_t tail) {
+                  const c10::optional<at::Tensor>& hidden_in, double eps, double inverse, double step, int64_t tail,
+                  const c10::optional<at::Tensor>& lora_rows, const c10::List<at::Tensor>& lora_a,
+                  const c10::List<at::Tensor>& lora_a_scale, const c10::List<at::Tensor>& lora_b,
+                  const c10::List<at::Tensor>& lora_b_scale, const c10::optional<at::Tensor>& lora_index) {
   const int64_t rows = b * length, n = x_in.size(1), count = static_cast<int64_t>(norms.size()) / 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) == rows,
               "layers: a float32 [b * length, hidden] input is expected");
@@ -271,8 +334,11 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, co
   auto h = at::empty({rows, n}, x.options());
   auto att = at::empty({rows, heads * d}, x.options());
   float* xp = x.data_ptr<float>();
+  const Lora lora(lora_rows, lora_a, lora_a_scale, lora_b, lora_b_scale, lora_index, 4 * count);
   auto product = [&](const at::Tensor& in, int64_t j) -> at::Tensor {
-    return linear(in, packs.get(j), scales.get(j), biases.get(j), two.get(j), inverse, step, length, tail);
+    auto y = linear(in, packs.get(j), scales.get(j), biases.get(j), two.get(j), inverse, step, length, tail);
+    lora.add<linear>(in, j, y, inverse, step);
+    return y;
   };
   auto add = [&](const at::Tensor& y) {
     const float* yp = y.data_ptr<float>();

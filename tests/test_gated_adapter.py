@@ -159,11 +159,48 @@ def test_the_masks_see_what_training_trained_them_with(gated, base_dir):
     assert (ours[..., keep] - theirs[..., keep]).abs().max() <= 1e-5
 
 
-def test_auto_serves_a_gated_adapter_in_float32_and_w8a8_runs_it_through_transformers(gated):
+def _own_kernels() -> list[str]:
+    from mars_core.w8a8 import OWN, own_kernel
+    return [k for k in OWN if own_kernel(k).load()]
+
+
+def test_auto_serves_a_gated_adapter_in_float32_and_lean_w8a8_needs_our_kernels(gated, monkeypatch):
     folder, _ = gated
     assert load_model(str(folder), device="cpu", dtype="auto").weight_format == "float32"
-    with pytest.raises(ValueError, match="gated adapter.*backend='hf'"):
+    # fbgemm's products are separate torch ops, not our native stack, which is what applies the deltas in w8a8
+    monkeypatch.setenv("MARS_W8A8_KERNEL", "fbgemm")
+    with pytest.raises(ValueError, match="gated adapter.*own w8a8 kernels.*backend='hf'"):
         load_model(str(folder), device="cpu", dtype="w8a8", backend="lean")
+
+
+@pytest.mark.parametrize("kernel", _own_kernels() or [pytest.param("vnni", marks=pytest.mark.skip(
+    reason="neither of our w8a8 kernels builds on this machine (no g++ or no AVX2)"))])
+def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(gated, base_dir, kernel, monkeypatch):
+    """In the native stack the deltas are int8 products of the mask rows alone: τ = 1 and lossless are the base
+    model's w8a8 answers, a batch decodes as each row alone, and the masks' logits are the fp32 adapter's to w8a8's
+    precision (so smoothing's scales were carried into A and B)."""
+    monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
+    folder, _ = gated
+    lm = load_model(str(folder), device="cpu", dtype="w8a8", backend="lean")
+    base = load_model(str(base_dir), device="cpu", dtype="w8a8", backend="lean", mask_token=MASK_TOKEN)
+    exact = load_model(str(folder), device="cpu", dtype="float32", backend="lean")
+    assert lm.backend == "lean" and lm.weight_format == "w8a8" and lm.net.kernel == kernel
+    one = DecodeConfig(mode="mars", tau=1.0, max_new_tokens=24)
+    want = _ids(generate(base, PROMPTS, one))
+    assert _ids(generate(lm, PROMPTS, one)) == want
+    for layout in ("linear", "tree"):
+        lossless = DecodeConfig(mode="verify", tau=0.05, max_new_tokens=24, draft_layout=layout)
+        assert _ids(generate(lm, PROMPTS, lossless)) == want, layout
+    cfg = DecodeConfig(mode="mars", tau=0.5, max_new_tokens=24)
+    assert _ids(generate(lm, PROMPTS, cfg)) == [generate(lm, [p], cfg)[0].token_ids for p in PROMPTS]
+    prompt = lm.encode(PROMPTS[2])
+    ids = torch.tensor([prompt + [lm.mask_id] * 3, prompt[:-3] + [lm.mask_id] * 6])
+    ours, theirs, fp32 = lm.net(input_ids=ids).logits, base.net(input_ids=ids).logits, exact.net(input_ids=ids).logits
+    masks = ids == lm.mask_id
+    assert torch.equal(ours[~masks], theirs[~masks])
+    assert (ours[masks] - theirs[masks]).abs().max() > 0.1
+    # w8a8 against fp32: no further at the masks than at the real positions (the base's own rounding)
+    assert (ours[masks] - fp32[masks]).abs().max() <= 2 * (ours[~masks] - fp32[~masks]).abs().max() + 1e-3
 
 
 def test_a_gated_adapter_for_another_base_is_refused_before_the_model_changes(gated, base_dir, tmp_path):
