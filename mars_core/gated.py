@@ -4,8 +4,8 @@ A --gated-lora run (finetune) trains the delta at mask positions only, so every 
 Decoding keeps that promise by construction: a step's masks are its last positions, attention is causal, and
 each `GatedLinear` adds its delta to the mask rows alone, so every real position computes exactly what the base
 model computes. Hence τ >= 1 (no masks) is the base model's greedy answer in any format, and lossless decoding is
-too wherever the base's own lossless equals its AR (float32); only the drafts and MARS guesses come from the
-adapter.
+too wherever the base's own lossless equals its AR (float32, and w8a8 on our own kernels, whose native layer
+stack adds the deltas itself: mars_core/w8a8_layers.h); only the drafts and MARS guesses come from the adapter.
 
 `attach_gated` wraps the adapted `nn.Linear` modules of a transformers model in place and hooks its input
 embedding to read which positions are masks. `mars_core.lean.LeanLM` built from that model finds the wrappers and
