@@ -76,10 +76,17 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
     assert all(r.text.strip() for r in mars)
 
 
+def _gated_formats() -> list[str]:
+    from mars_core.w8a8 import OWN, own_kernel
+    return ["float32"] + (["w8a8"] if any(own_kernel(k).load() for k in OWN) else [])
+
+
 @pytest.mark.slow
-def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural):
+@pytest.mark.parametrize("dtype", _gated_formats())
+def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural, dtype):
     """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.gated); here the shipped A and B,
-    relabelled mars-gated-lora-v1, on SmolLM2 itself (fp32, the lean forward), four held-out natural prompts."""
+    relabelled mars-gated-lora-v1, on SmolLM2 itself (the lean forward: fp32, and w8a8 where our kernels' native
+    stack applies the deltas), four held-out natural prompts."""
     import json
     import shutil
 
@@ -87,8 +94,8 @@ def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_th
     shutil.copytree(SHIPPED, gated)
     cfg = json.loads((gated / "adapter_config.json").read_text())
     (gated / "adapter_config.json").write_text(json.dumps({**cfg, "format": "mars-gated-lora-v1"}))
-    lm = load_model(str(gated), device="cpu", dtype="float32")
-    base = load_model("smollm2", device="cpu", dtype="float32", mask_token="<repo_name>")
+    lm = load_model(str(gated), device="cpu", dtype=dtype)
+    base = load_model("smollm2", device="cpu", dtype=dtype, mask_token="<repo_name>")
     assert lm.backend == base.backend == "lean" and lm.path == base.path   # the base folder: nothing merged
     prompts, n = natural[4:8], 32
     want = [r.token_ids for r in generate(base, prompts, DecodeConfig(mode="ar", max_new_tokens=n))]
