@@ -12,6 +12,11 @@ default prompts for smollm2-mars, read there without importing finetune (tests/t
 Splits: a prompt is "heldout" when a stable hash of its *subject* (the topic, word, pair, task, ... it is
 about, together with its category) falls in the lowest HELDOUT_PERCENT buckets, otherwise "train". Held-out
 prompts therefore ask about subjects no training prompt of that category mentions, whatever the seed.
+
+"more" is training data after "train" is used up (its 4,229 prompts went into smollm2-mars and its continuations):
+the templates of MORE, none of them in the main catalogue, on the train subjects only. It adds no held-out prompt
+and changes neither of the other splits (their prompts, order and seeds are what they were), so the report set
+and every earlier run stay comparable.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import hashlib
 import random
 
 HELDOUT_PERCENT = 15
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "more")
 
 # ----------------------------------------------------------------------------- subjects
 
@@ -262,6 +267,45 @@ SQL = ["Write an SQL query that {t}.", "Show an SQL statement that {t}."]
 SHELL = ["Write a shell command that {t}.", "Give a bash one-liner that {t}."]
 
 
+# The "more" split's templates, per category (the catalogue's templates for the same subjects are not repeated).
+MORE = {
+    "explain": ["What are the main ideas behind {t}?", "Give a real-life example of {t}.",
+                "What is a common misunderstanding about {t}?", "Explain {t} in three bullet points.",
+                "Write a short quiz question about {t}, with its answer.", "Explain {t} with a simple comparison.",
+                "What is one question people often ask about {t}? Answer it.", "Teach me about {t} in five sentences."],
+    "define": ["What is the opposite of '{t}'?", "Write two sentences that use the word '{t}'.",
+               "Is '{t}' a positive or a negative word? Explain briefly.",
+               "Give an example that shows what '{t}' means.", "Explain '{t}' to someone learning English."],
+    "compare": ["List two similarities and two differences between {a} and {b}.",
+                "When would you choose {a} instead of {b}?", "Explain the difference between {a} and {b} to a child.",
+                "Make a short table that compares {a} and {b}."],
+    "howto": ["What mistakes should I avoid when I {t}?", "What do I need before I {t}?",
+              "Explain to a complete beginner how to {t}.", "Give me a short checklist to {t}.",
+              "I want to {t}. Where do I start?"],
+    "list": ["List ten {t}.", "Give three examples of {t} and say why each one fits.",
+             "Name two {t} and describe each in one sentence.", "Make a numbered list of {t}."],
+    "rewrite": ["Rewrite this in the past tense: {s}", "Say the same thing in fewer words: {s}",
+                "Write a question that this sentence answers: {s}", "Make this sentence sound more exciting: {s}",
+                "List the key facts in this sentence: {s}", "Rewrite this for a newspaper: {s}"],
+    "translate": ["What is '{p}' in {lang}? Give only the translation.",
+                  "Translate '{p}' into {lang} and explain each word."],
+    "write": ["Write a friendly text message to {w}.", "Write a formal letter to {w}.",
+              "Write a two-sentence note to {w}."],
+    "poem": ["Write a limerick about {t}.", "Write a short rhyming poem about {t}.",
+             "Write a poem for children about {t}."],
+    "story": ["Write a very short story about {t} with a happy ending.",
+              "Write a story about {t} in exactly three sentences.",
+              "Describe the main character of a story about {t}."],
+    "python": ["Write a Python function that {t}, and show one example call.",
+               "Implement a Python function that {t}, with type hints.",
+               "Write a Python function that {t}, then explain it in one sentence."],
+    "sql": ["Write an SQL query that {t}, and explain it in one sentence.", "Give the SQL that {t}."],
+    "shell": ["Show a Linux command that {t}.", "Write a terminal command that {t}, and explain its parts."],
+    "everyday": ["{q} Give a short answer.", "{q} Answer in one sentence."],
+    "math": ["{q} Give only the number.", "{q} Explain your reasoning step by step."],
+}
+
+
 def _math_problems() -> list[tuple[str, str]]:
     """Short word problems, one subject per (names, item, numbers) combination."""
     out = []
@@ -282,13 +326,14 @@ def _math_problems() -> list[tuple[str, str]]:
     return out
 
 
-def _catalogue() -> list[tuple[str, str, str]]:
-    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order."""
+def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
+    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more`, those
+    of the MORE templates instead."""
     rows: list[tuple[str, str, str]] = []
 
     def add(category, subjects, templates, fmt):
         for s in subjects:
-            for t in templates:
+            for t in (MORE[category] if more else templates):
                 rows.append((category, str(s), fmt(t, s)))
 
     add("explain", TOPICS, EXPLAIN, lambda t, s: t.format(t=s))
@@ -308,9 +353,12 @@ def _catalogue() -> list[tuple[str, str, str]]:
     add("everyday", EVERYDAY, ["{q}", "{q} Answer briefly.", "{q} Explain it to a child."],
         lambda t, s: t.format(q=s))
     for subject, q in _math_problems():
-        rows.append(("math", subject, q))
-        rows.append(("math", subject, q + " Show your working briefly."))
-    return rows
+        for t in (MORE["math"] if more else ["{q}", "{q} Show your working briefly."]):
+            rows.append(("math", subject, t.format(q=q)))
+    if not more:
+        return rows
+    known = {prompt for _, _, prompt in _catalogue()}
+    return [row for row in rows if row[2] not in known]
 
 
 CATEGORIES = ("explain", "define", "compare", "howto", "list", "rewrite", "translate", "write", "poem", "story",
@@ -327,9 +375,12 @@ def split_of(category: str, subject: str) -> str:
 
 
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
-    """All (category, subject, prompt) of one split, in the catalogue's fixed order."""
+    """All (category, subject, prompt) of one split, in the catalogue's fixed order ("more": the MORE templates
+    on the train subjects)."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train' or 'heldout'")
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout' or 'more'")
+    if split == "more":
+        return [row for row in _catalogue(more=True) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 
 

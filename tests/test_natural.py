@@ -17,6 +17,26 @@ def test_the_two_splits_share_no_prompt_and_no_subject():
     assert all(split_of(c, s) == "heldout" for c, s, _ in held)
 
 
+def test_the_more_split_is_new_prompts_on_train_subjects_only():
+    """'more' (training data after 'train' is used up) repeats no prompt of the other splits and asks about no
+    held-out subject, and it covers every category."""
+    train, held, more = prompt_table("train"), prompt_table("heldout"), prompt_table("more")
+    assert len(more) >= 3000 and len({p for *_, p in more}) == len(more)
+    assert not {p for *_, p in more} & ({p for *_, p in train} | {p for *_, p in held})
+    assert not {(c, s) for c, s, _ in more} & {(c, s) for c, s, _ in held}
+    assert {c for c, _, _ in more} == set(CATEGORIES)
+    assert natural_prompts("more", 50, seed=0) == natural_prompts("more", 50, seed=0) != natural_prompts("more", 50, seed=1)
+
+
+def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
+    """Every earlier run drew from these two (the report set is natural_prompts("heldout", 64, seed=1)): their
+    sizes and a digest of their seed-0 order pin them."""
+    import hashlib
+    digest = lambda split: hashlib.sha256("\n".join(natural_prompts(split)).encode()).hexdigest()[:12]
+    assert (len(prompt_table("train")), digest("train")) == (4229, "5362f5e978c5")
+    assert (len(prompt_table("heldout")), digest("heldout")) == (797, "053a3887c10e")
+
+
 def test_prompts_are_distinct_seeded_and_every_category_is_in_train():
     a, b, c = natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=1)
     assert a == b and a != c and len(set(a)) == 3000
