@@ -184,9 +184,10 @@ class LeanLM(torch.nn.Module):
             kernel = kernel or pick_kernel()
         self.kernel = kernel if fmt == "w8a8" else None
         if self.gate is not None and fmt == "w8a8" and (kernel not in OWN or not script):
+            how = f"the {kernel!r} kernel" if kernel not in OWN else "script=False (the module loop)"
             raise ValueError(f"the lean w8a8 forward applies a gated adapter only in our kernels' native layer "
-                             f"stack ({', '.join(OWN)}), not with the {kernel!r} kernel: use dtype float32, "
-                             f"bfloat16 or int8, or backend='hf'")
+                             f"stack ({', '.join(OWN)}), not with {how}: use dtype float32, bfloat16 or int8, or "
+                             f"backend='hf'")
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
         mask_row = getattr(model, "_mars_gated_mask_row", None)
         if mask_row is not None:   # the mask token's input row only; a tied head keeps the base's

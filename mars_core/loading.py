@@ -175,8 +175,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     gated = adapter_cfg is not None and is_gated(adapter_cfg)
     # the lean w8a8 forward applies a gated adapter in our own kernels' native stack only (asked only where w8a8
     # may run: finding the kernel can mean building it)
-    native_gate = gated and (dtype == "w8a8" or (dtype == "auto" and (name_or_path or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)) \
-        and _own_w8a8_kernel()
+    may_w8a8 = dtype == "w8a8" or (dtype == "auto" and (name_or_path or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)
+    native_gate = gated and may_w8a8 and _own_w8a8_kernel()
     if gated and dtype == "w8a8" and backend == "lean" and not native_gate:
         raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward applies only with our "
                          "own w8a8 kernels (not available here): use backend='hf' (or auto) with w8a8, or dtype "
@@ -193,7 +193,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
 
         attach_gated(model, adapter_dir)
     model.to(dev).eval()
-    lean, net = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8" and not native_gate), None
+    lean = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8" and not native_gate)
+    net = None
     n_params = sum(p.numel() for p in model.parameters())
     if dev.type == "cpu" and dtype == "auto" and gated and not native_gate:   # no lean w8a8 forward for the gate
         dtype = "float32"

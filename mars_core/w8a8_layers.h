@@ -256,7 +256,7 @@ struct Lora {
 
   Lora(const c10::optional<at::Tensor>& rows_in, c10::List<at::Tensor> a, c10::List<at::Tensor> a_scale,
        c10::List<at::Tensor> b, c10::List<at::Tensor> b_scale, const c10::optional<at::Tensor>& index_in,
-       int64_t products)
+       int64_t products, int64_t positions)
       : a(std::move(a)), a_scale(std::move(a_scale)), b(std::move(b)), b_scale(std::move(b_scale)), parts(products) {
     if (!rows_in.has_value() || !rows_in->defined() || rows_in->numel() == 0 || !index_in.has_value()) return;
     const at::Tensor& idx = *index_in;
@@ -267,6 +267,9 @@ struct Lora {
                 "one B and scale per part are expected");
     TORCH_CHECK(rows_in->scalar_type() == at::kLong, "layers: int64 mask row indices are expected");
     rows = rows_in->contiguous();
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(rp, rp + rows.numel(), [&](int64_t r) { return r >= 0 && r < positions; }),
+                "layers: a gated adapter's mask row index lies outside the call's positions");
     index = idx.data_ptr<int64_t>();
     for (int64_t p = 0; p < idx.size(0); ++p) {
       const int64_t* e = index + 5 * p;
@@ -334,7 +337,7 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, co
   auto h = at::empty({rows, n}, x.options());
   auto att = at::empty({rows, heads * d}, x.options());
   float* xp = x.data_ptr<float>();
-  const Lora lora(lora_rows, lora_a, lora_a_scale, lora_b, lora_b_scale, lora_index, 4 * count);
+  const Lora lora(lora_rows, lora_a, lora_a_scale, lora_b, lora_b_scale, lora_index, 4 * count, rows);
   auto product = [&](const at::Tensor& in, int64_t j) -> at::Tensor {
     auto y = linear(in, packs.get(j), scales.get(j), biases.get(j), two.get(j), inverse, step, length, tail);
     lora.add<linear>(in, j, y, inverse, step);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import gradio as gr
@@ -55,6 +56,27 @@ def test_a_job_closed_while_it_waits_leaves_the_line():
     assert not m.busy()
 
 
+@contextmanager
+def slowed(lm, seconds: float):
+    """Every forward of `lm` `seconds` slower while inside, as on a real model: tiny-mars alone is too fast on some
+    CPUs for a test to close a page in the middle of its work."""
+    from mars_core.decoding import net
+    hook = net(lm).register_forward_pre_hook(lambda *_: time.sleep(seconds))
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def seconds_until_free(m: Machine, job) -> float:
+    """Close `job` (what Gradio does when its page goes away) and wait, up to a minute, until `m` is free."""
+    t0 = time.perf_counter()
+    job.close()
+    while m.busy() and time.perf_counter() - t0 < 60:
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
 def test_a_sweep_whose_page_closed_frees_the_machine_within_its_row(tiny_mars):
     m = Machine()
     held = m.join("a race")
@@ -66,9 +88,7 @@ def test_a_sweep_whose_page_closed_frees_the_machine_within_its_row(tiny_mars):
     m.leave(held)
     # one row of 32 tasks decoded and timed, every forward 20 ms slower as on a real model (tiny-mars alone
     # finished such a row in about a second on a fast CPU): a minute of work, closed a second into it
-    from mars_core.decoding import net
-    slow = net(tiny_mars).register_forward_pre_hook(lambda *_: time.sleep(0.02))
-    try:
+    with slowed(tiny_mars, 0.02):
         long_row = ("tiny-mars", "", "builtin", 32, "0.9", "", 4, 64, "prob", False)
         running = explorer.run_sweep(*long_row, machine=m)
         while not next(running)[0].startswith("◔ sweeping: row 1 of 1"):
@@ -77,13 +97,7 @@ def test_a_sweep_whose_page_closed_frees_the_machine_within_its_row(tiny_mars):
         assert m.busy()
         shown = [next(running)[0] for _ in range(2)]   # what the page got meanwhile: no row finished
         assert not any("rows done" in s or s.startswith("✓") for s in shown if isinstance(s, str)), shown
-        t0 = time.perf_counter()
-        running.close()             # the page closed mid-row
-        while m.busy() and time.perf_counter() - t0 < 60:
-            time.sleep(0.01)
-        freed_after = time.perf_counter() - t0
-    finally:
-        slow.remove()
+        freed_after = seconds_until_free(m, running)   # the page closed mid-row
     assert freed_after <= 2.0, f"the machine was free {freed_after:.1f} s after the page closed"
     outs = list(explorer.run_sweep(*args, machine=m))   # the next sweep runs, a row at a time
     statuses = [o[0] for o in outs]
@@ -156,10 +170,8 @@ def test_a_job_already_waiting_skips_the_timing(tiny_mars):
 
 
 def test_a_race_whose_page_closed_during_the_timing_frees_the_machine_within_its_repeat(tiny_mars):
-    from mars_core.decoding import net
     # every forward 40 ms slower, as on a real model: one timing repeat (three decodes of 32 tokens) takes seconds
-    slow = net(tiny_mars).register_forward_pre_hook(lambda *_: time.sleep(0.04))
-    try:
+    with slowed(tiny_mars, 0.04):
         m = Machine()
         race = generate.race_models(_settings(max_new=32, measure_after=True), "tiny-mars", "tiny-mars", "page-5",
                                     machine=m)
@@ -170,13 +182,7 @@ def test_a_race_whose_page_closed_during_the_timing_frees_the_machine_within_its
             pass                # the first repeat is done, the second one runs
         repeat_s = time.perf_counter() - started
         assert m.busy()
-        t0 = time.perf_counter()
-        race.close()            # the page closed mid-repeat
-        while m.busy() and time.perf_counter() - t0 < 60:
-            time.sleep(0.01)
-        freed_after = time.perf_counter() - t0
-    finally:
-        slow.remove()
+        freed_after = seconds_until_free(m, race)   # the page closed mid-repeat
     assert repeat_s > 1.5, f"a repeat took {repeat_s:.1f} s: too short to tell a cancelled repeat from a finished one"
     assert freed_after <= 1.0, (f"the machine was free {freed_after:.1f} s after the page closed "
                                 f"(a repeat: {repeat_s:.1f} s)")

@@ -13,7 +13,7 @@ import torch
 from mars_core import DecodeConfig, generate, load_model
 from mars_core.adapter import merge_adapter, read_adapter_config, save_adapter
 from mars_core.loading import is_prepared
-from tests.tiny_fixtures import make_tiny_model_dir
+from tests.tiny_fixtures import make_tiny_model_dir, own_w8a8_kernels
 
 peft = pytest.importorskip("peft")
 
@@ -159,11 +159,6 @@ def test_the_masks_see_what_training_trained_them_with(gated, base_dir):
     assert (ours[..., keep] - theirs[..., keep]).abs().max() <= 1e-5
 
 
-def _own_kernels() -> list[str]:
-    from mars_core.w8a8 import OWN, own_kernel
-    return [k for k in OWN if own_kernel(k).load()]
-
-
 def test_auto_serves_a_gated_adapter_in_float32_and_lean_w8a8_needs_our_kernels(gated, monkeypatch):
     folder, _ = gated
     assert load_model(str(folder), device="cpu", dtype="auto").weight_format == "float32"
@@ -173,7 +168,7 @@ def test_auto_serves_a_gated_adapter_in_float32_and_lean_w8a8_needs_our_kernels(
         load_model(str(folder), device="cpu", dtype="w8a8", backend="lean")
 
 
-@pytest.mark.parametrize("kernel", _own_kernels() or [pytest.param("vnni", marks=pytest.mark.skip(
+@pytest.mark.parametrize("kernel", own_w8a8_kernels() or [pytest.param("vnni", marks=pytest.mark.skip(
     reason="neither of our w8a8 kernels builds on this machine (no g++ or no AVX2)"))])
 def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(gated, base_dir, kernel, monkeypatch):
     """In the native stack the deltas are int8 products of the mask rows alone: τ = 1 and lossless are the base
@@ -185,6 +180,9 @@ def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(
     base = load_model(str(base_dir), device="cpu", dtype="w8a8", backend="lean", mask_token=MASK_TOKEN)
     exact = load_model(str(folder), device="cpu", dtype="float32", backend="lean")
     assert lm.backend == "lean" and lm.weight_format == "w8a8" and lm.net.kernel == kernel
+    from mars_core.lean import LeanLM
+    with pytest.raises(ValueError, match="gated adapter only in our kernels' native layer stack.*script=False"):
+        LeanLM(exact.model, "w8a8", kernel=kernel, script=False)   # the module loop has no delta to add
     one = DecodeConfig(mode="mars", tau=1.0, max_new_tokens=24)
     want = _ids(generate(base, PROMPTS, one))
     assert _ids(generate(lm, PROMPTS, one)) == want

@@ -12,6 +12,7 @@ import torch
 from mars_core import DecodeConfig, generate, load_model
 from mars_core import loading, sources
 from mars_core.adapter import adapter_files_size
+from tests.tiny_fixtures import own_w8a8_kernels
 
 SHIPPED = loading.ASSETS / "smollm2-mars"
 MAX_NEW = 48
@@ -76,13 +77,8 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
     assert all(r.text.strip() for r in mars)
 
 
-def _gated_formats() -> list[str]:
-    from mars_core.w8a8 import OWN, own_kernel
-    return ["float32"] + (["w8a8"] if any(own_kernel(k).load() for k in OWN) else [])
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", _gated_formats())
+@pytest.mark.parametrize("dtype", ["float32"] + (["w8a8"] if own_w8a8_kernels() else []))
 def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural, dtype):
     """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.gated); here the shipped A and B,
     relabelled mars-gated-lora-v1, on SmolLM2 itself (the lean forward: fp32, and w8a8 where our kernels' native

@@ -152,3 +152,10 @@ def train_flags(tiny: tuple, out, *extra) -> list[str]:
 def train_metrics(out) -> list[dict]:
     """The rows of a finetune.train run's metrics.jsonl."""
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def own_w8a8_kernels() -> list[str]:
+    """Our own w8a8 kernels (mars_core.w8a8.OWN) that build and load here: the ones whose native layer stack
+    tests can run (none without g++ or AVX2)."""
+    from mars_core.w8a8 import OWN, own_kernel
+    return [k for k in OWN if own_kernel(k).load()]

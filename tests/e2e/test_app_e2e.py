@@ -449,9 +449,9 @@ def test_the_status_symbols_render_as_glyphs_not_boxes(page):
     assert boxes["box_found"] and boxes["missing"] == [], boxes
 
 
-# Natural prompts of a class demo (issue 32 found the lossless lane off AR's answer on such prompts in bf16).
-# asks for more than the answer cap, so a race's answer runs to max new tokens
+# Asks for more than the answer cap, so a race's answer runs to max new tokens.
 LONG_PROMPT = "Write a long, detailed essay about the history of the printing press, with many examples."
+# Natural prompts of a class demo (issue 32 found the lossless lane off AR's answer on such prompts in bf16).
 NATURAL_PROMPTS = ("Explain in two sentences what photosynthesis is.",
                    "What is the difference between a virus and a bacterium? Answer briefly.")
 
