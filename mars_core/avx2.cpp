@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -123,9 +124,9 @@ void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
 // channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
 // every `length` rows (a lossless step's masks; see mars_core/vnni.cpp).
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d, int64_t length,
-                  int64_t tail) {
+at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d,
+                       int64_t length, int64_t tail, mars_w8a8::Top* top) {
   mars_w8a8::check_linear(x_in, length, tail);
   auto x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), kp = packed.size(1);
@@ -145,6 +146,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const float* sc = scale.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   std::vector<int32_t> sums(all * CH);
+  // each row's top so far (strictly larger wins: the first column of a tie stays) and its first NaN column
+  const bool tops = top != nullptr && top->wanted();
+  std::vector<float> best(rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> at(rows, 0), nan_at(rows, -1), skip(rows, -1);
+  for (int64_t m = 0; tops && m < rows; ++m) skip[m] = top->excludes(m) ? top->exclude : -1;
   for (int64_t j0 = 0; j0 < n; j0 += CH) {
     for (int64_t m0 = 0; m0 < all; m0 += RW) {
       const int64_t r = std::min(RW, all - m0);
@@ -162,9 +168,23 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
         v = v * mags[m];
         if (bp) v = v + bp[j];
         yp[m * n + j] = v;
+        if (tops && j != skip[m]) {
+          if (v > best[m]) best[m] = v, at[m] = j;
+          else if (std::isnan(v) && nan_at[m] < 0) nan_at[m] = j;
+        }
       }
   }
+  for (int64_t m = 0; tops && m < rows; ++m) {
+    top->merge(m, best[m], at[m]);
+    if (nan_at[m] >= 0) top->merge(m, std::numeric_limits<float>::quiet_NaN(), nan_at[m]);
+  }
   return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, bool two, double inverse, double step, int64_t length,
+                  int64_t tail) {
+  return linear_into(x, packed, scale, bias, two, inverse, step, length, tail, nullptr);
 }
 
 }  // namespace

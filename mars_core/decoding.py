@@ -165,6 +165,13 @@ def draft_tail(lm, cfg, n: int) -> dict:
     return {"draft_tail": n} if cfg.mode == "verify" and n and getattr(net(lm), "takes_draft_tail", False) else {}
 
 
+def head_top(lm, first: int) -> dict:
+    """The forward's `head_top` argument where the backend takes it (LeanLM.takes_head_top): each kept position's
+    argmax, the mask id left out from position `first` on (as never_propose_mask does), gathered by the LM head
+    as it writes the logits; {} elsewhere."""
+    return {"head_top": (lm.mask_id, first)} if getattr(net(lm), "takes_head_top", False) else {}
+
+
 def new_cache(lm):
     """An empty KV cache for what the decoder runs: the lean forward's own, else transformers' DynamicCache."""
     make = getattr(net(lm), "new_cache", None)
@@ -190,11 +197,16 @@ class _Settled:
     leaf_confirmed: bool = False
 
 
-def _check_finite(logits: torch.Tensor, lm, step: int) -> torch.Tensor:
+def _check_finite(logits: torch.Tensor, lm, step: int, found=None) -> torch.Tensor:
     """The logits' argmax [b, k], after checking that every row's largest logit is finite (argmax picks a NaN or
-    +inf if there is one, and a row of -inf has no finite largest value)."""
-    top = argmax(logits)
-    if not torch.isfinite(logits.gather(-1, top[..., None])).all():
+    +inf if there is one, and a row of -inf has no finite largest value). `found`: (largest values, argmax) the
+    backend gathered already (head_top), the same numbers without reading the logits again."""
+    if found is None:
+        top = argmax(logits)
+        best = logits.gather(-1, top[..., None])
+    else:
+        best, top = found
+    if not torch.isfinite(best).all():
         raise FloatingPointError(
             f"{getattr(lm, 'name', 'the model')} produced NaN/inf logits at step {step}: its weights are damaged "
             "or the dtype overflows; reload the checkpoint, or decode in float32")
@@ -304,9 +316,10 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
         n_mask_cols = (len(behind) + n_leaves) * n_masks                          # the chunk's last columns
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
-                       cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols))
+                       cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols),
+                       **head_top(lm, n_verify + 1 + n_leaves))
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
-        top = _check_finite(logits, lm, step)
+        top = _check_finite(logits, lm, step, getattr(out, "top", None))
         if cfg.mode == "verify":
             settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width,
                                      eos_set, planner)

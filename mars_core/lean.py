@@ -121,6 +121,7 @@ def _interleave_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 @dataclass
 class LeanOutput:
     logits: torch.Tensor
+    top: tuple[torch.Tensor, torch.Tensor] | None = None   # (largest logit, its column) [b, k], when asked for
 
 
 class LeanCache:
@@ -162,6 +163,12 @@ class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
     takes_draft_tail = True   # forward() accepts draft_tail (mars_core.decoding.draft_tail)
+
+    @property
+    def takes_head_top(self) -> bool:
+        """Whether forward(head_top=...) gathers the top in the head (a w8a8 head on our own kernels): a decoding
+        step then reads its logits once less (mars_core.decoding.head_top)."""
+        return getattr(self.head, "gives_top", False)
 
     def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,
                  ranges: list[dict] | None = None, kernel: str | None = None):
@@ -385,12 +392,16 @@ class LeanLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: LeanCache | None = None, use_cache: bool = True,
-                logits_to_keep: int | torch.Tensor = 0, draft_tail: int = 0, **unused) -> LeanOutput:
+                logits_to_keep: int | torch.Tensor = 0, draft_tail: int = 0,
+                head_top: tuple[int, int] | None = None, **unused) -> LeanOutput:
         """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look.
         `draft_tail`: how many of each row's last positions only propose drafts that a later forward checks (a
         lossless step's masks: no other position attends to them and their cache entries are dropped). w8a8's
         VNNI and AVX2 loops spend their second pass on them not at all; the other loops ignore it. Other
-        positions' outputs never change with it."""
+        positions' outputs never change with it.
+        `head_top`: (column, first) asks for each kept position's largest logit and its column, gathered by the
+        head as it writes them, with `column` left out from the `first`-th kept position of a row on (see
+        `takes_head_top`; the logits are the same either way)."""
         b, length = input_ids.shape
         cache = cache if cache is not None else self.new_cache()
         past = cache.length
@@ -421,7 +432,13 @@ class LeanLM(torch.nn.Module):
         elif logits_to_keep:
             x = x[:, -logits_to_keep:]
         h = _rms(x, self.norm, self.eps)
-        return LeanOutput(self.head(h.reshape(-1, h.shape[-1])).view(b, h.shape[1], -1))
+        kept = h.shape[1]
+        h = h.reshape(-1, h.shape[-1])
+        if head_top is not None and self.takes_head_top:
+            column, first = head_top
+            y, value, index = self.head.with_top(h, -1 if column is None else column, kept, first)
+            return LeanOutput(y.view(b, kept, -1), (value.view(b, kept), index.view(b, kept)))
+        return LeanOutput(self.head(h).view(b, kept, -1))
 
     def _mask_fill(self, mask, b, length, past, device):
         """Where the scores must be -inf, [b, 1, L * group, past + L] (rows in the grouped-query order), or None

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -307,9 +309,9 @@ void amx_sums(const int8_t* a, int64_t all, int64_t kp, const int8_t* w, int64_t
 // channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
 // every `length` rows: a lossless step's mask positions, whose outputs only propose drafts that the next step
 // checks, so their precision cannot change the answer and their second pass would be spent for nothing.
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d, int64_t length,
-                  int64_t tail) {
+at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d,
+                       int64_t length, int64_t tail, mars_w8a8::Top* top) {
   mars_w8a8::check_linear(x_in, length, tail);
   auto x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = scale.size(0), k4 = (k + 3) / 4, kp = k4 * 4;
@@ -334,6 +336,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
     std::vector<int32_t> sums(group * all * LANES), rest(TILE_ROWS * LANES);
     int64_t configured = 0;
+    // each row's top in this chunk, per lane: the largest output so far (strictly larger wins, so a lane keeps the
+    // first column of a tie) and the block it came from; and the row's first NaN column
+    const bool tops = top != nullptr && top->wanted();
+    std::vector<__m512> best(tops ? rows : 0, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    std::vector<__m512i> from(tops ? rows : 0, _mm512_setzero_si512());
+    std::vector<int64_t> nan_at(tops ? rows : 0, -1);
     for (int64_t nb0 = first; nb0 < last; nb0 += group) {
       const int64_t g = std::min<int64_t>(group, last - nb0);
       if (amx) {
@@ -353,12 +361,46 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
           const int64_t s = std::max<int64_t>(second[m], 0);
           finish(bs + m * LANES, a_sums[m], bs + s * LANES, a_sums[s], second[m] >= 0 ? r_mags[m] : 0.f, mags[m],
                  sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, second[m] >= 0);
+          if (tops) {   // the 16 outputs just written, still in L1
+            __mmask16 lanes = keep;
+            if (top->excludes(m) && top->exclude >= j0 && top->exclude < j0 + LANES)
+              lanes &= static_cast<__mmask16>(~(1u << (top->exclude - j0)));
+            const __m512 v = _mm512_maskz_loadu_ps(lanes, yp + m * n + j0);
+            const __mmask16 gt = _mm512_mask_cmp_ps_mask(lanes, v, best[m], _CMP_GT_OQ);
+            best[m] = _mm512_mask_mov_ps(best[m], gt, v);
+            from[m] = _mm512_mask_mov_epi32(from[m], gt, _mm512_set1_epi32(static_cast<int32_t>(j0)));
+            if (nan_at[m] < 0) {
+              const __mmask16 nan = _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q);
+              if (nan) nan_at[m] = j0 + __builtin_ctz(nan);
+            }
+          }
         }
       }
     }
     if (configured) amx_release();
+    for (int64_t m = 0; tops && m < rows; ++m) {
+      alignas(64) float value[LANES];
+      alignas(64) int32_t block[LANES];
+      _mm512_store_ps(value, best[m]);
+      _mm512_store_si512(block, from[m]);
+      float b = -std::numeric_limits<float>::infinity();
+      int64_t at = std::numeric_limits<int64_t>::max();
+      for (int l = 0; l < LANES; ++l) {
+        const int64_t c = block[l] + l;
+        if (value[l] > b || (value[l] == b && c < at)) b = value[l], at = c;
+      }
+      std::lock_guard<std::mutex> hold(top->lock);
+      top->merge(m, b, at);
+      if (nan_at[m] >= 0) top->merge(m, std::numeric_limits<float>::quiet_NaN(), nan_at[m]);
+    }
   });
   return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, bool two, double inverse, double step, int64_t length,
+                  int64_t tail) {
+  return linear_into(x, packed, scale, bias, two, inverse, step, length, tail, nullptr);
 }
 
 }  // namespace

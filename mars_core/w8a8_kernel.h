@@ -1,15 +1,54 @@
 // What mars_core/vnni.cpp and mars_core/avx2.cpp share: the checks of a linear call, which rows get a second pass,
-// the layer stack around a file's `linear` (mars_core/w8a8_layers.h), and the three ops' schemas. Built into each
-// by mars_core/native.py, whose cache key includes this file.
+// the layer stack around a file's `linear` (mars_core/w8a8_layers.h), an LM head's top (Top), and the four ops'
+// schemas. Built into each by mars_core/native.py, whose cache key includes this file.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include "w8a8_layers.h"
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace mars_w8a8 {
+
+// Each row's largest output and the first column that holds it, gathered while an LM head writes its outputs: read
+// again after the call, a vocabulary-wide row comes back from far memory (the head's weights went through the
+// caches since), which cost a decoding step more than the rest of its work outside the forward. Column `exclude`
+// does not count at rows whose place in their group of `period` rows is `first` or later (the decoder's mask rows
+// never propose the mask token). A NaN makes its row's value NaN (the decoder then stops with its error).
+struct Top {
+  int64_t exclude = -1, period = 1, first = 0;
+  float* value = nullptr;     // [rows]; null: no top wanted
+  int64_t* index = nullptr;   // [rows]
+  std::mutex lock;            // parallel chunks merge their rows' results one at a time
+
+  bool wanted() const { return value != nullptr; }
+  bool excludes(int64_t m) const { return exclude >= 0 && m % period >= first; }
+  // Row m's result so far and (v, j): the larger value wins, the smaller column on a tie; a NaN beats every number,
+  // the first NaN every later one. The result does not depend on how the columns were split between chunks.
+  void merge(int64_t m, float v, int64_t j) {
+    float& b = value[m];
+    int64_t& i = index[m];
+    if (std::isnan(b)) {
+      if (std::isnan(v) && j < i) i = j;
+    } else if (std::isnan(v) || v > b || (v == b && j < i)) {
+      b = v;
+      i = j;
+    }
+  }
+};
+
+inline void start_top(Top& top, float* value, int64_t* index, int64_t rows, int64_t exclude, int64_t period,
+                      int64_t first) {
+  TORCH_CHECK(period >= 1 && first >= 0 && rows % period == 0,
+              "linear_top: rows must be whole groups of `period` rows, and first >= 0");
+  top.exclude = exclude, top.period = period, top.first = first, top.value = value, top.index = index;
+  for (int64_t m = 0; m < rows; ++m) value[m] = -std::numeric_limits<float>::infinity(), index[m] = 0;
+}
 
 inline void check_linear(const at::Tensor& x, int64_t length, int64_t tail) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear: a float32 [rows, k] input is expected");
@@ -26,6 +65,28 @@ inline int64_t second_rows(int64_t rows, int64_t length, int64_t tail, bool two,
   return all;
 }
 
+// A file's product with its rows' top gathered on the way (`top` null: none): its `linear_into`.
+using LinearInto = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const c10::optional<at::Tensor>&, bool, double, double, int64_t, int64_t, Top*);
+
+// (y, each row's largest output, its column): the `linear` op's y, bitwise, and the argmax of y after the
+// exclusion that Top describes.
+template <LinearInto into>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_top(const at::Tensor& x, const at::Tensor& packed,
+                                                          const at::Tensor& scale,
+                                                          const c10::optional<at::Tensor>& bias, bool two,
+                                                          double inverse, double step, int64_t length, int64_t tail,
+                                                          int64_t exclude, int64_t period, int64_t first) {
+  check_linear(x, length, tail);
+  const int64_t rows = x.size(0);
+  auto value = at::empty({rows}, x.options());
+  auto index = at::empty({rows}, x.options().dtype(at::kLong));
+  Top top;
+  start_top(top, value.data_ptr<float>(), index.data_ptr<int64_t>(), rows, exclude, period, first);
+  auto y = into(x, packed, scale, bias, two, inverse, step, length, tail, &top);
+  return {y, value, index};
+}
+
 }  // namespace mars_w8a8
 
 #define MARS_W8A8_OPS(ns)                                                                                 \
@@ -33,6 +94,9 @@ inline int64_t second_rows(int64_t rows, int64_t length, int64_t tail, bool two,
     m.def("pack(Tensor w) -> Tensor", &pack);                                                             \
     m.def("linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "         \
           "float step, int length=1, int tail=0) -> Tensor", &linear);                                   \
+    m.def("linear_top(Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool two, float inverse, "     \
+          "float step, int length, int tail, int exclude, int period, int first) -> (Tensor, Tensor, Tensor)",  \
+          &mars_w8a8::linear_top<&linear_into>);                                                          \
     m.def("layers(Tensor x, Tensor[] packs, Tensor[] scales, Tensor?[] biases, bool[] two, Tensor[] norms, "   \
           "Tensor(a!) k_cache, Tensor(b!) v_cache, int past, int b, int length, int heads, int kv, int d, "      \
           "Tensor rope, Tensor? hidden, float eps, float inverse, float step, int tail, Tensor? lora_rows, "     \
