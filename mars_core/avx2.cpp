@@ -148,6 +148,11 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
   std::vector<int32_t> sums(all * CH);
   // each row's top so far (strictly larger wins: the first column of a tie stays) and its first NaN column
   const bool tops = top != nullptr && top->wanted();
+  if (tops && top->sum != nullptr) {   // this loop gathers no sums: NaN says so (the decoder then takes a softmax)
+    for (int64_t m = 0; m < rows; ++m)
+      if (top->sums(m)) top->sum[m] = std::numeric_limits<float>::quiet_NaN();
+    top->conf_from = -1;
+  }
   std::vector<float> best(rows, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> at(rows, 0), nan_at(rows, -1), skip(rows, -1);
   for (int64_t m = 0; tops && m < rows; ++m) skip[m] = top->excludes(m) ? top->exclude : -1;

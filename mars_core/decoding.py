@@ -41,9 +41,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def propose(logits: torch.Tensor, criterion: str = "prob", temperature: float = 0.0, top_p: float = 1.0,
-            generator: torch.Generator | None = None, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            generator: torch.Generator | None = None, top: torch.Tensor | None = None,
+            conf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates and confidences from logits [b, k, V] -> ([b, k] ids, [b, k] fp32 in [0, 1]). `top`: the
-    logits' argmax when the caller has it already (greedy only)."""
+    logits' argmax when the caller has it already (greedy only); `conf`: with it, the softmax probability of
+    each (the backend's: LeanOutput.conf), taken as the confidence where that is what is asked for."""
+    if conf is not None and top is not None and temperature == 0 and criterion == "prob":
+        return top, conf
     logits = logits.float()  # fp32 softmax even for a bf16 model
     if temperature > 0:
         probs = torch.softmax(logits / temperature, dim=-1)
@@ -165,11 +169,15 @@ def draft_tail(lm, cfg, n: int) -> dict:
     return {"draft_tail": n} if cfg.mode == "verify" and n and getattr(net(lm), "takes_draft_tail", False) else {}
 
 
-def head_top(lm, first: int) -> dict:
+def head_top(lm, cfg, first: int, conf_from: int) -> dict:
     """The forward's `head_top` argument where the backend takes it (LeanLM.takes_head_top): each kept position's
     argmax, the mask id left out from position `first` on (as never_propose_mask does), gathered by the LM head
-    as it writes the logits; {} elsewhere."""
-    return {"head_top": (lm.mask_id, first)} if getattr(net(lm), "takes_head_top", False) else {}
+    as it writes the logits, and from position `conf_from` on the argmax's softmax probability, where that is the
+    step's confidence (greedy, criterion "prob"); {} elsewhere."""
+    if not getattr(net(lm), "takes_head_top", False):
+        return {}
+    greedy_prob = cfg.temperature == 0 and cfg.criterion == "prob"
+    return {"head_top": (lm.mask_id, first, conf_from if greedy_prob else -1)}
 
 
 def new_cache(lm):
@@ -213,9 +221,9 @@ def _check_finite(logits: torch.Tensor, lm, step: int, found=None) -> torch.Tens
     return top
 
 
-def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos_ids, generator) -> list[_Settled]:
+def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos_ids, generator, found_conf=None) -> list[_Settled]:
     """Lossy MARS (and AR): accept the leading candidates q_0.. whose confidence stays >= τ."""
-    tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator, top)
+    tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator, top, found_conf)
     left = torch.tensor([r.left for r in rows], device=tokens.device)
     limit = left.clamp(max=min(cfg.max_accept or cfg.candidates, n_masks + 1))
     n = accept_counts(tokens, conf, tau, limit, eos_ids)
@@ -224,7 +232,7 @@ def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos_ids, generator) -> li
 
 
 def _settle_verify(logits, top, rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width, eos: set[int],
-                   planner=None) -> list[_Settled]:
+                   planner=None, found_conf=None) -> list[_Settled]:
     """Lossless MARS: the outputs at the last committed token and at each draft are AR's greedy tokens;
     drafts are kept while equal to them, the first one that differs is replaced by AR's token, unless a leaf
     of the tree layout at that depth holds AR's token: then the leaf is confirmed and AR's token after it is
@@ -235,7 +243,8 @@ def _settle_verify(logits, top, rows, cfg, tau, n_masks, n_verify, n_leaves, beh
     ar = top[:, :n_out].tolist()
     props, conf, probs = [[]] * len(rows), [[]] * len(rows), False
     if n_masks:
-        p, c = propose(logits[:, n_out:], cfg.criterion, top=top[:, n_out:])     # [b, groups x n_masks]
+        p, c = propose(logits[:, n_out:], cfg.criterion, top=top[:, n_out:],
+                       conf=None if found_conf is None else found_conf[:, n_out:])   # [b, groups x n_masks]
         props, conf = p.tolist(), c.tolist()
         probs = cfg.draft_layout in ("tree", "auto")   # leaves: softmax of the one group a row drafts from
     settled = []
@@ -317,14 +326,16 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_mask_cols = (len(behind) + n_leaves) * n_masks                          # the chunk's last columns
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols),
-                       **head_top(lm, n_verify + 1 + n_leaves))
+                       **head_top(lm, cfg, n_verify + 1 + n_leaves,
+                                  n_verify + 1 + n_leaves if cfg.mode == "verify" else 0))
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
         top = _check_finite(logits, lm, step, getattr(out, "top", None))
+        conf = getattr(out, "conf", None)   # the head's confidences where it gathered them (head_top)
         if cfg.mode == "verify":
             settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width,
-                                     eos_set, planner)
+                                     eos_set, planner, conf)
         else:
-            settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_ids, generator)
+            settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_ids, generator, conf)
         kept = [range(width - len(r.pending), width) if st.kept is None else st.kept
                 for r, st in zip(batch.rows, settled)]
         batch.rollback(n_mask_cols, kept, width + n_leaves)

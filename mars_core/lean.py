@@ -122,6 +122,7 @@ def _interleave_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 class LeanOutput:
     logits: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None = None   # (largest logit, its column) [b, k], when asked for
+    conf: torch.Tensor | None = None   # [b, k] softmax probability of that column, where asked for and gathered
 
 
 class LeanCache:
@@ -393,15 +394,16 @@ class LeanLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: LeanCache | None = None, use_cache: bool = True,
                 logits_to_keep: int | torch.Tensor = 0, draft_tail: int = 0,
-                head_top: tuple[int, int] | None = None, **unused) -> LeanOutput:
+                head_top: tuple[int, int, int] | None = None, **unused) -> LeanOutput:
         """`attention_mask`: None (causal) or a boolean [b, 1, L, past + L] mask, True where a query may look.
         `draft_tail`: how many of each row's last positions only propose drafts that a later forward checks (a
         lossless step's masks: no other position attends to them and their cache entries are dropped). w8a8's
         VNNI and AVX2 loops spend their second pass on them not at all; the other loops ignore it. Other
         positions' outputs never change with it.
-        `head_top`: (column, first) asks for each kept position's largest logit and its column, gathered by the
-        head as it writes them, with `column` left out from the `first`-th kept position of a row on (see
-        `takes_head_top`; the logits are the same either way)."""
+        `head_top`: (column, first, conf_from) asks for each kept position's largest logit and its column,
+        gathered by the head as it writes them, with `column` left out from the `first`-th kept position of a row
+        on, and from the `conf_from`-th on (none for -1) the softmax probability of that column where the head
+        gathers sums (see `takes_head_top`; the logits are the same either way)."""
         b, length = input_ids.shape
         cache = cache if cache is not None else self.new_cache()
         past = cache.length
@@ -435,9 +437,12 @@ class LeanLM(torch.nn.Module):
         kept = h.shape[1]
         h = h.reshape(-1, h.shape[-1])
         if head_top is not None and self.takes_head_top:
-            column, first = head_top
-            y, value, index = self.head.with_top(h, -1 if column is None else column, kept, first)
-            return LeanOutput(y.view(b, kept, -1), (value.view(b, kept), index.view(b, kept)))
+            column, first, conf_from = head_top
+            sums = self.head.gives_sums and conf_from >= 0
+            y, value, index, total = self.head.with_top(h, -1 if column is None else column, kept, first,
+                                                         conf_from if sums else -1)
+            return LeanOutput(y.view(b, kept, -1), (value.view(b, kept), index.view(b, kept)),
+                              total.reciprocal().view(b, kept) if sums else None)
         return LeanOutput(self.head(h).view(b, kept, -1))
 
     def _mask_fill(self, mask, b, length, past, device):

@@ -305,6 +305,13 @@ void amx_sums(const int8_t* a, int64_t all, int64_t kp, const int8_t* w, int64_t
   }
 }
 
+// exp of 16 floats: the layer stack's exp8 on each half
+inline __m512 exp16(__m512 x) {
+  const __m256 lo = mars_w8a8::exp8(_mm512_castps512_ps256(x));
+  const __m256 hi = mars_w8a8::exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
 // channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
 // every `length` rows: a lossless step's mask positions, whose outputs only propose drafts that the next step
@@ -342,6 +349,9 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
     std::vector<__m512> best(tops ? rows : 0, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
     std::vector<__m512i> from(tops ? rows : 0, _mm512_setzero_si512());
     std::vector<int64_t> nan_at(tops ? rows : 0, -1);
+    // and, for the rows that want Top's sum, each lane's sum of exp(v - that lane's largest so far)
+    std::vector<__m512> lane_sum(tops ? rows : 0, _mm512_setzero_ps());
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t nb0 = first; nb0 < last; nb0 += group) {
       const int64_t g = std::min<int64_t>(group, last - nb0);
       if (amx) {
@@ -367,6 +377,12 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
               lanes &= static_cast<__mmask16>(~(1u << (top->exclude - j0)));
             const __m512 v = _mm512_maskz_loadu_ps(lanes, yp + m * n + j0);
             const __mmask16 gt = _mm512_mask_cmp_ps_mask(lanes, v, best[m], _CMP_GT_OQ);
+            if (top->sums(m)) {   // a lane's new largest value rescales its sum (exp(-inf) = 0 for a first one)
+              const __m512 now = _mm512_mask_mov_ps(best[m], gt, v);
+              if (gt) lane_sum[m] = _mm512_mask_mul_ps(lane_sum[m], gt, lane_sum[m], exp16(_mm512_sub_ps(best[m], now)));
+              const __mmask16 finite = _mm512_mask_cmp_ps_mask(lanes, v, minus_inf, _CMP_GT_OQ);
+              lane_sum[m] = _mm512_mask_add_ps(lane_sum[m], finite, lane_sum[m], exp16(_mm512_sub_ps(v, now)));
+            }
             best[m] = _mm512_mask_mov_ps(best[m], gt, v);
             from[m] = _mm512_mask_mov_epi32(from[m], gt, _mm512_set1_epi32(static_cast<int32_t>(j0)));
             if (nan_at[m] < 0) {
@@ -389,8 +405,15 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
         const int64_t c = block[l] + l;
         if (value[l] > b || (value[l] == b && c < at)) b = value[l], at = c;
       }
+      float s = 0.f;   // this chunk's sum of exp(v - b) over the lanes
+      if (top->sums(m) && b > -std::numeric_limits<float>::infinity()) {
+        alignas(64) float lane[LANES];
+        _mm512_store_ps(lane, lane_sum[m]);
+        for (int l = 0; l < LANES; ++l)
+          if (lane[l] > 0.f) s += lane[l] * std::exp(value[l] - b);
+      }
       std::lock_guard<std::mutex> hold(top->lock);
-      top->merge(m, b, at);
+      top->merge(m, b, at, s);
       if (nan_at[m] >= 0) top->merge(m, std::numeric_limits<float>::quiet_NaN(), nan_at[m]);
     }
   });

@@ -135,17 +135,24 @@ class W8A8Linear(torch.nn.Module):
         """Whether `with_top` is served (our own kernels) rather than refused."""
         return self.kernel in OWN
 
-    def with_top(self, x: torch.Tensor, exclude: int = -1, period: int = 1,
-                 first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(forward(x), each row's largest output, its column), [rows, out] and [rows] for x [rows, in]: the
-        argmax gathered while the outputs are written (an LM head's: see mars_core/w8a8_kernel.h, Top), equal to
-        `y.argmax(-1)` (the first column of a tie) with column `exclude` left out at rows whose place in their
-        group of `period` rows is `first` or later. A NaN makes its row's value NaN. Our own kernels only."""
+    @property
+    def gives_sums(self) -> bool:
+        """Whether `with_top` also gathers the softmax sums (the VNNI kernel; the AVX2 one leaves NaN)."""
+        return self.kernel == "vnni"
+
+    def with_top(self, x: torch.Tensor, exclude: int = -1, period: int = 1, first: int = 0,
+                 conf_from: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(forward(x), each row's largest output, its column, sums), [rows, out] and [rows] for x [rows, in]:
+        the argmax gathered while the outputs are written (an LM head's: see mars_core/w8a8_kernel.h, Top), equal
+        to `y.argmax(-1)` (the first column of a tie) with column `exclude` left out at rows whose place in their
+        group of `period` rows is `first` or later. A NaN makes its row's value NaN. Rows whose place is
+        `conf_from` or later (none for -1) get the sum over those columns of exp(y - largest), so that 1 / sum is
+        the softmax probability of the top column, where `gives_sums` (NaN elsewhere). Our own kernels only."""
         if not self.gives_top:
             raise ValueError(f"with_top needs one of our own w8a8 kernels ({', '.join(OWN)}), not {self.kernel!r}")
         v = self._own
         return v.op.linear_top(x.float(), v.packed, v.scale, self.bias, self.passes == 2, _INVERSE, float(_STEP),
-                               1, 0, exclude, period, first)
+                               1, 0, exclude, period, first, conf_from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

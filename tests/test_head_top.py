@@ -63,14 +63,14 @@ def test_the_head_s_top_is_the_argmax_of_its_own_logits_with_the_mask_column_lef
         with torch.inference_mode():
             plain = head(x)
             for exclude in (-1, n // 2, 5):
-                y, value, index = head.with_top(x, exclude, period, first)
+                y, value, index, _ = head.with_top(x, exclude, period, first)
                 assert torch.equal(y, plain), "the logits must not change when the top is gathered"
                 want_value, want_index = _expected(y, exclude, period, first)
                 assert torch.equal(index, want_index), (rows, period, first, exclude, index, want_index)
                 assert torch.equal(value, want_value), (rows, period, first, exclude)
     # the ties are real: without the strong column, the first of the equal largest columns wins
     with torch.inference_mode():
-        y, _, index = head.with_top(inputs(3), n // 2, 1, 0)
+        y, _, index, _ = head.with_top(inputs(3), n // 2, 1, 0)
     columns = sorted(c for pair in _ties(n) for c in pair)
     assert all(torch.equal(y[:, c], y[:, columns[0]]) for c in columns), "the fixture lost its ties"
     assert index.tolist() == [columns[0]] * 3
@@ -92,7 +92,7 @@ def test_two_threads_split_the_columns_and_give_the_same_top():
             two = head.with_top(x, 49152 // 2, 7, 1)
     finally:
         torch.set_num_threads(before)
-    for a, b in zip(one, two):
+    for a, b in zip(one[:3], two[:3]):
         assert torch.equal(a, b)
     assert torch.equal(one[2], _expected(one[0], 49152 // 2, 7, 1)[1])
 
@@ -104,13 +104,40 @@ def test_a_nan_logit_makes_its_row_s_top_nan(kernel):
     b[200] = float("nan")                     # every row's column 200
     head = W8A8Linear(weight, b, passes=1, kernel=kernel)
     with torch.inference_mode():
-        _, value, index = head.with_top(inputs(3), -1, 1, 0)
+        _, value, index, _ = head.with_top(inputs(3), -1, 1, 0)
     assert torch.isnan(value).all() and index.tolist() == [200] * 3
     b[200] = float("inf")
     head = W8A8Linear(weight, b, passes=1, kernel=kernel)
     with torch.inference_mode():
-        _, value, index = head.with_top(inputs(2), -1, 1, 0)
+        _, value, index, _ = head.with_top(inputs(2), -1, 1, 0)
     assert torch.isinf(value).all() and index.tolist() == [200] * 2
+
+
+@kernels
+@pytest.mark.parametrize("n,k", [(49152, 576), (100, 129)])
+def test_the_head_s_sums_give_the_softmax_probability_of_the_top_where_asked(kernel, n, k):
+    """1 / sum is the decoder's confidence, softmax(logits)[argmax] with the mask column left out, at the rows from
+    `conf_from` on (NaN before); the AVX2 loop gathers no sums and says so with NaN everywhere."""
+    weight, b, inputs = _head(n, k, 7, bias=True)
+    head = W8A8Linear(weight, b, passes=2, kernel=kernel)
+    x = inputs(14)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                y, _, index, total = head.with_top(x, n // 2, 7, 2, 1)
+            ruled = y.clone()
+            ruled[[m for m in range(14) if m % 7 >= 2], n // 2] = float("-inf")
+            want = torch.softmax(ruled, dim=-1).gather(-1, index[:, None])[:, 0]
+            asked = torch.tensor([m % 7 >= 1 for m in range(14)])
+            if head.gives_sums:
+                assert torch.isnan(total[~asked]).all()
+                assert torch.allclose(1 / total[asked], want[asked], rtol=1e-5, atol=0), (1 / total, want)
+            else:
+                assert torch.isnan(total).all()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_fbgemm_head_refuses_with_top_by_name():
@@ -129,22 +156,24 @@ def tiny_dir(tmp_path_factory):
 @pytest.mark.parametrize("mode,tau", [("mars", 0.01), ("mars", 0.5), ("verify", 0.3), ("ar", 1.0)])
 def test_decoding_with_the_head_s_top_writes_what_it_writes_without(tiny_dir, kernel, mode, tau, monkeypatch):
     """Every step of a w8a8 decode on our kernels asks the head for its top (a step's rows: q_0, drafts, masks,
-    the mask id left out at the masks); the tokens, their confidences and the forwards are the same as with the
-    argmax taken from the logits afterwards."""
+    the mask id left out at the masks) and, on the VNNI kernel, the confidences; the tokens and the forwards are
+    the same as with the argmax and the softmax taken from the logits afterwards."""
     monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
     lm = load_model(str(tiny_dir), device="cpu", dtype="w8a8", backend="lean")
     assert net(lm).takes_head_top
     prompts = ["What is 2+3?", "Hello there, tell me a long story about cats.", "Sort: c a b"]
     cfg = DecodeConfig(mode=mode, tau=tau, max_new_tokens=24, block_size=4)
-    forward, asked = net(lm).forward, []
+    forward, asked, confs = net(lm).forward, [], []
 
     def counted(*args, **kwargs):
         out = forward(*args, **kwargs)
         asked.append(out.top is not None)
+        confs.append(out.conf is not None)
         return out
     monkeypatch.setattr(net(lm), "forward", counted)
     with_top = generate(lm, prompts, cfg)
     assert asked and all(asked)
+    assert all(confs) if kernel == "vnni" else not any(confs)
     asked.clear()
     monkeypatch.setattr(LeanLM, "takes_head_top", property(lambda self: False))
     without = generate(lm, prompts, cfg)
