@@ -818,11 +818,11 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         ids, pos, valid, width, blocks = batch.chunk(n_masks, lm.mask_id, behind, n_leaves, bool(n_masks))
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
         n_mask_cols = (len(behind) + n_leaves) * n_masks                          # the chunk's last columns
+        n_out = n_verify + 1 + n_leaves                                           # kept rows before the masks
         out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
                        cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols),
-                       **head_top(lm, cfg, n_verify + 1 + n_leaves,
-                                  n_verify + 1 + n_leaves if cfg.mode == "verify" else 0))
-        logits = never_propose_mask(out.logits, lm.mask_id, first=n_verify + 1 + n_leaves)
+                       **head_top(lm, cfg, n_out, n_out if cfg.mode == "verify" else 0))
+        logits = never_propose_mask(out.logits, lm.mask_id, first=n_out)
         top = _check_finite(logits, lm, step, getattr(out, "top", None))
         conf = getattr(out, "conf", None)   # the head's confidences where it gathered them (head_top)
         if cfg.mode == "verify":

@@ -154,8 +154,9 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
     top->conf_from = -1;
   }
   std::vector<float> best(rows, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> at(rows, 0), nan_at(rows, -1), skip(rows, -1);
-  for (int64_t m = 0; tops && m < rows; ++m) skip[m] = top->excludes(m) ? top->exclude : -1;
+  std::vector<int64_t> at(rows, 0), nan_at(rows, -1), skip;
+  std::vector<char> track;   // unused here: this loop gathers no sums
+  if (tops) top->per_row(rows, skip, track);
   for (int64_t j0 = 0; j0 < n; j0 += CH) {
     for (int64_t m0 = 0; m0 < all; m0 += RW) {
       const int64_t r = std::min(RW, all - m0);

@@ -439,8 +439,7 @@ class LeanLM(torch.nn.Module):
         if head_top is not None and self.takes_head_top:
             column, first, conf_from = head_top
             sums = self.head.gives_sums and conf_from >= 0
-            y, value, index, total = self.head.with_top(h, -1 if column is None else column, kept, first,
-                                                         conf_from if sums else -1)
+            y, value, index, total = self.head.with_top(h, column, kept, first, conf_from if sums else -1)
             return LeanOutput(y.view(b, kept, -1), (value.view(b, kept), index.view(b, kept)),
                               total.reciprocal().view(b, kept) if sums else None)
         return LeanOutput(self.head(h).view(b, kept, -1))

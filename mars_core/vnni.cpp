@@ -340,12 +340,15 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   const bool amx = amx_on();
   const int64_t group = amx ? 4 : 1;   // channel blocks whose sums are ready before their outputs are finished
+  const bool tops = top != nullptr && top->wanted();
+  std::vector<int64_t> skip;   // per row: the column its top leaves out (-1: none)
+  std::vector<char> track;     // per row: whether it gathers Top's sum
+  if (tops) top->per_row(rows, skip, track);
   at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
     std::vector<int32_t> sums(group * all * LANES), rest(TILE_ROWS * LANES);
     int64_t configured = 0;
     // each row's top in this chunk, per lane: the largest output so far (strictly larger wins, so a lane keeps the
     // first column of a tie) and the block it came from; and the row's first NaN column
-    const bool tops = top != nullptr && top->wanted();
     std::vector<__m512> best(tops ? rows : 0, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
     std::vector<__m512i> from(tops ? rows : 0, _mm512_setzero_si512());
     std::vector<int64_t> nan_at(tops ? rows : 0, -1);
@@ -373,11 +376,10 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
                  sc + j0, bp ? bp + j0 : nullptr, yp + m * n + j0, keep, second[m] >= 0);
           if (tops) {   // the 16 outputs just written, still in L1
             __mmask16 lanes = keep;
-            if (top->excludes(m) && top->exclude >= j0 && top->exclude < j0 + LANES)
-              lanes &= static_cast<__mmask16>(~(1u << (top->exclude - j0)));
+            if (skip[m] >= j0 && skip[m] < j0 + LANES) lanes &= static_cast<__mmask16>(~(1u << (skip[m] - j0)));
             const __m512 v = _mm512_maskz_loadu_ps(lanes, yp + m * n + j0);
             const __mmask16 gt = _mm512_mask_cmp_ps_mask(lanes, v, best[m], _CMP_GT_OQ);
-            if (top->sums(m)) {   // a lane's new largest value rescales its sum (exp(-inf) = 0 for a first one)
+            if (track[m]) {   // a lane's new largest value rescales its sum (exp(-inf) = 0 for a first one)
               const __m512 now = _mm512_mask_mov_ps(best[m], gt, v);
               if (gt) lane_sum[m] = _mm512_mask_mul_ps(lane_sum[m], gt, lane_sum[m], exp16(_mm512_sub_ps(best[m], now)));
               const __mmask16 finite = _mm512_mask_cmp_ps_mask(lanes, v, minus_inf, _CMP_GT_OQ);
@@ -406,7 +408,7 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
         if (value[l] > b || (value[l] == b && c < at)) b = value[l], at = c;
       }
       float s = 0.f;   // this chunk's sum of exp(v - b) over the lanes
-      if (top->sums(m) && b > -std::numeric_limits<float>::infinity()) {
+      if (track[m] && b > -std::numeric_limits<float>::infinity()) {
         alignas(64) float lane[LANES];
         _mm512_store_ps(lane, lane_sum[m]);
         for (int l = 0; l < LANES; ++l)

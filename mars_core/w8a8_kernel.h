@@ -32,6 +32,12 @@ struct Top {
   bool wanted() const { return value != nullptr; }
   bool excludes(int64_t m) const { return exclude >= 0 && m % period >= first; }
   bool sums(int64_t m) const { return sum != nullptr && conf_from >= 0 && m % period >= conf_from; }
+  // Per row, once per call (not per block of outputs): the column it leaves out (-1: none), and whether it sums.
+  void per_row(int64_t rows, std::vector<int64_t>& skip, std::vector<char>& track) const {
+    skip.assign(rows, -1);
+    track.assign(rows, 0);
+    for (int64_t m = 0; wanted() && m < rows; ++m) skip[m] = excludes(m) ? exclude : -1, track[m] = sums(m);
+  }
   // Row m's result so far and (v, j, s) of some columns, s their sum of exp(. - v): the larger value wins, the
   // smaller column on a tie; a NaN beats every number, the first NaN every later one. The column does not depend
   // on how the columns were split between chunks (the sum does, by rounding only).

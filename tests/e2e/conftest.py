@@ -105,13 +105,18 @@ def app_server(tmp_path_factory):
     log.close()
 
 
-@pytest.fixture()
-def page(browser, app_server):
-    url, _, _ = app_server
-    context = browser.new_context(viewport={"width": 1440, "height": 1000})
-    pg = context.new_page()
+def open_page(browser, url: str):
+    """A page of the app in a context of its own (its own Gradio session), loaded; close with page.context.close()."""
+    pg = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
     pg.set_default_timeout(60_000)
     pg.goto(url)
     pg.wait_for_selector("#generate-btn")
+    return pg
+
+
+@pytest.fixture()
+def page(browser, app_server):
+    url, _, _ = app_server
+    pg = open_page(browser, url)
     yield pg
-    context.close()
+    pg.context.close()

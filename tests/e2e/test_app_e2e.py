@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import ARTIFACTS, REPO
+from tests.e2e.conftest import ARTIFACTS, REPO, open_page
 
 RACE_TIMEOUT_MS = 120_000
 
@@ -283,10 +283,7 @@ def slow_race(page) -> None:
 @pytest.mark.slow
 def test_a_queued_race_shows_its_place_and_starts_with_the_tau_moved_meanwhile(browser, app_server, page):
     url, _, _ = app_server
-    other = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
-    other.set_default_timeout(60_000)
-    other.goto(url)
-    other.wait_for_selector("#generate-btn")
+    other = open_page(browser, url)
     page.evaluate(WATCH_STATUS, ["race-status"])
     slow_race(page)
     other.evaluate(WATCH_STATUS, ["race-status"])
@@ -313,9 +310,7 @@ def test_a_queued_race_shows_its_place_and_starts_with_the_tau_moved_meanwhile(b
 @pytest.mark.slow
 def test_a_sweep_whose_page_closed_is_cancelled(browser, app_server, page):
     url, _, _ = app_server
-    closing = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
-    closing.goto(url)
-    closing.wait_for_selector("#generate-btn")
+    closing = open_page(browser, url)
     open_tab(closing, "τ explorer")
     # 21 rows of 100 tasks: minutes of work, far longer than the race below may wait
     closing.fill("#n-tasks input[type=number]", "100")
@@ -358,10 +353,7 @@ def test_a_race_whose_page_closed_during_its_timing_frees_the_machine(browser, a
     from app import models
     assert models.smollm2_mars_available(), "assets/smollm2-mars has no adapter: this checkout cannot test it"
     url, _, _ = app_server
-    closing = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
-    closing.set_default_timeout(60_000)
-    closing.goto(url)
-    closing.wait_for_selector("#generate-btn")
+    closing = open_page(browser, url)
     pick_model(closing, "smollm2-mars")   # a real model: one repeat decodes for seconds
     # long enough that half a repeat stands well above the page's own start latency on a fast CPU too (the
     # lean w8a8 path writes ~60 tokens/s; 20 tokens made a repeat 0.6 s, as short as a click's round trip)
@@ -398,10 +390,7 @@ def test_a_race_whose_page_closed_during_its_timing_frees_the_machine(browser, a
     status_reaches(page, f"{status}.includes('Done')", RACE_TIMEOUT_MS)
     # the latency from a click to the race's start on a free machine (the part of `freed_after` that is not
     # waiting), on a page that has not raced yet
-    fresh = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
-    fresh.set_default_timeout(60_000)
-    fresh.goto(url)
-    fresh.wait_for_selector("#generate-btn")
+    fresh = open_page(browser, url)
     fresh.uncheck("#measure-after input[type=checkbox]")
     fresh.fill("#prompt textarea", prompt_for_model())
     clicked = time.perf_counter()
