@@ -219,13 +219,17 @@ class LeanLM(torch.nn.Module):
         scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
         self.register_buffer("rope_scale", scale[:, None], persistent=False)
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
-        # number of positions fed; float64 scores and sums make those last-bit differences vanish in fp32
+        # number of positions fed; in torch, float64 scores and sums make those last-bit differences vanish in fp32
         # (the same holds for bf16's packed products on an AMX CPU)
         exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
         self.attention_dtype = torch.float64 if exact_rows else torch.float32
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
+        if self.scripted is not None and self.kernel in OWN:
+            # our native stack computes each query's attention on its own in a fixed order: exact rows in float32,
+            # at half the cache's bytes and twice the multiply-adds per instruction of float64
+            self.attention_dtype = torch.float32
 
     def _script(self) -> None:
         """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""

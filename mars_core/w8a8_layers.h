@@ -1,5 +1,5 @@
 // Every decoder layer of a w8a8 forward in one call: the arithmetic of mars_core.lean_script.layers_w8a8 (not
-// its order of operations, nor libm's exp: exp8/exp4 below), with RMSNorm, RoPE, the cache writes, attention, SiLU
+// its order of operations, nor libm's exp: exp8 below), with RMSNorm, RoPE, the cache writes, attention, SiLU
 // and the residual adds as plain or vectorized loops around the file's own `linear`. Built into mars_core/vnni.cpp and mars_core/avx2.cpp (MARS_W8A8_OPS).
 //
 // Why: on one thread of a slow core, the ~4,000 small torch ops of a SmolLM2 forward cost as much as its 121
@@ -7,8 +7,8 @@
 //
 // Every position is computed on its own, in an order that depends on nothing but its own inputs: a row's outputs
 // are bitwise the same whatever other rows, positions or hidden columns the call holds. That is what makes a
-// lossless step write AR's answer and a batch row equal the row alone. Attention runs in float64 (the cache's
-// dtype), as the torch loop does.
+// lossless step write AR's answer and a batch row equal the row alone. Attention runs in float32 (the cache's
+// dtype): its fixed order per query is what keeps rows independent, which the torch loop gets from float64 instead.
 #pragma once
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -37,8 +37,8 @@ inline void rms(const float* x, const float* w, float* out, int64_t rows, int64_
   }
 }
 
-// exp on 8 floats and on 4 doubles: range reduction by ln 2 (in two parts), a Taylor polynomial on |r| <= ln2 / 2
-// (degree 7 in float, 13 in double: within an ulp or two of std::exp), scaled by 2^n through the exponent bits.
+// exp on 8 floats: range reduction by ln 2 (in two parts), a degree-7 Taylor polynomial on |r| <= ln2 / 2 (within
+// an ulp or two of std::exp), scaled by 2^n through the exponent bits.
 // Written with AVX2 + FMA intrinsics only, so that both kernels' builds (AVX-512 and AVX2) run the same
 // instructions and give the same bits. libm's scalar exp was most of a position's cost outside the products:
 // SiLU's 1,536 per layer and the softmax's one per key and head. Results below exp's normal range are 0.
@@ -59,67 +59,57 @@ inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
 }
 
-inline __m256d exp4(__m256d x) {
-  const __m256d lo = _mm256_set1_pd(-708.0);
-  const __m256d small = _mm256_cmp_pd(x, lo, _CMP_LT_OQ);   // also -inf (a hidden column)
-  const __m256d xc = _mm256_max_pd(x, lo);
-  const __m256d n = _mm256_round_pd(_mm256_mul_pd(xc, _mm256_set1_pd(1.4426950408889634)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93145751953125e-1), xc);
-  r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.42860682030941723212e-6), r);
-  constexpr double c[] = {1.0 / 6227020800, 1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800,   // 1/k!, k = 13..0
-                          1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0,
-                          1.0};
-  __m256d p = _mm256_set1_pd(c[0]);
-  for (int k = 1; k < 14; ++k) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[k]));
-  const __m256d shift = _mm256_set1_pd(6755399441055744.0);  // 2^52 + 2^51: n's integer lands in the low bits
-  const __m256i e = _mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n, shift)), 52);
-  const __m256d y = _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(p), e));
-  return _mm256_blendv_pd(y, _mm256_setzero_pd(), small);
-}
-
-// q . k in float64 for C (1..4) keys `stride` apart: eight partial sums per key (element i into sum i mod 8) run
-// over d in order, then summed in a fixed tree, so a score never depends on which keys share the call. The AVX-512
-// build keeps the eight in one register, the AVX2 build in two (elements i..i+3 and i+4..i+7 of each eight), by
-// the same multiply-adds: both give the same bits. A last group of 4 (d = 4 mod 8) goes to sums 0-3.
+// q . k in float32 for C (1..4) keys `stride` apart: sixteen partial sums per key (element i into sum i mod 16)
+// run over d in order, then summed in a fixed tree, so a score never depends on which keys share the call. The
+// AVX-512 build keeps the sixteen in one register, the AVX2 build in two (sums 0-7 and 8-15), by the same
+// multiply-adds: both give the same bits. A last 8, 4 or 12 (d mod 16) continue the mod-16 assignment.
 template <int C>
-inline void dots(const double* q, const double* k, int64_t stride, int64_t d, double* out) {
-  __m256d s[C], h[C];   // sums 0-3 and 4-7
+inline void dots(const float* q, const float* k, int64_t stride, int64_t d, float* out) {
+  __m256 s[C], h[C];   // sums 0-7 and 8-15
   int64_t i = 0;
 #ifdef __AVX512F__
-  __m512d a[C];
-  for (int j = 0; j < C; ++j) a[j] = _mm512_setzero_pd();
-  for (; i + 8 <= d; i += 8) {
-    const __m512d qv = _mm512_loadu_pd(q + i);
-    for (int j = 0; j < C; ++j) a[j] = _mm512_fmadd_pd(qv, _mm512_loadu_pd(k + j * stride + i), a[j]);
+  __m512 a[C];
+  for (int j = 0; j < C; ++j) a[j] = _mm512_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < C; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * stride + i), a[j]);
   }
   for (int j = 0; j < C; ++j) {
-    s[j] = _mm512_castpd512_pd256(a[j]);
-    h[j] = _mm512_extractf64x4_pd(a[j], 1);
+    s[j] = _mm512_castps512_ps256(a[j]);
+    h[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1));
   }
 #else
-  for (int j = 0; j < C; ++j) s[j] = h[j] = _mm256_setzero_pd();
-  for (; i + 8 <= d; i += 8) {
-    const __m256d ql = _mm256_loadu_pd(q + i), qh = _mm256_loadu_pd(q + i + 4);
+  for (int j = 0; j < C; ++j) s[j] = h[j] = _mm256_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);
     for (int j = 0; j < C; ++j) {
-      s[j] = _mm256_fmadd_pd(ql, _mm256_loadu_pd(k + j * stride + i), s[j]);
-      h[j] = _mm256_fmadd_pd(qh, _mm256_loadu_pd(k + j * stride + i + 4), h[j]);
+      s[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k + j * stride + i), s[j]);
+      h[j] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k + j * stride + i + 8), h[j]);
     }
   }
 #endif
-  if (i < d) {
-    const __m256d qv = _mm256_loadu_pd(q + i);
-    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k + j * stride + i), s[j]);
+  if (i + 8 <= d) {   // elements i..i+7 into sums 0-7
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), s[j]);
+    i += 8;
+    if (i < d) {      // and the last 4 into sums 8-11
+      const __m128 q4 = _mm_loadu_ps(q + i);
+      for (int j = 0; j < C; ++j)
+        h[j] = _mm256_insertf128_ps(h[j], _mm_fmadd_ps(q4, _mm_loadu_ps(k + j * stride + i), _mm256_castps256_ps128(h[j])), 0);
+    }
+  } else if (i < d) { // a last 4 into sums 0-3
+    const __m128 q4 = _mm_loadu_ps(q + i);
+    for (int j = 0; j < C; ++j)
+      s[j] = _mm256_insertf128_ps(s[j], _mm_fmadd_ps(q4, _mm_loadu_ps(k + j * stride + i), _mm256_castps256_ps128(s[j])), 0);
   }
-  for (int j = 0; j < C; ++j) s[j] = _mm256_add_pd(s[j], h[j]);
-  alignas(32) double lanes[4];
+  alignas(32) float lanes[8];
   for (int j = 0; j < C; ++j) {
-    _mm256_store_pd(lanes, s[j]);
-    out[j] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    _mm256_store_ps(lanes, _mm256_add_ps(s[j], h[j]));
+    out[j] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
 }
 
-inline void dots(const double* q, const double* k, int64_t stride, int64_t d, int count, double* out) {
+inline void dots(const float* q, const float* k, int64_t stride, int64_t d, int count, float* out) {
   switch (count) {
     case 4: dots<4>(q, k, stride, d, out); break;
     case 3: dots<3>(q, k, stride, d, out); break;
@@ -128,34 +118,44 @@ inline void dots(const double* q, const double* k, int64_t stride, int64_t d, in
   }
 }
 
-// out[0 .. 4W) = sum over t of p[t] * v[t][0 .. 4W) (rows `stride` apart), summed over t in order in W registers
-// (W / 2 in the AVX-512 build: each output takes the same multiply-adds), then rounded to float. Columns with p = 0
-// (hidden, or underflowed) are skipped: they would add exact zeros.
+// out[0 .. 8W) = sum over t of p[t] * v[t][0 .. 8W) (rows `stride` apart), summed over t in order in W registers
+// (W / 2 in the AVX-512 build: each output takes the same multiply-adds). Columns with p = 0 (hidden, or
+// underflowed) are skipped: they would add exact zeros.
 template <int W>
-inline void weigh(const double* p, const double* v, int64_t stride, int64_t end, float* out) {
+inline void weigh(const float* p, const float* v, int64_t stride, int64_t end, float* out) {
 #ifdef __AVX512F__
   if constexpr (W % 2 == 0) {
-    __m512d acc[W / 2];
-    for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_setzero_pd();
+    __m512 acc[W / 2];
+    for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < end; ++t) {
       if (p[t] == 0) continue;
-      const __m512d pt = _mm512_set1_pd(p[t]);
-      const double* vr = v + t * stride;
-      for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_fmadd_pd(pt, _mm512_loadu_pd(vr + 8 * j), acc[j]);
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const float* vr = v + t * stride;
+      for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16 * j), acc[j]);
     }
-    for (int j = 0; j < W / 2; ++j) _mm256_storeu_ps(out + 8 * j, _mm512_cvtpd_ps(acc[j]));
+    for (int j = 0; j < W / 2; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
     return;
   }
 #endif
-  __m256d acc[W];
-  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_pd();
+  __m256 acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < end; ++t) {
     if (p[t] == 0) continue;
-    const __m256d pt = _mm256_set1_pd(p[t]);
-    const double* vr = v + t * stride;
-    for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_pd(pt, _mm256_loadu_pd(vr + 4 * j), acc[j]);
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    const float* vr = v + t * stride;
+    for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), acc[j]);
   }
-  for (int j = 0; j < W; ++j) _mm_storeu_ps(out + 4 * j, _mm256_cvtpd_ps(acc[j]));
+  for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+// The same for the last 4 columns of a head whose size is 4 mod 8.
+inline void weigh4(const float* p, const float* v, int64_t stride, int64_t end, float* out) {
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t t = 0; t < end; ++t) {
+    if (p[t] == 0) continue;
+    acc = _mm_fmadd_ps(_mm_set1_ps(p[t]), _mm_loadu_ps(v + t * stride), acc);
+  }
+  _mm_storeu_ps(out, acc);
 }
 
 // out = g / (1 + exp(-g)) * u, 8 at a time (the last few through a padded copy, by the same instructions).
@@ -174,6 +174,24 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   std::copy(ob, ob + (n - e), out + e);
 }
 
+// RoPE on one head's d values (pairs x0, x1 with the table's cos c and sin s): x0 c - x1 s and x0 s + x1 c, each
+// a rounded product then a rounded sum, written out with intrinsics 8 (then 4) at a time: left to the compiler's
+// vectorizer, the AVX2 build fused some of these into multiply-adds and the two builds' keys differed in a last bit.
+inline void rotate(const float* x, const float* cs, int64_t d, float* out) {
+  int64_t p = 0;
+  for (; p + 8 <= d; p += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + p), cv = _mm256_loadu_ps(cs + p);
+    const __m256 a = _mm256_mul_ps(xv, _mm256_moveldup_ps(cv));                           // x0 c, x1 c
+    const __m256 b = _mm256_mul_ps(_mm256_permute_ps(xv, 0xB1), _mm256_movehdup_ps(cv));  // x1 s, x0 s
+    _mm256_storeu_ps(out + p, _mm256_addsub_ps(a, b));
+  }
+  if (p < d) {   // d is a multiple of 4
+    const __m128 xv = _mm_loadu_ps(x + p), cv = _mm_loadu_ps(cs + p);
+    _mm_storeu_ps(out + p, _mm_addsub_ps(_mm_mul_ps(xv, _mm_moveldup_ps(cv)),
+                                         _mm_mul_ps(_mm_permute_ps(xv, 0xB1), _mm_movehdup_ps(cv))));
+  }
+}
+
 struct Shape {
   int64_t b, length, heads, kv, d, past;
 };
@@ -181,13 +199,15 @@ struct Shape {
 // Layer i's attention: RoPE on the q and k rows of `qkv` (the table holds each row's cos/sin pairs, q's already
 // scaled by 1/sqrt(d)), the chunk's k and v written into the caches at columns past.., and each query's softmax
 // over the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
+// All in float32, each query on its own in a fixed order (the scores' max, exp, sum and division 8 columns at a
+// time, the sum in 8 lanes then a fixed tree), so a query's result depends on its own inputs only.
 inline void attention(int64_t i, const float* qkv, const float* rope, const at::Tensor& kc, const at::Tensor& vc,
                       const bool* hidden, const Shape& s, float* att) {
   const int64_t heads = s.heads, kv = s.kv, d = s.d, group = heads / kv, end = s.past + s.length;
   const int64_t width = (heads + 2 * kv) * d, rows = s.b * s.length;
-  std::vector<double> q(static_cast<size_t>(rows) * heads * d);   // the rotated queries, in float64
-  double* kb = kc.data_ptr<double>();
-  double* vb = vc.data_ptr<double>();
+  std::vector<float> q(static_cast<size_t>(rows) * heads * d);   // the rotated queries
+  float* kb = kc.data_ptr<float>();
+  float* vb = vc.data_ptr<float>();
   const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2), k3 = kc.stride(3);
   const int64_t v0 = vc.stride(0), v1 = vc.stride(1), v2 = vc.stride(2), v3 = vc.stride(3);
   for (int64_t r = 0; r < rows; ++r) {
@@ -195,49 +215,57 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
     const float* row = qkv + r * width;
     const float* cs = rope + r * (heads + kv) * d;   // (cos, sin) per pair of each head
     for (int64_t h = 0; h < heads + kv; ++h)
-      for (int64_t p = 0; p < d; p += 2) {
-        const float x0 = row[h * d + p], x1 = row[h * d + p + 1], c = cs[h * d + p], sn = cs[h * d + p + 1];
-        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
-        if (h < heads) {
-          q[(r * heads + h) * d + p] = y0;
-          q[(r * heads + h) * d + p + 1] = y1;
-        } else {
-          double* kt = kb + i * k0 + bi * k1 + (h - heads) * k2 + col * k3;
-          kt[p] = y0;
-          kt[p + 1] = y1;
-        }
-      }
-    for (int64_t g = 0; g < kv; ++g) {
-      double* vt = vb + i * v0 + bi * v1 + g * v2 + col * v3;
-      for (int64_t e = 0; e < d; ++e) vt[e] = row[(heads + kv + g) * d + e];
-    }
+      rotate(row + h * d, cs + h * d, d,
+             h < heads ? q.data() + (r * heads + h) * d : kb + i * k0 + bi * k1 + (h - heads) * k2 + col * k3);
+    for (int64_t g = 0; g < kv; ++g)
+      std::copy_n(row + (heads + kv + g) * d, d, vb + i * v0 + bi * v1 + g * v2 + col * v3);
   }
-  std::vector<double> score((end + 3) / 4 * 4);
+  const int64_t padded = (end + 7) / 8 * 8;
+  std::vector<float> score(padded);
+  const float inf = std::numeric_limits<float>::infinity();
+  const __m256 minus_inf = _mm256_set1_ps(-inf);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t bi = r / s.length, l = r % s.length;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t g = h / group;
-      const double* qh = q.data() + (r * heads + h) * d;
-      const double* kt = kb + i * k0 + bi * k1 + g * k2;
-      const double* vt = vb + i * v0 + bi * v1 + g * v2;
+      const float* qh = q.data() + (r * heads + h) * d;
+      const float* kt = kb + i * k0 + bi * k1 + g * k2;
+      const float* vt = vb + i * v0 + bi * v1 + g * v2;
       const bool* hid = hidden ? hidden + (bi * s.length * group + l * group + h % group) * end : nullptr;
       for (int64_t t = 0; t < end; t += 4) dots(qh, kt + t * k3, k3, d, static_cast<int>(std::min<int64_t>(4, end - t)),
                                                   score.data() + t);
-      double top = -std::numeric_limits<double>::infinity();
-      for (int64_t t = 0; t < end; ++t) {
-        if (hid && hid[t]) score[t] = -std::numeric_limits<double>::infinity();
-        top = std::max(top, score[t]);
+      std::fill(score.begin() + end, score.end(), -inf);
+      if (hid) {
+        int64_t t = 0;
+        for (; t + 8 <= end; t += 8) {
+          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hid + t)));
+          const __m256 out = _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_setzero_si256()));
+          _mm256_storeu_ps(score.data() + t, _mm256_blendv_ps(_mm256_loadu_ps(score.data() + t), minus_inf, out));
+        }
+        for (; t < end; ++t)
+          if (hid[t]) score[t] = -inf;
       }
-      const __m256d topv = _mm256_set1_pd(top);
-      for (int64_t t = 0; t < end; t += 4)   // the buffer is padded to a multiple of 4
-        _mm256_storeu_pd(score.data() + t, exp4(_mm256_sub_pd(_mm256_loadu_pd(score.data() + t), topv)));
-      double sum = 0;
-      for (int64_t t = 0; t < end; ++t) sum += score[t];
-      for (int64_t t = 0; t < end; ++t) score[t] = score[t] / sum;
+      __m256 top8 = minus_inf;
+      for (int64_t t = 0; t < padded; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(score.data() + t));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top8);
+      const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+      __m256 sum8 = _mm256_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + t), top));   // hidden: exactly 0
+        _mm256_storeu_ps(score.data() + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+      }
+      _mm256_store_ps(lanes, sum8);
+      const __m256 sum = _mm256_set1_ps(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                        ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+      for (int64_t t = 0; t < padded; t += 8)
+        _mm256_storeu_ps(score.data() + t, _mm256_div_ps(_mm256_loadu_ps(score.data() + t), sum));
       float* out = att + r * heads * d + h * d;
       int64_t e = 0;
-      for (; e + 32 <= d; e += 32) weigh<8>(score.data(), vt + e, v3, end, out + e);
-      for (; e < d; e += 4) weigh<1>(score.data(), vt + e, v3, end, out + e);
+      for (; e + 64 <= d; e += 64) weigh<8>(score.data(), vt + e, v3, end, out + e);
+      for (; e + 8 <= d; e += 8) weigh<1>(score.data(), vt + e, v3, end, out + e);
+      if (e < d) weigh4(score.data(), vt + e, v3, end, out + e);
     }
   }
 }
@@ -317,9 +345,9 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, co
   const int64_t rows = b * length, n = x_in.size(1), count = static_cast<int64_t>(norms.size()) / 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) == rows,
               "layers: a float32 [b * length, hidden] input is expected");
-  TORCH_CHECK(k_cache.scalar_type() == at::kDouble && v_cache.scalar_type() == at::kDouble &&
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
                   k_cache.stride(4) == 1 && v_cache.stride(4) == 1 && k_cache.size(3) >= past + length,
-              "layers: float64 caches [layers, batch, kv, columns, d] with room for the chunk are expected");
+              "layers: float32 caches [layers, batch, kv, columns, d] with room for the chunk are expected");
   TORCH_CHECK(static_cast<int64_t>(packs.size()) == 4 * count && heads % kv == 0 && d % 4 == 0,
               "layers: four products per layer, heads a multiple of kv heads and a head size a multiple of 4 are "
               "expected");

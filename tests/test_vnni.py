@@ -159,17 +159,23 @@ def test_mars_amx_0_keeps_the_vnni_loop(monkeypatch):
     assert vnni.amx_used()
 
 
-def test_both_kernels_give_the_same_bits_when_the_head_size_leaves_a_last_group_of_four():
-    """The attention dot products sum eight partial sums (one AVX-512 register in this kernel, two AVX2 ones in the
-    other); a head size of 12 leaves a last group of 4 past them, which both builds must add."""
+@pytest.mark.parametrize("head_dim", [4, 8, 12, 20, 24, 28, 64])
+def test_both_kernels_give_the_same_bits_and_fp32s_attention_whatever_the_head_size(head_dim):
+    """The attention dot products sum sixteen partial sums (one AVX-512 register in this kernel, two AVX2 ones in
+    the other), and a head size that is not a multiple of 16 leaves a last 4, 8 or 12 past them, which both builds
+    must add the same way; the weighted sums of the values run 64, 8 and 4 columns at a time. Both must be the
+    attention itself: the logits stay as close to the fp32 forward's as w8a8's products allow."""
     from mars_core.lean import LeanLM
     from tests.tiny_fixtures import tiny_causal_lm
 
-    model = tiny_causal_lm(50, "llama", head_dim=12)
+    model = tiny_causal_lm(50, "llama", head_dim=head_dim)
     nets = {kernel: LeanLM(model, "w8a8", kernel=kernel) for kernel in ("vnni", "avx2")}
-    assert nets["vnni"].head_dim == 12
+    ref = LeanLM(model, "float")
+    assert nets["vnni"].head_dim == head_dim and nets["vnni"].new_cache().dtype == torch.float32
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         logits = {k: net(input_ids=ids, cache=net.new_cache()).logits for k, net in nets.items()}
+        exact = ref(input_ids=ids, cache=ref.new_cache()).logits
     assert torch.equal(logits["vnni"], logits["avx2"])
     assert logits["vnni"].abs().max() > 0 and not torch.equal(logits["vnni"][0], logits["vnni"][1])
+    assert ((logits["vnni"] - exact).norm() / exact.norm()).item() < 0.05
