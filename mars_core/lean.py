@@ -129,22 +129,33 @@ class LeanCache:
     """Keys and values of every layer, [layers, batch, kv_heads, capacity, head_dim], and how many columns are
     filled. Columns are appended in place and dropped by moving `length`; the tensors grow by GROW columns."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, limit: int):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, limit: int,
+                 key_tiles: bool = False):
         self.shape, self.dtype, self.device, self.limit = (layers, kv_heads, head_dim), dtype, device, limit
+        # keys as [layers, batch, kv_heads, capacity / 16, head_dim, 16]: tiles of 16 columns stored by dimension,
+        # which the native stack reads in order (mars_core/w8a8_layers.h, `scores`)
+        self.key_tiles = key_tiles
         self.k = self.v = None
         self.length = 0
 
     def reserve(self, batch: int, columns: int) -> None:
         """Room for `columns` more columns at this batch size."""
         need = self.length + columns
-        if self.k is not None and self.k.shape[3] >= need:
+        if self.v is not None and self.v.shape[3] >= need:
             return
         layers, heads, dim = self.shape
         cap = max(need, min(self.limit, need + GROW))   # GROW spare columns, never past the context
-        k = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
+        if self.key_tiles:
+            cap = -(-cap // 16) * 16
+        v = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
+        k = torch.empty(layers, batch, heads, cap // 16, dim, 16, dtype=self.dtype, device=self.device) \
+            if self.key_tiles else torch.empty_like(v)
         if self.k is not None:
-            k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+            if self.key_tiles:
+                tiles = -(-self.length // 16)
+                k[:, :, :, :tiles] = self.k[:, :, :, :tiles]
+            else:
+                k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
             v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
         self.k, self.v = k, v
 
@@ -226,9 +237,10 @@ class LeanLM(torch.nn.Module):
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
-        if self.scripted is not None and self.kernel in OWN:
-            # our native stack computes each query's attention on its own in a fixed order: exact rows in float32,
-            # at half the cache's bytes and twice the multiply-adds per instruction of float64
+        # our native stack (mars_core/w8a8_layers.h) computes each query's attention in a fixed order whatever
+        # shares its call: exact rows in float32, at half the cache's bytes; it reads keys in tiles (LeanCache)
+        self.native = self.scripted is not None and self.kernel in OWN
+        if self.native:
             self.attention_dtype = torch.float32
 
     def _script(self) -> None:
@@ -393,7 +405,7 @@ class LeanLM(torch.nn.Module):
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.attention_dtype, self.embed.device,
-                         self.context)
+                         self.context, key_tiles=self.native)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: LeanCache | None = None, use_cache: bool = True,

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -59,104 +60,146 @@ inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
 }
 
-// q . k in float32 for C (1..4) keys `stride` apart: sixteen partial sums per key (element i into sum i mod 16)
-// run over d in order, then summed in a fixed tree, so a score never depends on which keys share the call. The
-// AVX-512 build keeps the sixteen in one register, the AVX2 build in two (sums 0-7 and 8-15), by the same
-// multiply-adds: both give the same bits. A last 8, 4 or 12 (d mod 16) continue the mod-16 assignment.
-template <int C>
-inline void dots(const float* q, const float* k, int64_t stride, int64_t d, float* out) {
-  __m256 s[C], h[C];   // sums 0-7 and 8-15
-  int64_t i = 0;
+// Attention's two products for J queries (1..6) that share a key/value head: the queries of one row's heads of a
+// group and of the chunk's other rows. Each key or value row is loaded once for all J; every lane of every
+// register still computes one query's one output by the same multiply-adds in the same order (a plain sequence of
+// fused multiply-adds from 0, over the head's d elements or over the keys), so a query's result does not depend on
+// which or how many queries share its block. The AVX-512 and AVX2 builds run these same 8-lane instructions.
+
+// Sixteen float lanes: one AVX-512 register, or two AVX2 ones (lanes 0-7 and 8-15), by the same lane-wise ops.
 #ifdef __AVX512F__
-  __m512 a[C];
-  for (int j = 0; j < C; ++j) a[j] = _mm512_setzero_ps();
-  for (; i + 16 <= d; i += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int j = 0; j < C; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * stride + i), a[j]);
-  }
-  for (int j = 0; j < C; ++j) {
-    s[j] = _mm512_castps512_ps256(a[j]);
-    h[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1));
-  }
+struct F16 {
+  __m512 x;
+  static F16 zero() { return {_mm512_setzero_ps()}; }
+  static F16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static F16 bcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, x); }
+  void fma(const F16& a, const F16& b) { x = _mm512_fmadd_ps(a.x, b.x, x); }
+};
+constexpr int WIDE = 2;   // F16s of keys (scores) per query and block; values: 64 columns (4 F16s) at a time
+constexpr int COLUMNS = 4;
 #else
-  for (int j = 0; j < C; ++j) s[j] = h[j] = _mm256_setzero_ps();
-  for (; i + 16 <= d; i += 16) {
-    const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);
-    for (int j = 0; j < C; ++j) {
-      s[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k + j * stride + i), s[j]);
-      h[j] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k + j * stride + i + 8), h[j]);
-    }
-  }
+struct F16 {
+  __m256 lo, hi;
+  static F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static F16 bcast(const float* p) { const __m256 v = _mm256_broadcast_ss(p); return {v, v}; }
+  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+  void fma(const F16& a, const F16& b) { lo = _mm256_fmadd_ps(a.lo, b.lo, lo); hi = _mm256_fmadd_ps(a.hi, b.hi, hi); }
+};
+constexpr int WIDE = 1;
+constexpr int COLUMNS = 1;
 #endif
-  if (i + 8 <= d) {   // elements i..i+7 into sums 0-7
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < C; ++j) s[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), s[j]);
-    i += 8;
-    if (i < d) {      // and the last 4 into sums 8-11
-      const __m128 q4 = _mm_loadu_ps(q + i);
-      for (int j = 0; j < C; ++j)
-        h[j] = _mm256_insertf128_ps(h[j], _mm_fmadd_ps(q4, _mm_loadu_ps(k + j * stride + i), _mm256_castps256_ps128(h[j])), 0);
+
+// out[j][t] = q[j] . k[., t] for t < end: keys in tiles of 16 stored by dimension (element e of key t at
+// k[(t / 16) * ks + e * 16 + t % 16], so a block's loads run through memory in order), W * 16 keys at a time, then
+// 16, the last 1-15 through 8-lane masked loads (lanes past `end` load nothing and are stored into padding).
+template <int J, int W>
+inline int64_t score_blocks(const float* const* q, const float* k, int64_t ks, int64_t d, int64_t t, int64_t end,
+                            float* const* out) {
+  for (; t + 16 * W <= end; t += 16 * W) {
+    F16 a[J][W];
+    for (int j = 0; j < J; ++j)
+      for (int w = 0; w < W; ++w) a[j][w] = F16::zero();
+    for (int64_t e = 0; e < d; ++e) {
+      F16 kv[W];
+      for (int w = 0; w < W; ++w) kv[w] = F16::load(k + (t / 16 + w) * ks + e * 16);
+      for (int j = 0; j < J; ++j) {
+        const F16 qe = F16::bcast(q[j] + e);
+        for (int w = 0; w < W; ++w) a[j][w].fma(qe, kv[w]);
+      }
     }
-  } else if (i < d) { // a last 4 into sums 0-3
-    const __m128 q4 = _mm_loadu_ps(q + i);
-    for (int j = 0; j < C; ++j)
-      s[j] = _mm256_insertf128_ps(s[j], _mm_fmadd_ps(q4, _mm_loadu_ps(k + j * stride + i), _mm256_castps256_ps128(s[j])), 0);
+    for (int j = 0; j < J; ++j)
+      for (int w = 0; w < W; ++w) a[j][w].store(out[j] + t + 16 * w);
   }
-  alignas(32) float lanes[8];
-  for (int j = 0; j < C; ++j) {
-    _mm256_store_ps(lanes, _mm256_add_ps(s[j], h[j]));
-    out[j] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return t;
+}
+
+template <int J>
+inline void scores(const float* const* q, const float* k, int64_t ks, int64_t d, int64_t end, float* const* out) {
+  int64_t t = score_blocks<J, (J <= 3 ? 2 * WIDE : WIDE)>(q, k, ks, d, 0, end, out);   // enough sums in flight
+  t = score_blocks<J, 1>(q, k, ks, d, t, end, out);
+  for (; t < end; t += 8) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(end - t)), lane);
+    __m256 a[J];
+    for (int j = 0; j < J; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; ++e) {
+      const __m256 k0 = _mm256_maskload_ps(k + (t / 16) * ks + e * 16 + t % 16, in);
+      for (int j = 0; j < J; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[j] + e), k0, a[j]);
+    }
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out[j] + t, a[j]);
   }
 }
 
-inline void dots(const float* q, const float* k, int64_t stride, int64_t d, int count, float* out) {
-  switch (count) {
-    case 4: dots<4>(q, k, stride, d, out); break;
-    case 3: dots<3>(q, k, stride, d, out); break;
-    case 2: dots<2>(q, k, stride, d, out); break;
-    default: dots<1>(q, k, stride, d, out);
-  }
-}
-
-// out[0 .. 8W) = sum over t of p[t] * v[t][0 .. 8W) (rows `stride` apart), summed over t in order in W registers
-// (W / 2 in the AVX-512 build: each output takes the same multiply-adds). Columns with p = 0 (hidden, or
-// underflowed) are skipped: they would add exact zeros.
-template <int W>
-inline void weigh(const float* p, const float* v, int64_t stride, int64_t end, float* out) {
-#ifdef __AVX512F__
-  if constexpr (W % 2 == 0) {
-    __m512 acc[W / 2];
-    for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_setzero_ps();
+// out[j][c .. c + 16W) = sum over t < end of p[j][t] * v[t][c .. c + 16W) (value rows `vs` apart). A key whose weight
+// is 0 for every query (`live` false: hidden) is skipped; where only some queries weigh it 0, theirs add 0 * v,
+// which leaves a sum that never holds -0 unchanged: the same bits as skipping it.
+template <int J, int W>
+inline int64_t mix_blocks(const float* const* p, const bool* live, const float* v, int64_t vs, int64_t c, int64_t d,
+                          int64_t end, float* const* out) {
+  for (; c + 16 * W <= d; c += 16 * W) {
+    F16 a[J][W];
+    for (int j = 0; j < J; ++j)
+      for (int w = 0; w < W; ++w) a[j][w] = F16::zero();
     for (int64_t t = 0; t < end; ++t) {
-      if (p[t] == 0) continue;
-      const __m512 pt = _mm512_set1_ps(p[t]);
-      const float* vr = v + t * stride;
-      for (int j = 0; j < W / 2; ++j) acc[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16 * j), acc[j]);
+      if (!live[t]) continue;
+      F16 vv[W];
+      for (int w = 0; w < W; ++w) vv[w] = F16::load(v + t * vs + c + 16 * w);
+      for (int j = 0; j < J; ++j) {
+        const F16 pt = F16::bcast(p[j] + t);
+        for (int w = 0; w < W; ++w) a[j][w].fma(pt, vv[w]);
+      }
     }
-    for (int j = 0; j < W / 2; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
-    return;
+    for (int j = 0; j < J; ++j)
+      for (int w = 0; w < W; ++w) a[j][w].store(out[j] + c + 16 * w);
   }
-#endif
-  __m256 acc[W];
-  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < end; ++t) {
-    if (p[t] == 0) continue;
-    const __m256 pt = _mm256_set1_ps(p[t]);
-    const float* vr = v + t * stride;
-    for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), acc[j]);
-  }
-  for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+  return c;
 }
 
-// The same for the last 4 columns of a head whose size is 4 mod 8.
-inline void weigh4(const float* p, const float* v, int64_t stride, int64_t end, float* out) {
-  __m128 acc = _mm_setzero_ps();
-  for (int64_t t = 0; t < end; ++t) {
-    if (p[t] == 0) continue;
-    acc = _mm_fmadd_ps(_mm_set1_ps(p[t]), _mm_loadu_ps(v + t * stride), acc);
+template <int J>
+inline void mix(const float* const* p, const bool* live, const float* v, int64_t vs, int64_t d, int64_t end,
+                float* const* out) {
+  int64_t c = mix_blocks<J, COLUMNS>(p, live, v, vs, 0, d, end, out);
+  c = mix_blocks<J, 1>(p, live, v, vs, c, d, end, out);
+  if (c + 8 <= d) {
+    __m256 a[J];
+    for (int j = 0; j < J; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < end; ++t) {
+      if (!live[t]) continue;
+      const __m256 vv = _mm256_loadu_ps(v + t * vs + c);
+      for (int j = 0; j < J; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[j] + t), vv, a[j]);
+    }
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out[j] + c, a[j]);
+    c += 8;
   }
-  _mm_storeu_ps(out, acc);
+  if (c < d) {   // d is a multiple of 4
+    __m128 a[J];
+    for (int j = 0; j < J; ++j) a[j] = _mm_setzero_ps();
+    for (int64_t t = 0; t < end; ++t) {
+      if (!live[t]) continue;
+      const __m128 vv = _mm_loadu_ps(v + t * vs + c);
+      for (int j = 0; j < J; ++j) a[j] = _mm_fmadd_ps(_mm_broadcast_ss(p[j] + t), vv, a[j]);
+    }
+    for (int j = 0; j < J; ++j) _mm_storeu_ps(out[j] + c, a[j]);
+  }
 }
+
+constexpr int BLOCK = 6;   // queries per block: their sums, the loads and a broadcast fit AVX2's 16 registers
+
+template <template <int> class F, typename... A>
+inline void by_count(int n, A... args) {
+  switch (n) {
+    case 6: F<6>::run(args...); break;
+    case 5: F<5>::run(args...); break;
+    case 4: F<4>::run(args...); break;
+    case 3: F<3>::run(args...); break;
+    case 2: F<2>::run(args...); break;
+    default: F<1>::run(args...);
+  }
+}
+template <int J> struct Scores { template <typename... A> static void run(A... a) { scores<J>(a...); } };
+template <int J> struct Mix { template <typename... A> static void run(A... a) { mix<J>(a...); } };
 
 // out = g / (1 + exp(-g)) * u, 8 at a time (the last few through a padded copy, by the same instructions).
 inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
@@ -197,15 +240,18 @@ struct Shape {
 };
 
 // Layer i's attention: RoPE on the q and k rows of `qkv` (the table holds each row's cos/sin pairs, q's already
-// scaled by 1/sqrt(d)), the chunk's k and v written into the caches at columns past.., and each query's softmax
-// over the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
-// All in float32, each query on its own in a fixed order (the scores' max, exp, sum and division 8 columns at a
-// time, the sum in 8 lanes then a fixed tree), so a query's result depends on its own inputs only.
+// scaled by 1/sqrt(d)), the chunk's k and v written into the caches at columns past.. (keys in tiles of 16 columns
+// stored by dimension: [layers, batch, kv, columns / 16, d, 16]; values by column: [layers, batch, kv, columns, d]),
+// and each query's softmax over
+// the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
+// All in float32. The queries that share a key/value head go through the products in blocks (`scores`, `mix`);
+// each query's softmax runs on its own (max, exp, sum and division 8 columns at a time, the sum in 8 lanes then a
+// fixed tree). A query's result depends on its own inputs only.
 inline void attention(int64_t i, const float* qkv, const float* rope, const at::Tensor& kc, const at::Tensor& vc,
                       const bool* hidden, const Shape& s, float* att) {
   const int64_t heads = s.heads, kv = s.kv, d = s.d, group = heads / kv, end = s.past + s.length;
   const int64_t width = (heads + 2 * kv) * d, rows = s.b * s.length;
-  std::vector<float> q(static_cast<size_t>(rows) * heads * d);   // the rotated queries
+  std::vector<float> q(static_cast<size_t>(rows) * heads * d), key(d);   // the rotated queries; one key
   float* kb = kc.data_ptr<float>();
   float* vb = vc.data_ptr<float>();
   const int64_t k0 = kc.stride(0), k1 = kc.stride(1), k2 = kc.stride(2), k3 = kc.stride(3);
@@ -214,60 +260,74 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
     const int64_t bi = r / s.length, col = s.past + r % s.length;
     const float* row = qkv + r * width;
     const float* cs = rope + r * (heads + kv) * d;   // (cos, sin) per pair of each head
-    for (int64_t h = 0; h < heads + kv; ++h)
-      rotate(row + h * d, cs + h * d, d,
-             h < heads ? q.data() + (r * heads + h) * d : kb + i * k0 + bi * k1 + (h - heads) * k2 + col * k3);
-    for (int64_t g = 0; g < kv; ++g)
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * d, cs + h * d, d, q.data() + (r * heads + h) * d);
+    for (int64_t g = 0; g < kv; ++g) {
+      rotate(row + (heads + g) * d, cs + (heads + g) * d, d, key.data());
+      float* kt = kb + i * k0 + bi * k1 + g * k2 + (col / 16) * k3 + col % 16;
+      for (int64_t e = 0; e < d; ++e) kt[e * 16] = key[e];
       std::copy_n(row + (heads + kv + g) * d, d, vb + i * v0 + bi * v1 + g * v2 + col * v3);
-  }
-  const int64_t padded = (end + 7) / 8 * 8;
-  std::vector<float> score(padded);
-  const float inf = std::numeric_limits<float>::infinity();
-  const __m256 minus_inf = _mm256_set1_ps(-inf);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bi = r / s.length, l = r % s.length;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t g = h / group;
-      const float* qh = q.data() + (r * heads + h) * d;
-      const float* kt = kb + i * k0 + bi * k1 + g * k2;
-      const float* vt = vb + i * v0 + bi * v1 + g * v2;
-      const bool* hid = hidden ? hidden + (bi * s.length * group + l * group + h % group) * end : nullptr;
-      for (int64_t t = 0; t < end; t += 4) dots(qh, kt + t * k3, k3, d, static_cast<int>(std::min<int64_t>(4, end - t)),
-                                                  score.data() + t);
-      std::fill(score.begin() + end, score.end(), -inf);
-      if (hid) {
-        int64_t t = 0;
-        for (; t + 8 <= end; t += 8) {
-          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hid + t)));
-          const __m256 out = _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_setzero_si256()));
-          _mm256_storeu_ps(score.data() + t, _mm256_blendv_ps(_mm256_loadu_ps(score.data() + t), minus_inf, out));
-        }
-        for (; t < end; ++t)
-          if (hid[t]) score[t] = -inf;
-      }
-      __m256 top8 = minus_inf;
-      for (int64_t t = 0; t < padded; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(score.data() + t));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, top8);
-      const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-      __m256 sum8 = _mm256_setzero_ps();
-      for (int64_t t = 0; t < padded; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + t), top));   // hidden: exactly 0
-        _mm256_storeu_ps(score.data() + t, e);
-        sum8 = _mm256_add_ps(sum8, e);
-      }
-      _mm256_store_ps(lanes, sum8);
-      const __m256 sum = _mm256_set1_ps(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                                        ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
-      for (int64_t t = 0; t < padded; t += 8)
-        _mm256_storeu_ps(score.data() + t, _mm256_div_ps(_mm256_loadu_ps(score.data() + t), sum));
-      float* out = att + r * heads * d + h * d;
-      int64_t e = 0;
-      for (; e + 64 <= d; e += 64) weigh<8>(score.data(), vt + e, v3, end, out + e);
-      for (; e + 8 <= d; e += 8) weigh<1>(score.data(), vt + e, v3, end, out + e);
-      if (e < d) weigh4(score.data(), vt + e, v3, end, out + e);
     }
   }
+  const int64_t padded = (end + 15) / 16 * 16, per = s.length * group;   // queries per batch row and kv head
+  std::vector<float> score(static_cast<size_t>(BLOCK) * padded);
+  std::unique_ptr<bool[]> live(new bool[end]);   // keys some query of a block weighs
+  const float inf = std::numeric_limits<float>::infinity();
+  const __m256 minus_inf = _mm256_set1_ps(-inf);
+  for (int64_t bi = 0; bi < s.b; ++bi)
+    for (int64_t g = 0; g < kv; ++g) {
+      const float* kt = kb + i * k0 + bi * k1 + g * k2;
+      const float* vt = vb + i * v0 + bi * v1 + g * v2;
+      for (int64_t first = 0; first < per; first += BLOCK) {   // query u: row l = u / group, head g * group + u % group
+        const int n = static_cast<int>(std::min<int64_t>(BLOCK, per - first));
+        const float* qs[BLOCK];
+        float* ps[BLOCK];
+        float* outs[BLOCK];
+        for (int j = 0; j < n; ++j) {
+          const int64_t u = first + j, r = bi * s.length + u / group, h = g * group + u % group;
+          qs[j] = q.data() + (r * heads + h) * d;
+          ps[j] = score.data() + j * padded;
+          outs[j] = att + r * heads * d + h * d;
+        }
+        by_count<Scores>(n, qs, kt, k3, d, end, ps);
+        for (int j = 0; j < n; ++j) {
+          float* sc = ps[j];
+          std::fill(sc + end, sc + padded, -inf);
+          const bool* hid = hidden ? hidden + (bi * per + first + j) * end : nullptr;
+          if (hid) {
+            int64_t t = 0;
+            for (; t + 8 <= end; t += 8) {
+              const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hid + t)));
+              const __m256 out = _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_setzero_si256()));
+              _mm256_storeu_ps(sc + t, _mm256_blendv_ps(_mm256_loadu_ps(sc + t), minus_inf, out));
+            }
+            for (; t < end; ++t)
+              if (hid[t]) sc[t] = -inf;
+          }
+          __m256 top8 = minus_inf;
+          for (int64_t t = 0; t < padded; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc + t));
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, top8);
+          const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+          __m256 sum8 = _mm256_setzero_ps();
+          for (int64_t t = 0; t < padded; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), top));   // hidden: exactly 0
+            _mm256_storeu_ps(sc + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+          }
+          _mm256_store_ps(lanes, sum8);
+          const __m256 sum = _mm256_set1_ps(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                            ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+          for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+        }
+        for (int64_t t = 0; t < end; ++t) {
+          bool any = false;
+          for (int j = 0; j < n; ++j) any |= ps[j][t] != 0;
+          live[t] = any;
+        }
+        by_count<Mix>(n, static_cast<const float* const*>(ps), static_cast<const bool*>(live.get()), vt, v3, d, end,
+                      static_cast<float* const*>(outs));
+      }
+    }
 }
 
 // A gated adapter's deltas (mars_core.gated) in w8a8: after product j, the rows `rows` (the mask positions) get
@@ -345,9 +405,12 @@ at::Tensor layers(const at::Tensor& x_in, const c10::List<at::Tensor>& packs, co
   const int64_t rows = b * length, n = x_in.size(1), count = static_cast<int64_t>(norms.size()) / 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) == rows,
               "layers: a float32 [b * length, hidden] input is expected");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.stride(4) == 1 && v_cache.stride(4) == 1 && k_cache.size(3) >= past + length,
-              "layers: float32 caches [layers, batch, kv, columns, d] with room for the chunk are expected");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 6 &&
+                  v_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.stride(4) == 1 && k_cache.size(4) == d &&
+                  k_cache.size(5) == 16 && k_cache.size(3) * 16 >= past + length && v_cache.size(3) >= past + length &&
+                  v_cache.size(4) == d,
+              "layers: float32 caches with room for the chunk are expected: keys [layers, batch, kv, columns / 16, "
+              "d, 16], values [layers, batch, kv, columns, d]");
   TORCH_CHECK(static_cast<int64_t>(packs.size()) == 4 * count && heads % kv == 0 && d % 4 == 0,
               "layers: four products per layer, heads a multiple of kv heads and a head size a multiple of 4 are "
               "expected");

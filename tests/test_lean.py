@@ -84,15 +84,31 @@ def test_lean_logits_equal_transformers_for_prompt_chunk_holes_crop_and_row_sele
     assert pair.step(rand(2, 1)) <= TOL
 
 
-def test_lean_cache_keeps_its_columns_when_it_grows():
-    cache = LeanCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", limit=10_000)
+@pytest.mark.parametrize("key_tiles", [False, True])
+def test_lean_cache_keeps_its_columns_when_it_grows_and_grows_only_when_full(key_tiles):
+    """Both layouts: keys by column as values are, and keys in tiles of 16 columns stored by dimension, as our native
+    stack reads them."""
+    cache = LeanCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", limit=10_000,
+                      key_tiles=key_tiles)
     cache.reserve(batch=2, columns=5)
-    first = cache.k.shape[3]
-    cache.k[:, :, :, :5] = torch.arange(2 * 2 * 5 * 4, dtype=torch.float32).reshape(2, 2, 1, 5, 4)
-    before = cache.k[:, :, :, :5].clone()
-    cache.length = 5
+    first = cache.v.shape[3]
+    assert cache.k.shape == ((2, 2, 1, first // 16, 4, 16) if key_tiles else (2, 2, 1, first, 4))
+
+    def keys(c, n):   # [layers, batch, kv, column, d]
+        return c.k.transpose(4, 5).flatten(3, 4)[:, :, :, :n] if key_tiles else c.k[:, :, :, :n]
+
+    keys(cache, 21).copy_(torch.arange(2 * 2 * 21 * 4, dtype=torch.float32).reshape(2, 2, 1, 21, 4))
+    cache.v[:, :, :, :21] = -torch.arange(2 * 2 * 21 * 4, dtype=torch.float32).reshape(2, 2, 1, 21, 4)
+    before, values = keys(cache, 21).clone(), cache.v[:, :, :, :21].clone()
+    cache.length = 21                                                  # into a second tile of 16
+    storage = cache.k.data_ptr(), cache.v.data_ptr()
+    cache.reserve(batch=2, columns=first - 21)                         # fits: the same tensors
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == storage
     cache.reserve(batch=2, columns=first)                              # past the first allocation
-    assert cache.k.shape[3] >= 5 + first and torch.equal(cache.k[:, :, :, :5], before)
+    assert cache.v.shape[3] >= 21 + first
+    assert (cache.k.shape[3] * 16 if key_tiles else cache.k.shape[3]) == cache.v.shape[3]
+    assert torch.equal(keys(cache, 21), before) and torch.equal(cache.v[:, :, :, :21], values)
+    cache.length = 5
     cache.crop(-2)
     assert cache.get_seq_length() == 3
     cache.crop(10)
