@@ -245,8 +245,9 @@ struct Shape {
 // and each query's softmax over
 // the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
 // All in float32. The queries that share a key/value head go through the products in blocks (`scores`, `mix`);
-// each query's softmax runs on its own (max, exp, sum and division 8 columns at a time, the sum in 8 lanes then a
-// fixed tree). A query's result depends on its own inputs only.
+// each query's softmax runs on its own (max, exp and division 8 columns at a time; the sum over its nonzero terms
+// packed together, in 8 lanes then a fixed tree). A query's result depends on its own inputs and on the order of
+// the keys it sees, never on their columns.
 inline void attention(int64_t i, const float* qkv, const float* rope, const at::Tensor& kc, const at::Tensor& vc,
                       const bool* hidden, const Shape& s, float* att) {
   const int64_t heads = s.heads, kv = s.kv, d = s.d, group = heads / kv, end = s.past + s.length;
@@ -271,6 +272,7 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
   const int64_t padded = (end + 15) / 16 * 16, per = s.length * group;   // queries per batch row and kv head
   std::vector<float> score(static_cast<size_t>(BLOCK) * padded);
   std::unique_ptr<bool[]> live(new bool[end]);   // keys some query of a block weighs
+  std::vector<float> terms(padded);                // a query's nonzero softmax terms, packed
   const float inf = std::numeric_limits<float>::infinity();
   const __m256 minus_inf = _mm256_set1_ps(-inf);
   for (int64_t bi = 0; bi < s.b; ++bi)
@@ -308,12 +310,19 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
           alignas(32) float lanes[8];
           _mm256_store_ps(lanes, top8);
           const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-          __m256 sum8 = _mm256_setzero_ps();
-          for (int64_t t = 0; t < padded; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), top));   // hidden: exactly 0
-            _mm256_storeu_ps(sc + t, e);
-            sum8 = _mm256_add_ps(sum8, e);
+          for (int64_t t = 0; t < padded; t += 8)   // hidden: exactly 0
+            _mm256_storeu_ps(sc + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), top)));
+          // the sum runs over the nonzero terms packed together, 8 lanes then a fixed tree: a term's lane is its
+          // place among them, not its column, so hidden columns before it (a padded batch row, a lossless step's
+          // holes) cannot change the rounding
+          int64_t live_terms = 0;
+          for (int64_t t = 0; t < end; ++t) {
+            terms[live_terms] = sc[t];
+            live_terms += sc[t] != 0;
           }
+          std::fill(terms.begin() + live_terms, terms.begin() + (live_terms + 7) / 8 * 8, 0.f);
+          __m256 sum8 = _mm256_setzero_ps();
+          for (int64_t t = 0; t < live_terms; t += 8) sum8 = _mm256_add_ps(sum8, _mm256_loadu_ps(terms.data() + t));
           _mm256_store_ps(lanes, sum8);
           const __m256 sum = _mm256_set1_ps(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
                                             ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));

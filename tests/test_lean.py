@@ -318,32 +318,41 @@ def test_our_kernels_native_layers_compute_each_position_on_its_own(arch, tokeni
     if kernel is None:
         pytest.skip("this CPU has neither AVX512-VNNI nor AVX2 for our kernels")
     model = make_model(arch, len(tokenizer))
+    with torch.no_grad():   # sharper attention than a random init's near-uniform one: its sums must not round alike
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 8
     net, eager = LeanLM(model, "w8a8", kernel=kernel), LeanLM(model, "w8a8", script=False, kernel=kernel)
     assert net.scripted is not None
     gen = torch.Generator().manual_seed(3)
-    prompt, chunk = torch.randint(5, len(tokenizer), (2, 9), generator=gen), torch.randint(5, 40, (2, 4), generator=gen)
-    valid = torch.tensor([[True] * 9, [False] * 3 + [True] * 6])             # row 1: a 6-token prompt, right-aligned
+    prompt, chunk = torch.randint(5, len(tokenizer), (2, 41), generator=gen), torch.randint(5, 40, (2, 4), generator=gen)
+    valid = torch.tensor([[True] * 41, [False] * 5 + [True] * 36])           # row 1: a 36-token prompt, right-aligned
     pos = lambda start, n: torch.arange(start, start + n).expand(2, n)
     with torch.inference_mode():
         cache = net.new_cache()
-        net(input_ids=prompt, attention_mask=step_attention(valid[:, :0], valid), position_ids=pos(0, 9), cache=cache)
+        net(input_ids=prompt, attention_mask=step_attention(valid[:, :0], valid), position_ids=pos(0, 41), cache=cache)
         ones = torch.ones(2, 4, dtype=torch.bool)
-        together = net(input_ids=chunk, attention_mask=step_attention(valid, ones), position_ids=pos(9, 4),
+        together = net(input_ids=chunk, attention_mask=step_attention(valid, ones), position_ids=pos(41, 4),
                        cache=cache).logits
         alone = []                                                          # the same positions one at a time
         cache = net.new_cache()
-        net(input_ids=prompt, attention_mask=step_attention(valid[:, :0], valid), position_ids=pos(0, 9), cache=cache)
+        net(input_ids=prompt, attention_mask=step_attention(valid[:, :0], valid), position_ids=pos(0, 41), cache=cache)
         for j in range(4):
             kv = torch.cat([valid, torch.ones(2, j, dtype=torch.bool)], dim=1)
             alone.append(net(input_ids=chunk[:, j:j + 1], attention_mask=step_attention(kv, ones[:, :1]),
-                             position_ids=pos(9 + j, 1), cache=cache).logits)
+                             position_ids=pos(41 + j, 1), cache=cache).logits)
         assert torch.equal(together, torch.cat(alone, dim=1))
         row = net.new_cache()                                               # row 0 in a batch of one
-        net(input_ids=prompt[:1], position_ids=pos(0, 9)[:1], cache=row)
-        first = net(input_ids=chunk[:1], position_ids=pos(9, 4)[:1], cache=row).logits
+        net(input_ids=prompt[:1], position_ids=pos(0, 41)[:1], cache=row)
+        first = net(input_ids=chunk[:1], position_ids=pos(41, 4)[:1], cache=row).logits
         assert torch.equal(first, together[:1])
-        plain = eager(input_ids=prompt[:1], position_ids=pos(0, 9)[:1], cache=eager.new_cache()).logits
-        ours = net(input_ids=prompt[:1], position_ids=pos(0, 9)[:1], cache=net.new_cache()).logits
+        # row 1 alone, without its 5 hidden columns: every later key sits 5 columns further left, so nothing in
+        # attention may depend on a key's column (a padded batch row, or a row with holes, against itself alone)
+        row = net.new_cache()
+        net(input_ids=prompt[1:, 5:], position_ids=pos(5, 36)[:1], cache=row)
+        second = net(input_ids=chunk[1:], position_ids=pos(41, 4)[:1], cache=row).logits
+        assert torch.equal(second, together[1:])
+        plain = eager(input_ids=prompt[:1], position_ids=pos(0, 41)[:1], cache=eager.new_cache()).logits
+        ours = net(input_ids=prompt[:1], position_ids=pos(0, 41)[:1], cache=net.new_cache()).logits
         assert ((ours - plain).norm() / plain.norm()).item() < 0.02
     with pytest.raises(RuntimeError, match=r"layers: a float32 \[b \* length, hidden\] input is expected"):
         net.scripted(torch.zeros(3, 64, dtype=torch.float64), *net._script_weights, row.k, row.v, 0, 1, 3, 4, 2, 16,
