@@ -64,7 +64,8 @@ inline __m256 exp8(__m256 x) {
 // group and of the chunk's other rows. Each key or value row is loaded once for all J; every lane of every
 // register still computes one query's one output by the same multiply-adds in the same order (a plain sequence of
 // fused multiply-adds from 0, over the head's d elements or over the keys), so a query's result does not depend on
-// which or how many queries share its block. The AVX-512 and AVX2 builds run these same 8-lane instructions.
+// which or how many queries share its block. The AVX-512 build holds 16 lanes to a register and the AVX2 build 8
+// (`F16`), by the same lane-wise operations, so both give the same bits.
 
 // Sixteen float lanes: one AVX-512 register, or two AVX2 ones (lanes 0-7 and 8-15), by the same lane-wise ops.
 #ifdef __AVX512F__
@@ -76,7 +77,9 @@ struct F16 {
   void store(float* p) const { _mm512_storeu_ps(p, x); }
   void fma(const F16& a, const F16& b) { x = _mm512_fmadd_ps(a.x, b.x, x); }
 };
-constexpr int WIDE = 2;   // F16s of keys (scores) per query and block; values: 64 columns (4 F16s) at a time
+// how many F16s a block holds per query: keys (scores; twice that for up to 3 queries, to keep enough sums in
+// flight), value columns (mix); AVX2's 16 registers allow one of each
+constexpr int WIDE = 2;
 constexpr int COLUMNS = 4;
 #else
 struct F16 {
