@@ -148,7 +148,8 @@ class LeanCache:
         if self.key_tiles:
             cap = -(-cap // 16) * 16
         v = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
-        k = torch.empty(layers, batch, heads, cap // 16, dim, 16, dtype=self.dtype, device=self.device) \
+        # zeros: the native stack also scores the last tile's columns past the filled ones (and discards them)
+        k = torch.zeros(layers, batch, heads, cap // 16, dim, 16, dtype=self.dtype, device=self.device) \
             if self.key_tiles else torch.empty_like(v)
         if self.k is not None:
             if self.key_tiles:
@@ -229,19 +230,17 @@ class LeanLM(torch.nn.Module):
         # q's rows also carry the attention scale 1/sqrt(d), so the scores need no extra multiply
         scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
         self.register_buffer("rope_scale", scale[:, None], persistent=False)
-        # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
-        # number of positions fed; in torch, float64 scores and sums make those last-bit differences vanish in fp32
-        # (the same holds for bf16's packed products on an AMX CPU)
-        exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
-        self.attention_dtype = torch.float64 if exact_rows else torch.float32
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
-        # our native stack (mars_core/w8a8_layers.h) computes each query's attention in a fixed order whatever
-        # shares its call: exact rows in float32, at half the cache's bytes; it reads keys in tiles (LeanCache)
+        # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
+        # number of positions fed. Our native stack (mars_core/w8a8_layers.h) computes each query in a fixed order
+        # whatever shares its call, so float32 is exact there (and it reads keys in tiles: LeanCache); in torch,
+        # float64 scores and sums make those last-bit differences vanish in fp32 (the same holds for bf16's packed
+        # products on an AMX CPU)
         self.native = self.scripted is not None and self.kernel in OWN
-        if self.native:
-            self.attention_dtype = torch.float32
+        exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
+        self.attention_dtype = torch.float64 if exact_rows and not self.native else torch.float32
 
     def _script(self) -> None:
         """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -96,7 +95,8 @@ constexpr int COLUMNS = 1;
 
 // out[j][t] = q[j] . k[., t] for t < end: keys in tiles of 16 stored by dimension (element e of key t at
 // k[(t / 16) * ks + e * 16 + t % 16], so a block's loads run through memory in order), W * 16 keys at a time, then
-// 16, the last 1-15 through 8-lane masked loads (lanes past `end` load nothing and are stored into padding).
+// 16 up to the end of the last tile. Its columns past `end` (zeros, or keys a crop dropped) give scores in `out`'s
+// padding, which the caller overwrites.
 template <int J, int W>
 inline int64_t score_blocks(const float* const* q, const float* k, int64_t ks, int64_t d, int64_t t, int64_t end,
                             float* const* out) {
@@ -120,26 +120,15 @@ inline int64_t score_blocks(const float* const* q, const float* k, int64_t ks, i
 
 template <int J>
 inline void scores(const float* const* q, const float* k, int64_t ks, int64_t d, int64_t end, float* const* out) {
-  int64_t t = score_blocks<J, (J <= 3 ? 2 * WIDE : WIDE)>(q, k, ks, d, 0, end, out);   // enough sums in flight
-  t = score_blocks<J, 1>(q, k, ks, d, t, end, out);
-  for (; t < end; t += 8) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(end - t)), lane);
-    __m256 a[J];
-    for (int j = 0; j < J; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < d; ++e) {
-      const __m256 k0 = _mm256_maskload_ps(k + (t / 16) * ks + e * 16 + t % 16, in);
-      for (int j = 0; j < J; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[j] + e), k0, a[j]);
-    }
-    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out[j] + t, a[j]);
-  }
+  const int64_t t = score_blocks<J, (J <= 3 ? 2 * WIDE : WIDE)>(q, k, ks, d, 0, end, out);   // enough sums in flight
+  score_blocks<J, 1>(q, k, ks, d, t, (end + 15) / 16 * 16, out);
 }
 
 // out[j][c .. c + 16W) = sum over t < end of p[j][t] * v[t][c .. c + 16W) (value rows `vs` apart). A key whose weight
 // is 0 for every query (`live` false: hidden) is skipped; where only some queries weigh it 0, theirs add 0 * v,
 // which leaves a sum that never holds -0 unchanged: the same bits as skipping it.
 template <int J, int W>
-inline int64_t mix_blocks(const float* const* p, const bool* live, const float* v, int64_t vs, int64_t c, int64_t d,
+inline int64_t mix_blocks(const float* const* p, const char* live, const float* v, int64_t vs, int64_t c, int64_t d,
                           int64_t end, float* const* out) {
   for (; c + 16 * W <= d; c += 16 * W) {
     F16 a[J][W];
@@ -161,22 +150,11 @@ inline int64_t mix_blocks(const float* const* p, const bool* live, const float* 
 }
 
 template <int J>
-inline void mix(const float* const* p, const bool* live, const float* v, int64_t vs, int64_t d, int64_t end,
+inline void mix(const float* const* p, const char* live, const float* v, int64_t vs, int64_t d, int64_t end,
                 float* const* out) {
   int64_t c = mix_blocks<J, COLUMNS>(p, live, v, vs, 0, d, end, out);
   c = mix_blocks<J, 1>(p, live, v, vs, c, d, end, out);
-  if (c + 8 <= d) {
-    __m256 a[J];
-    for (int j = 0; j < J; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < end; ++t) {
-      if (!live[t]) continue;
-      const __m256 vv = _mm256_loadu_ps(v + t * vs + c);
-      for (int j = 0; j < J; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[j] + t), vv, a[j]);
-    }
-    for (int j = 0; j < J; ++j) _mm256_storeu_ps(out[j] + c, a[j]);
-    c += 8;
-  }
-  if (c < d) {   // d is a multiple of 4
+  for (; c < d; c += 4) {   // d is a multiple of 4; a head size that is a multiple of 16 never gets here
     __m128 a[J];
     for (int j = 0; j < J; ++j) a[j] = _mm_setzero_ps();
     for (int64_t t = 0; t < end; ++t) {
@@ -245,8 +223,7 @@ struct Shape {
 // Layer i's attention: RoPE on the q and k rows of `qkv` (the table holds each row's cos/sin pairs, q's already
 // scaled by 1/sqrt(d)), the chunk's k and v written into the caches at columns past.. (keys in tiles of 16 columns
 // stored by dimension: [layers, batch, kv, columns / 16, d, 16]; values by column: [layers, batch, kv, columns, d]),
-// and each query's softmax over
-// the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
+// and each query's softmax over the columns it may see (`hidden`: [b, 1, L * group, past + L], true where it may not) -> att [b*L, heads*d].
 // All in float32. The queries that share a key/value head go through the products in blocks (`scores`, `mix`);
 // each query's softmax runs on its own (max, exp and division 8 columns at a time; the sum over its nonzero terms
 // packed together, in 8 lanes then a fixed tree). A query's result depends on its own inputs and on the order of
@@ -274,7 +251,7 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
   }
   const int64_t padded = (end + 15) / 16 * 16, per = s.length * group;   // queries per batch row and kv head
   std::vector<float> score(static_cast<size_t>(BLOCK) * padded);
-  std::unique_ptr<bool[]> live(new bool[end]);   // keys some query of a block weighs
+  std::vector<char> live(end);                     // keys some query of a block weighs
   std::vector<float> terms(padded);                // a query's nonzero softmax terms, packed
   const float inf = std::numeric_limits<float>::infinity();
   const __m256 minus_inf = _mm256_set1_ps(-inf);
@@ -336,7 +313,7 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
           for (int j = 0; j < n; ++j) any |= ps[j][t] != 0;
           live[t] = any;
         }
-        by_count<Mix>(n, static_cast<const float* const*>(ps), static_cast<const bool*>(live.get()), vt, v3, d, end,
+        by_count<Mix>(n, static_cast<const float* const*>(ps), static_cast<const char*>(live.data()), vt, v3, d, end,
                       static_cast<float* const*>(outs));
       }
     }
