@@ -27,11 +27,24 @@ namespace mars_w8a8 {
 using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const c10::optional<at::Tensor>&, bool, double, double, int64_t, int64_t);
 
-// out = x * (1 / sqrt(mean(x^2) + eps)) * w per row: transformers' RMSNorm, its mean summed in float64.
+// out = x * (1 / sqrt(mean(x^2) + eps)) * w per row: transformers' RMSNorm, its mean summed in float64 (a float's
+// square is exact there), in a fixed order that both builds share: element i into lane i % 8 of two 4-double
+// registers, then a fixed tree. One scalar chain of float64 adds waited on each add's latency, at every norm of every
+// position.
 inline void rms(const float* x, const float* w, float* out, int64_t rows, int64_t n, double eps) {
   for (int64_t r = 0; r < rows; ++r, x += n, out += n) {
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), b = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+      lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+      hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+    alignas(32) double lane[8];
+    _mm256_store_pd(lane, lo);
+    _mm256_store_pd(lane + 4, hi);
+    for (int64_t l = 0; i < n; ++i, ++l) lane[l] += static_cast<double>(x[i]) * x[i];
+    const double s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     const float inv = 1.f / std::sqrt(static_cast<float>(s / n) + static_cast<float>(eps));
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
   }
@@ -42,6 +55,7 @@ inline void rms(const float* x, const float* w, float* out, int64_t rows, int64_
 // Written with AVX2 + FMA intrinsics only, so that both kernels' builds (AVX-512 and AVX2) run the same
 // instructions and give the same bits. libm's scalar exp was most of a position's cost outside the products:
 // SiLU's 1,536 per layer and the softmax's one per key and head. Results below exp's normal range are 0.
+constexpr float EXP_TERMS[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};   // after 1 / 7!
 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.72283f), lo = _mm256_set1_ps(-87.33654f);
   const __m256 big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
@@ -51,8 +65,7 @@ inline __m256 exp8(__m256 x) {
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.f / 5040);
-  const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (float k : c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
+  for (float k : EXP_TERMS) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
   __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
   __m256 y = _mm256_castsi256_ps(bits);
   y = _mm256_blendv_ps(y, _mm256_setzero_ps(), small);
@@ -71,23 +84,92 @@ inline __m256 exp8(__m256 x) {
 struct F16 {
   __m512 x;
   static F16 zero() { return {_mm512_setzero_ps()}; }
+  static F16 set(float v) { return {_mm512_set1_ps(v)}; }
   static F16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static F16 bcast(const float* p) { return {_mm512_set1_ps(*p)}; }
   void store(float* p) const { _mm512_storeu_ps(p, x); }
   void fma(const F16& a, const F16& b) { x = _mm512_fmadd_ps(a.x, b.x, x); }
+  F16 operator-(const F16& b) const { return {_mm512_sub_ps(x, b.x)}; }
+  F16 operator+(const F16& b) const { return {_mm512_add_ps(x, b.x)}; }
+  F16 operator*(const F16& b) const { return {_mm512_mul_ps(x, b.x)}; }
+  F16 operator/(const F16& b) const { return {_mm512_div_ps(x, b.x)}; }
+  F16 max(const F16& b) const { return {_mm512_max_ps(x, b.x)}; }
+  float top() const { return _mm512_reduce_max_ps(x); }
+  // the lanes that are not 0 (NaN included), packed to the front of `out` in order (16 floats written); how many
+  int64_t pack_nonzero(float* out) const {
+    const __mmask16 m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    _mm512_storeu_ps(out, _mm512_maskz_compress_ps(m, x));
+    return __builtin_popcount(m);
+  }
+  // the 16 lanes of `flags` (bytes) or, where the lane is not 0, true
+  void mark_nonzero(char* flags) const {
+    const __mmask16 m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(flags));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(flags), _mm_or_si128(old, _mm_movm_epi8(m)));
+  }
+  // exp8 below, lane for lane in one register: the same operations, so the same bits
+  F16 exp() const {
+    const __m512 hi = _mm512_set1_ps(88.72283f), lo = _mm512_set1_ps(-87.33654f);
+    const __mmask16 big = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), small = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (float k : EXP_TERMS) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k));
+    __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+    y = _mm512_mask_blend_ps(small, y, _mm512_setzero_ps());
+    return {_mm512_mask_blend_ps(big, y, _mm512_set1_ps(std::numeric_limits<float>::infinity()))};
+  }
 };
 // how many F16s a block holds per query: keys (scores; twice that for up to 3 queries, to keep enough sums in
 // flight), value columns (mix); AVX2's 16 registers allow one of each
 constexpr int WIDE = 2;
 constexpr int COLUMNS = 4;
 #else
+// for each 8-bit mask, the lanes it sets in order (then zeros): a packing permutation for _mm256_permutevar8x32_ps
+struct Packing {
+  alignas(32) int32_t lanes[256][8];
+  constexpr Packing() : lanes() {
+    for (int m = 0; m < 256; ++m)
+      for (int l = 0, n = 0; l < 8; ++l)
+        if (m >> l & 1) lanes[m][n++] = l;
+  }
+};
+inline constexpr Packing PACKING{};
+
 struct F16 {
   __m256 lo, hi;
   static F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F16 set(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
   static F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static F16 bcast(const float* p) { const __m256 v = _mm256_broadcast_ss(p); return {v, v}; }
   void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
   void fma(const F16& a, const F16& b) { lo = _mm256_fmadd_ps(a.lo, b.lo, lo); hi = _mm256_fmadd_ps(a.hi, b.hi, hi); }
+  F16 operator-(const F16& b) const { return {_mm256_sub_ps(lo, b.lo), _mm256_sub_ps(hi, b.hi)}; }
+  F16 operator+(const F16& b) const { return {_mm256_add_ps(lo, b.lo), _mm256_add_ps(hi, b.hi)}; }
+  F16 operator*(const F16& b) const { return {_mm256_mul_ps(lo, b.lo), _mm256_mul_ps(hi, b.hi)}; }
+  F16 operator/(const F16& b) const { return {_mm256_div_ps(lo, b.lo), _mm256_div_ps(hi, b.hi)}; }
+  F16 max(const F16& b) const { return {_mm256_max_ps(lo, b.lo), _mm256_max_ps(hi, b.hi)}; }
+  float top() const {
+    alignas(32) float l[8];
+    _mm256_store_ps(l, _mm256_max_ps(lo, hi));
+    return *std::max_element(l, l + 8);
+  }
+  static int nonzero(__m256 v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_UQ)); }
+  int64_t pack_nonzero(float* out) const {
+    const int a = nonzero(lo), b = nonzero(hi);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(lo, _mm256_load_si256(reinterpret_cast<const __m256i*>(PACKING.lanes[a]))));
+    const int64_t n = __builtin_popcount(a);
+    _mm256_storeu_ps(out + n, _mm256_permutevar8x32_ps(hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(PACKING.lanes[b]))));
+    return n + __builtin_popcount(b);
+  }
+  void mark_nonzero(char* flags) const {
+    const int m = nonzero(lo) | nonzero(hi) << 8;
+    for (int l = 0; l < 16; ++l) flags[l] |= static_cast<char>(m >> l & 1);
+  }
+  F16 exp() const { return {exp8(lo), exp8(hi)}; }
 };
 constexpr int WIDE = 1;
 constexpr int COLUMNS = 1;
@@ -182,19 +264,17 @@ inline void by_count(int n, A... args) {
 template <int J> struct Scores { template <typename... A> static void run(A... a) { scores<J>(a...); } };
 template <int J> struct Mix { template <typename... A> static void run(A... a) { mix<J>(a...); } };
 
-// out = g / (1 + exp(-g)) * u, 8 at a time (the last few through a padded copy, by the same instructions).
+// out = g / (1 + exp(-g)) * u, 16 at a time (the last few through a padded copy, by the same instructions).
 inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  auto eight = [&](__m256 gv, __m256 uv) {
-    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))), uv);
-  };
+  const F16 one = F16::set(1.f), zero = F16::zero();
+  auto sixteen = [&](F16 gv, F16 uv) { return gv / (one + (zero - gv).exp()) * uv; };
   int64_t e = 0;
-  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(out + e, eight(_mm256_loadu_ps(g + e), _mm256_loadu_ps(u + e)));
+  for (; e + 16 <= n; e += 16) sixteen(F16::load(g + e), F16::load(u + e)).store(out + e);
   if (e == n) return;
-  alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
+  float gb[16] = {}, ub[16] = {}, ob[16];
   std::copy(g + e, g + n, gb);
   std::copy(u + e, u + n, ub);
-  _mm256_store_ps(ob, eight(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+  sixteen(F16::load(gb), F16::load(ub)).store(ob);
   std::copy(ob, ob + (n - e), out + e);
 }
 
@@ -251,8 +331,8 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
   }
   const int64_t padded = (end + 15) / 16 * 16, per = s.length * group;   // queries per batch row and kv head
   std::vector<float> score(static_cast<size_t>(BLOCK) * padded);
-  std::vector<char> live(end);                     // keys some query of a block weighs
-  std::vector<float> terms(padded);                // a query's nonzero softmax terms, packed
+  std::vector<char> live(padded);                  // keys some query of a block weighs
+  std::vector<float> terms(padded + 16);           // a query's nonzero softmax terms, packed
   const float inf = std::numeric_limits<float>::infinity();
   const __m256 minus_inf = _mm256_set1_ps(-inf);
   for (int64_t bi = 0; bi < s.b; ++bi)
@@ -285,34 +365,30 @@ inline void attention(int64_t i, const float* qkv, const float* rope, const at::
             for (; t < end; ++t)
               if (hid[t]) sc[t] = -inf;
           }
-          __m256 top8 = minus_inf;
-          for (int64_t t = 0; t < padded; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc + t));
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, top8);
-          const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-          for (int64_t t = 0; t < padded; t += 8)   // hidden: exactly 0
-            _mm256_storeu_ps(sc + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), top)));
-          // the sum runs over the nonzero terms packed together, 8 lanes then a fixed tree: a term's lane is its
-          // place among them, not its column, so hidden columns before it (a padded batch row, a lossless step's
-          // holes) cannot change the rounding
+          F16 most = F16::set(-inf);
+          for (int64_t t = 0; t < padded; t += 16) most = most.max(F16::load(sc + t));
+          const F16 top = F16::set(most.top());
+          // exp (hidden: exactly 0), and the nonzero terms packed together for the sum: a term's lane in the sum
+          // is its place among them, not its column, so hidden columns before it (a padded batch row, a lossless
+          // step's holes) cannot change the rounding
           int64_t live_terms = 0;
-          for (int64_t t = 0; t < end; ++t) {
-            terms[live_terms] = sc[t];
-            live_terms += sc[t] != 0;
+          for (int64_t t = 0; t < padded; t += 16) {
+            const F16 e = (F16::load(sc + t) - top).exp();
+            e.store(sc + t);
+            live_terms += e.pack_nonzero(terms.data() + live_terms);
           }
           std::fill(terms.begin() + live_terms, terms.begin() + (live_terms + 7) / 8 * 8, 0.f);
-          __m256 sum8 = _mm256_setzero_ps();
+          __m256 sum8 = _mm256_setzero_ps();   // 8 lanes, then a fixed tree
           for (int64_t t = 0; t < live_terms; t += 8) sum8 = _mm256_add_ps(sum8, _mm256_loadu_ps(terms.data() + t));
+          alignas(32) float lanes[8];
           _mm256_store_ps(lanes, sum8);
-          const __m256 sum = _mm256_set1_ps(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                                            ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
-          for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+          const F16 sum = F16::set(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                   ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+          for (int64_t t = 0; t < padded; t += 16) (F16::load(sc + t) / sum).store(sc + t);
         }
-        for (int64_t t = 0; t < end; ++t) {
-          bool any = false;
-          for (int j = 0; j < n; ++j) any |= ps[j][t] != 0;
-          live[t] = any;
-        }
+        std::fill(live.begin(), live.end(), 0);   // past `end` the weights are 0
+        for (int j = 0; j < n; ++j)
+          for (int64_t t = 0; t < padded; t += 16) F16::load(ps[j] + t).mark_nonzero(live.data() + t);
         by_count<Mix>(n, static_cast<const float* const*>(ps), static_cast<const char*>(live.data()), vt, v3, d, end,
                       static_cast<float* const*>(outs));
       }
