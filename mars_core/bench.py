@@ -204,14 +204,14 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
           criterion: str = "prob", transformers: bool = True, verify: bool = True,
           clock: str = "auto", other_ar=None, llamacpp=None, draft_layout: str = "linear",
-          prompt_lookup: int = 0) -> list[BenchRow]:
+          prompt_lookup: int = 0, tree_width: int = 2) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
     `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
     loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
     choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
     the row says by how much. `llamacpp` (a mars_core.llamacpp.LlamaCppAR) joins at batch size 1 as a speed
-    reference: its weights and answers differ, so it is compared by time per token only. `draft_layout` and
-    `prompt_lookup` are lossless MARS's (DecodeConfig)."""
+    reference: its weights and answers differ, so it is compared by time per token only. `draft_layout`,
+    `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig)."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
@@ -222,7 +222,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     if max(batch_sizes) > len(ids):
         raise ValueError(f"batch size {max(batch_sizes)} is larger than the {len(ids)} prompts: pass more prompts "
                          f"(--n-prompts, --prompts) or a batch size <= {len(ids)}")
-    cfgs = _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout, prompt_lookup)
+    cfgs = _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout, prompt_lookup,
+                         tree_width)
     models = {side: lm for side in cfgs}
     if other_ar is not None:
         cfgs["other_ar"], models["other_ar"] = cfgs["ar"], other_ar
@@ -259,14 +260,15 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
 
 
 def _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout,
-                  prompt_lookup) -> dict:
+                  prompt_lookup, tree_width=2) -> dict:
     """{side: how it decodes} for our AR, MARS, lossless MARS (`verify`) and transformers' generate."""
     cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=max_new_tokens),
             "mars": DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                                  criterion=criterion)}
     if verify:
         cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup)
+                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup,
+                                      tree_width=tree_width)
     if transformers:
         cfgs["transformers"] = HFGreedy(max_new_tokens)
     return cfgs

@@ -42,6 +42,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layout", choices=LAYOUTS, default="linear",
                    help="lossless MARS (--mode verify; bench: its lane): linear = masks after the last draft, "
                         "quadratic = a mask group after every draft, so a rejection still leaves drafts")
+    p.add_argument("--tree-width", type=int, default=2, metavar="W",
+                   help="lossless MARS, --draft-layout tree or auto: tokens tried per draft slot (the draft and up to "
+                        "W - 1 likeliest others, each with its own masks behind it); 1 = no alternatives")
     p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                    help="lossless MARS: also draft what followed the last 1..N tokens earlier in the prompt or "
                         "answer (0: off; 3 suits rewrites, code edits, summaries)")
@@ -133,7 +136,7 @@ def cmd_generate(args) -> int:
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
                        max_accept=args.max_accept, stop_strings=tuple(args.stop), draft_layout=args.draft_layout,
-                       prompt_lookup=args.prompt_lookup)
+                       tree_width=args.tree_width, prompt_lookup=args.prompt_lookup)
     set_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     _check_block_size(lm, args.block_size)
@@ -209,9 +212,9 @@ def cmd_bench(args) -> int:
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
                  verify=not args.no_verify, clock=args.clock, other_ar=other_ar, llamacpp=llamacpp,
-                 draft_layout=args.draft_layout, prompt_lookup=args.prompt_lookup)
+                 draft_layout=args.draft_layout, prompt_lookup=args.prompt_lookup, tree_width=args.tree_width)
     meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion, "draft_layout": args.draft_layout,
-            "prompt_lookup": args.prompt_lookup,
+            "tree_width": args.tree_width, "prompt_lookup": args.prompt_lookup,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     if not args.json:
         print(" ".join(f"{k}={v}" for k, v in meta.items()))
@@ -273,6 +276,8 @@ def check_bench_args(args) -> None:
     parse_threads(args.threads)
     if args.prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup {args.prompt_lookup} must be >= 0 (0: off; 3 is a good start)")
+    if args.tree_width < 1:
+        raise ValueError(f"--tree-width {args.tree_width} must be >= 1 (tokens tried per draft slot; 1: no alternatives)")
     if getattr(args, "llamacpp", None) is not None:
         from mars_core.llamacpp import check_usable
 

@@ -317,7 +317,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         n_leaves = max(len(r.leaves) for r in batch.rows)
-        if planner is not None and not n_leaves and n_masks:
+        if planner is not None and n_masks:
             # as deep as drafting pays on this machine; none during a pause (check what is drafted, draft no more)
             n_masks = planner.masks(batch.rows, n_masks) if planner.drafting() else 0
         behind = groups_behind(cfg, n_verify, n_masks, planner, batch.rows)

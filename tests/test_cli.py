@@ -63,7 +63,7 @@ def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys):
     ar = answer("--mode", "ar")
     for extra in (("--draft-layout", "quadratic"), ("--prompt-lookup", "3"),
                   ("--draft-layout", "quadratic", "--prompt-lookup", "3"), ("--draft-layout", "tree"),
-                  ("--draft-layout", "auto")):
+                  ("--draft-layout", "tree", "--block-size", "2", "--tree-width", "3"), ("--draft-layout", "auto")):
         lossless = answer("--mode", "verify", "--tau", "0.3", *extra)
         assert lossless["token_ids"] == ar["token_ids"] and lossless["forwards"] < ar["forwards"], extra
         assert len(lossless["positions"]) == lossless["forwards"]
@@ -80,6 +80,11 @@ def test_draft_options_outside_lossless_mode_exit_2_naming_the_value(capsys):
     assert "draft_layout='quadratic' with mode='mars'" in capsys.readouterr().err
     assert cli.main(["bench", "--model", "tiny-mars", "--prompt-lookup", "-1"]) == 2
     assert "--prompt-lookup -1 must be >= 0" in capsys.readouterr().err
+    assert cli.main(["bench", "--model", "tiny-mars", "--tree-width", "0"]) == 2
+    assert "--tree-width 0 must be >= 1" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "hi", "--mode", "verify", "--draft-layout", "tree",
+                     "--tree-width", "0"]) == 2
+    assert "tree_width=0 must be an integer >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

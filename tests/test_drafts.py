@@ -196,12 +196,28 @@ def test_the_planner_appends_masks_only_as_deep_as_their_drafts_pay():
         planner.drafted[1:4], planner.confirmed[1:4] = [100.0] * 3, [95.0, 95.0, 95.0]
     assert mild.masks(fresh, 3) == 3                      # drafts that almost always hold pay their positions
     assert mild.masks(fresh, 2) == 2                      # never more than the step may append
+    mild.asked[1:4], mild.offered[1:4] = [100.0] * 3, [100.0, 30.0, 5.0]
+    assert mild.masks(fresh, 3) == 2                      # a third mask that rarely reaches tau drafts too seldom
     assert cpu.masks(fresh, 3) == 1                       # here a second draft (0.9 tokens) costs more (1.06)
     cpu.confirmed[1:4] = [20.0, 50.0, 50.0]
     assert cpu.masks(fresh, 3) == 0                       # a first draft confirmed 1 time in 5 does not
     behind = [_Row(0, 50, [1, 2, 3, 4], n_drafts=3)]      # behind 3 drafts the group counts only if all hold
     cpu.confirmed[1:4] = [60.0, 60.0, 60.0]
     assert cpu.masks(behind, 3) < cpu.masks(fresh, 3)
+
+
+def test_the_planner_counts_how_deep_a_groups_masks_draft():
+    from mars_core.decoding import _Settled
+    from mars_core.drafts import DraftPlanner
+
+    planner, row = DraftPlanner(None, 3), _Row(0, 50, [1])
+    step = [_Settled([5], [7, 8, 9], [0.9, 0.2, 0.8], [7], source="masks")]   # the second mask stopped the drafts
+    planner.observe([row], step, 4)                       # the prompt's forward: not counted
+    planner.observe([row], step, 4)
+    planner.observe([row], [_Settled([5], [7, 8], [0.1, 0.9], [], source=None)], 3)   # no draft from two masks
+    planner.observe([row], [_Settled([5], [7, 8, 9], [0.9, 0.9, 0.9], [4, 4], source="prompt")], 4)   # lookup's
+    assert planner.asked[1:4] == [3.0, 3.0, 2.0] and planner.offered[1:4] == [2.0, 1.0, 1.0]
+    assert planner.offer(1) == 2 / 3 and planner.offer(3) == 1 / 2
 
 
 def test_auto_keeps_ars_answer_and_with_free_positions_decodes_as_the_tree(tiny_mars, suite_prompts):
