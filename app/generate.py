@@ -35,8 +35,12 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
 # The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
+# "one-mask" is the tree with a single mask per group and two runner-ups per slot, whatever B the MARS lane uses: on
+# a CPU, where every position a forward feeds costs, the layout that made smollm2-mars's lossless lane fastest
+# (docs/experiments.md, "One mask per group"). A model whose masks all draft well (tiny-mars) does better with B.
 LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
-                  ("a tree: also runner-up tokens", "tree")]
+                  ("a tree: also runner-up tokens", "tree"), ("one mask and runner-ups (CPU, SmolLM2)", "one-mask")]
+ONE_MASK = {"one-mask": ("tree", 3)}   # choice -> (layout, tree width), one mask per group
 LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.
@@ -187,6 +191,8 @@ class RaceSettings:
     notes: list[str] = field(default_factory=list)
     draft_layout: str = "linear"     # the lossless lane's (mars_core.drafts)
     prompt_lookup: int = 0
+    one_mask: bool = False           # the lossless lane appends one mask per group (B = 2), whatever block_size
+    tree_width: int = 2
 
     @classmethod
     def from_inputs(cls, prompt, tau, tau_off, block_size, max_new_tokens, temperature, slow_motion=1,
@@ -201,12 +207,15 @@ class RaceSettings:
         if not tau_off:
             _repeat_tau_note(session, tau, notes)
         from mars_core.drafts import LAYOUTS
-        if not isinstance(draft_layout, str) or draft_layout not in LAYOUTS:
-            raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of {', '.join(LAYOUTS)}")
+        if not isinstance(draft_layout, str) or draft_layout not in (*LAYOUTS, *ONE_MASK):
+            raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of "
+                             f"{', '.join((*LAYOUTS, *ONE_MASK))}")
+        layout, width = ONE_MASK.get(draft_layout, (draft_layout, 2))
         return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
                    slow_motion=check_slow_motion(slow_motion), criterion=check_criterion(criterion),
-                   measure_after=bool(measure_after), notes=notes, draft_layout=draft_layout,
-                   prompt_lookup=LOOKUP_N if copy_drafts else 0)
+                   measure_after=bool(measure_after), notes=notes, draft_layout=layout,
+                   prompt_lookup=LOOKUP_N if copy_drafts else 0, one_mask=draft_layout in ONE_MASK,
+                   tree_width=width)
 
     @property
     def lanes(self) -> list[str]:
@@ -218,8 +227,11 @@ class RaceSettings:
         if lane == "ar":
             return mars_core.DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
         if lane == "verify":
+            if self.one_mask:
+                common["block_size"] = 2
             return mars_core.DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion,
-                                          draft_layout=self.draft_layout, prompt_lookup=self.prompt_lookup, **common)
+                                          draft_layout=self.draft_layout, tree_width=self.tree_width,
+                                          prompt_lookup=self.prompt_lookup, **common)
         return mars_core.DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
                                       criterion=self.criterion, **common)
 

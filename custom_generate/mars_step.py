@@ -119,9 +119,10 @@ class DraftPlanner:
     batch 1). An addition is made when its tokens per cost beat the tokens per cost the generation reaches so
     far, the only case in which it raises tokens per second.
 
-    The number of masks is chosen the same way (`masks`): the j-th mask is appended when the chance that its
-    draft is confirmed next step pays for its position now and its draft's position then. With free positions
-    that is every mask; on a CPU whose forward grows steeply with its positions it is few or none.
+    The number of masks is chosen the same way (`masks`): the j-th mask is appended when the chance that it drafts
+    (its confidence and those before it reach tau: counted per mask, `offer`) and that its draft is then confirmed
+    pays for its position now and its draft's position then. With free positions that is every mask; on a CPU
+    whose forward grows steeply with its positions it is few or none.
 
     Drafting itself is weighed too: where the masks' positions cost more than their confirmed drafts bring (a CPU
     on which a forward's cost grows with its positions), the steps that draft write fewer tokens per cost than AR's
@@ -136,6 +137,8 @@ class DraftPlanner:
         self.costs = [max(float(c) for c in costs[: i + 1]) for i in range(len(costs))] if costs else None
         self.drafted = [2.0] * (slots + 2)      # per slot j (1-based): drafts checked, confirmed; prior 1 of 2
         self.confirmed = [1.0] * (slots + 2)
+        self.asked = [1.0] * (slots + 2)        # per mask j of a group drafted from: asked, kept as a draft (its
+        self.offered = [1.0] * (slots + 2)      # confidence and the j - 1 before it reached tau); prior 1 of 1
         self.drafted_tokens, self.drafted_steps = 2.0, 1.0   # tokens a step with drafts commits; prior 2
         self.tokens, self.spent = 1.0, 1.0                   # per row; prior: AR's one token per AR forward
         self.prefilled = False
@@ -161,6 +164,10 @@ class DraftPlanner:
     def rate(self, slot: int) -> float:
         return self.confirmed[slot] / self.drafted[slot]
 
+    def offer(self, slot: int) -> float:
+        """Chance that the group's masks 1..slot all become drafts (a mask below tau ends the drafts)."""
+        return self.offered[slot] / self.asked[slot]
+
     def reach(self, depth: int) -> float:
         """Chance that the drafts before `depth` are all confirmed."""
         p = 1.0
@@ -185,8 +192,9 @@ class DraftPlanner:
         used = sum(self.reach(r.n_drafts + 1) for r in rows) / len(rows)   # chance the group behind the last draft counts
         m = 0
         while m < most:
-            added = self.cost(positions + m + 1) - self.cost(positions + m) + self.cost(m + 2) - self.cost(m + 1)
-            if not self._pays(used * self.reach(m + 2), added):
+            offer = self.offer(m + 1)   # its draft exists only if its confidence and all before it reach tau
+            added = self.cost(positions + m + 1) - self.cost(positions + m) + offer * (self.cost(m + 2) - self.cost(m + 1))
+            if not self._pays(used * offer * self.reach(m + 2), added):
                 break
             m += 1
         return m
@@ -194,7 +202,7 @@ class DraftPlanner:
     def behind(self, rows, n_masks: int) -> list[int]:
         """The step's group offsets (from the last pending column, descending); offset 0 always."""
         positions = max(len(r.pending) + len(r.leaves) for r in rows) + n_masks
-        value = self.drafted_tokens / self.drafted_steps - 1.0
+        value = (self.drafted_tokens / self.drafted_steps - 1.0) * self.offer(1)   # if the group drafts at all
         gains = []
         for k in range(1, max(r.n_drafts for r in rows) + 1):
             stop = [self.reach(r.n_drafts - k + 1) * (1 - self.rate(r.n_drafts - k + 1)) if r.n_drafts >= k else 0.0
@@ -226,6 +234,10 @@ class DraftPlanner:
             self.prefilled = True
             return
         for r, s in zip(rows, settled):
+            if s.candidates and s.source != "prompt":   # a group was drafted from (lookup: its masks not asked)
+                for j in range(1, len(s.candidates) + 1):
+                    self.asked[j] += 1
+                    self.offered[j] += j <= len(s.drafts)
             if r.n_drafts:
                 ok = s.confirmed - s.leaf_confirmed
                 for j in range(1, min(r.n_drafts, ok + 1) + 1):    # slot j was checked if every earlier one held
@@ -811,7 +823,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         n_verify = max(r.n_drafts for r in batch.rows)
         n_masks = masks_this_step(tau, n_masks_max, lm.context_length - max(r.cached + len(r.pending) for r in batch.rows))
         n_leaves = max(len(r.leaves) for r in batch.rows)
-        if planner is not None and not n_leaves and n_masks:
+        if planner is not None and n_masks:
             # as deep as drafting pays on this machine; none during a pause (check what is drafted, draft no more)
             n_masks = planner.masks(batch.rows, n_masks) if planner.drafting() else 0
         behind = groups_behind(cfg, n_verify, n_masks, planner, batch.rows)

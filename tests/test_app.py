@@ -328,6 +328,23 @@ def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tin
     assert "runner-up tokens checked" in render_ledger(verify, offered[0] + 1)
 
 
+def test_the_one_mask_choice_races_lossless_with_one_mask_a_group_while_mars_keeps_b():
+    from mars_core import DecodeConfig, generate as core_generate
+    prompt = "Sort these numbers: 42, 7, 19, 3"
+    settings = generate.RaceSettings.from_inputs(prompt, 0.3, False, 4, 40, 0.0, draft_layout="one-mask")
+    verify_cfg, mars_cfg = settings.config("verify"), settings.config("mars")
+    assert (verify_cfg.block_size, verify_cfg.draft_layout, verify_cfg.tree_width) == (2, "tree", 3)
+    assert mars_cfg.block_size == 4
+    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 40, 0.0,
+                                  measure_after=False, draft_layout="one-mask"))
+    state = _final(outs)[-1]
+    verify, ar, mars = state["verify"], state["ar"], state["mars"]
+    assert verify.token_ids == ar.token_ids and verify.layout == "tree"
+    want = core_generate(models.get_model("tiny-mars"), [prompt], verify_cfg)[0]
+    assert verify.forwards == want.forwards and max(len(s.candidates) for s in verify.steps) == 1
+    assert max(len(s.candidates) for s in mars.steps) == 4
+
+
 def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     # A race, the Learn step and a sweep pass the page's choice on: the confidences shown are the decoder's
     # own for that criterion (they differ between criteria).
