@@ -35,12 +35,14 @@ YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed dow
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
 # The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
-# "one-mask" is the tree with a single mask per group and two runner-ups per slot, whatever B the MARS lane uses: on
-# a CPU, where every position a forward feeds costs, the layout that made smollm2-mars's lossless lane fastest
-# (docs/experiments.md, "One mask per group"). A model whose masks all draft well (tiny-mars) does better with B.
+# The "one mask" choices append a single mask per group, whatever B the MARS lane uses: on a CPU, where every
+# position a forward feeds costs, what made smollm2-mars's lossless lane fastest (docs/experiments.md, "One mask per
+# group"): alone on an AVX2 CPU, with two runner-ups per slot where extra positions are cheap (AMX). A model whose
+# masks all draft well (tiny-mars) does better with B.
 LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
-                  ("a tree: also runner-up tokens", "tree"), ("one mask and runner-ups (CPU, SmolLM2)", "one-mask")]
-ONE_MASK = {"one-mask": ("tree", 3)}   # choice -> (layout, tree width), one mask per group
+                  ("a tree: also runner-up tokens", "tree"), ("one mask (CPU)", "one-mask"),
+                  ("one mask + runner-ups (AMX)", "one-mask-tree")]
+ONE_MASK = {"one-mask": ("linear", 2), "one-mask-tree": ("tree", 3)}   # choice -> (layout, tree width)
 LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.

@@ -328,18 +328,19 @@ def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tin
     assert "runner-up tokens checked" in render_ledger(verify, offered[0] + 1)
 
 
-def test_the_one_mask_choice_races_lossless_with_one_mask_a_group_while_mars_keeps_b():
-    from mars_core import DecodeConfig, generate as core_generate
+@pytest.mark.parametrize("choice,layout,width", [("one-mask", "linear", 2), ("one-mask-tree", "tree", 3)])
+def test_the_one_mask_choices_race_lossless_with_one_mask_a_group_while_mars_keeps_b(choice, layout, width):
+    from mars_core import generate as core_generate
     prompt = "Sort these numbers: 42, 7, 19, 3"
-    settings = generate.RaceSettings.from_inputs(prompt, 0.3, False, 4, 40, 0.0, draft_layout="one-mask")
+    settings = generate.RaceSettings.from_inputs(prompt, 0.3, False, 4, 40, 0.0, draft_layout=choice)
     verify_cfg, mars_cfg = settings.config("verify"), settings.config("mars")
-    assert (verify_cfg.block_size, verify_cfg.draft_layout, verify_cfg.tree_width) == (2, "tree", 3)
+    assert (verify_cfg.block_size, verify_cfg.draft_layout, verify_cfg.tree_width) == (2, layout, width)
     assert mars_cfg.block_size == 4
     outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 40, 0.0,
-                                  measure_after=False, draft_layout="one-mask"))
+                                  measure_after=False, draft_layout=choice))
     state = _final(outs)[-1]
     verify, ar, mars = state["verify"], state["ar"], state["mars"]
-    assert verify.token_ids == ar.token_ids and verify.layout == "tree"
+    assert verify.token_ids == ar.token_ids and verify.layout == layout
     want = core_generate(models.get_model("tiny-mars"), [prompt], verify_cfg)[0]
     assert verify.forwards == want.forwards and max(len(s.candidates) for s in verify.steps) == 1
     assert max(len(s.candidates) for s in mars.steps) == 4
