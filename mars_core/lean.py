@@ -70,22 +70,34 @@ def packed_bf16_supported() -> bool:
 
 
 class FloatLinear(torch.nn.Module):
-    """x @ W^T in the weights' float dtype. fp32 keeps W^T row-major, which MKL multiplies faster for few rows;
-    bf16 keeps W as it is (F.linear), which measured faster there (mars_core.cpu_layout explains the layout), or,
-    on a CPU with AMX, packed once for oneDNN (its cost barely grows with the rows: docs/experiments.md)."""
+    """x @ W^T in the weights' float dtype. fp32 runs our own kernel where it builds (mars_core.fp32: each weight
+    read once for all rows, each row's sums in a fixed order whatever the other rows), else keeps W^T row-major,
+    which MKL multiplies faster for few rows; bf16 keeps W as it is (F.linear), which measured faster there
+    (mars_core.cpu_layout explains the layout), or, on a CPU with AMX, packed once for oneDNN (its cost barely
+    grows with the rows: docs/experiments.md). `own=False` keeps MKL for fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, own: bool = True):
         super().__init__()
         self.transposed = dtype == torch.float32
         w = weight.detach().to(dtype)
-        self.packed = None
+        self.packed, self.out_features = None, w.shape[0]
         if dtype == torch.bfloat16 and w.device.type == "cpu" and packed_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             w = None
+        own32 = None
+        if own and self.transposed and w.device.type == "cpu":
+            from mars_core import fp32
+
+            if fp32.load():
+                own32, w = torch.ops.mars_fp32.pack(w.t().contiguous()), None
+        self.register_buffer("own32", own32)
         self.register_buffer("w", None if w is None else (w.t() if self.transposed else w).contiguous())
         self.register_buffer("b", None if bias is None else bias.detach().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own32 is not None:
+            y = torch.ops.mars_fp32.linear(x.reshape(-1, x.shape[-1]), self.own32, self.b, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         if self.transposed:
@@ -246,11 +258,12 @@ class LeanLM(torch.nn.Module):
         """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""
         from mars_core.lean_script import scripted
 
-        loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
-                None: "fp32"}[self.kernel]
-        self.scripted = scripted(loop)
         lins = [getattr(getattr(layer, n), "inner", getattr(layer, n))   # a GatedLinear's base product
                 for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        own32 = self.kernel is None and lins[0].own32 is not None   # fp32 on our kernel (mars_core.fp32)
+        loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
+                None: "fp32-own" if own32 else "fp32"}[self.kernel]
+        self.scripted = scripted(loop)
         norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
         two = [m.passes == 2 for m in lins] if self.format == "w8a8" else []
         own = lambda: ([m._own.packed for m in lins], [m._own.scale for m in lins], [m.bias for m in lins], two, norms)
@@ -259,7 +272,9 @@ class LeanLM(torch.nn.Module):
             "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins], [m.w_zero for m in lins],
                                     [m.bias for m in lins], two, norms),
             "w8a8-vnni": own, "w8a8-avx2": own,
-            "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms)}[loop]()
+            "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms),
+            "fp32-own": lambda: ([m.own32 for m in lins], [m.b for m in lins], [m.out_features for m in lins],
+                                 norms)}[loop]()
         if self.gate is not None and self.format == "w8a8":   # the native stack's int8 deltas (_native_lora)
             self._lora = self._native_lora()
         elif self.gate is not None:   # the fp32 loop's deltas

@@ -165,6 +165,40 @@ def layers_fp32(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optio
     return x
 
 
+def _own32_gated(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int,
+                 column: Optional[torch.Tensor], a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> torch.Tensor:
+    """_fp32_gated with the product on our kernel (mars_core.fp32; FloatLinear.forward, op for op)."""
+    y = torch.ops.mars_fp32.linear(x, packed, bias, n)
+    if column is None or a is None or b is None:
+        return y
+    return torch.addmm(y, (x @ a) * column, b)
+
+
+def layers_fp32_own(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
+                    ns: List[int], norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
+                    b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
+                    hidden: Optional[torch.Tensor], eps: float, column: Optional[torch.Tensor] = None,
+                    lora_a: Optional[List[Optional[torch.Tensor]]] = None,
+                    lora_b: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    """layers_fp32 with the products on our kernel: `weights` packed by mars_fp32.pack, `ns` their output widths.
+    A separate loop because TorchScript resolves the op when it compiles, and the op exists only where it built."""
+    for i in range(len(norms) // 2):
+        j = 4 * i
+        a: List[Optional[torch.Tensor]] = [None, None, None, None]
+        bb: List[Optional[torch.Tensor]] = [None, None, None, None]
+        if column is not None and lora_a is not None and lora_b is not None:
+            a = lora_a[j: j + 4]
+            bb = lora_b[j: j + 4]
+        qkv = _own32_gated(_rms(x, norms[2 * i], eps), weights[j], biases[j], ns[j], column, a[0], bb[0])
+        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+        x = x + _own32_gated(att, weights[j + 1], biases[j + 1], ns[j + 1], column, a[1], bb[1])
+        h = _rms(x, norms[2 * i + 1], eps)
+        gate, up = _own32_gated(h, weights[j + 2], biases[j + 2], ns[j + 2], column, a[2], bb[2]).chunk(2, -1)
+        x = x + _own32_gated(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3], ns[j + 3], column,
+                             a[3], bb[3])
+    return x
+
+
 def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden, eps):
     """Every layer through its modules' own products (any format; what bf16 and int8 run)."""
     for i, layer in enumerate(modules):
@@ -177,7 +211,7 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 
 def scripted(name: str):
-    """The TorchScript-compiled "w8a8", "w8a8-onednn" or "fp32" loop, or None where torch cannot script it; for
+    """The TorchScript-compiled "w8a8", "w8a8-onednn", "fp32" or "fp32-own" loop, or None where torch cannot script it; for
     "w8a8-vnni" and "w8a8-avx2", that kernel's native layer stack (only once its op is registered, mars_core.native)."""
     if name in ("w8a8-vnni", "w8a8-avx2"):   # already one C++ call: nothing to compile
         return native_loop(name.split("-")[1])
@@ -185,7 +219,8 @@ def scripted(name: str):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
-                loops = {"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn, "fp32": layers_fp32}
+                loops = {"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn, "fp32": layers_fp32,
+                         "fp32-own": layers_fp32_own}
                 _COMPILED[name] = torch.jit.script(loops[name])
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None

@@ -1,0 +1,25 @@
+"""fp32 products of our own for the lean forward's float32 loop (`mars_core/fp32.cpp`), built on first use.
+
+A decoding step multiplies 1 to ~15 rows by each weight. MKL's fp32 GEMM for so few rows of a small model's
+matrices is far from the core's FMA peak (on an AVX2 AMD EPYC, 4 rows of tiny-mars took 2.6x the time of one:
+docs/experiments.md, "One mask per group"), and its per-row results may change with the number of rows. This
+kernel reads each packed weight panel once per call for all rows and computes every row alone in one fixed order,
+so a position's outputs are the same bits whatever else the forward carries (batch == alone, lossless == AR and
+cached == uncached hold bitwise in the lean fp32 loop by construction). Its sums are ordered differently from
+MKL's, so logits differ from transformers' in the last bits, as MKL's own do.
+
+Chosen where it builds (AVX2 and FMA, a C++ compiler, Linux) unless MARS_FP32=0; elsewhere the loop multiplies with
+torch's `@` as before. Built by mars_core.native.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mars_core.native import BASE_FLAGS, NativeOp
+
+CPU_FLAGS = ("avx2", "fma")
+OP = NativeOp(Path(__file__).with_name("fp32.cpp"), "mars_fp32", BASE_FLAGS + ["-mavx2", "-mfma"], CPU_FLAGS,
+              "MARS_FP32")
+
+# load(): build (once) and load the kernel, True where `torch.ops.mars_fp32` is ready; it never raises
+load, why_not, cpu_supported = OP.load, OP.why_not, OP.cpu_supported
