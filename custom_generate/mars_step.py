@@ -451,13 +451,15 @@ class _Batch:
         self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
         self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
 
-    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None):
-        """The step's attention mask, or None for a one-position step with no holes anywhere: that position may
-        see every cached one, so no mask is the same mask and the model skips building one (AR steps at batch
-        1 got ~14% faster on tiny-mars). Longer chunks keep ours: the model's own causal mask for a chunk
-        after a cache cost more than building this one. `blocks` (chunk's): the columns after the uncached
-        tokens see only their own prefix (mars_core.drafts.block_attention)."""
-        if chunk_valid.shape[1] == 1 and not self.kv_holes and all(len(r.pending) == width for r in self.rows):
+    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None, own_causal: bool = False):
+        """The step's attention mask, or None where it is plain causal (no holes anywhere, the plain layout) and
+        the model builds that itself at no more cost: for a one-position step (it sees every cached position,
+        so no mask is the same mask; AR steps at batch 1 got ~14% faster on tiny-mars), and for longer chunks
+        where `own_causal` says the backend's own causal mask is cheap (the lean forward's; transformers' own
+        for a chunk after a cache cost more than building this one). `blocks` (chunk's): the columns after the
+        uncached tokens see only their own prefix (mars_core.drafts.block_attention)."""
+        plain = blocks is None and not self.kv_holes and all(len(r.pending) == width for r in self.rows)
+        if plain and (chunk_valid.shape[1] == 1 or own_causal):
             return None
         mask = step_attention(self.kv_valid, chunk_valid)
         return block_attention(mask, width, *blocks) if blocks is not None else mask
@@ -608,23 +610,23 @@ def never_propose_mask(logits: torch.Tensor, mask_id: int, first: int = 1) -> to
     return logits
 
 
-def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: torch.Tensor,
-                  eos_ids: torch.Tensor) -> torch.Tensor:
-    """How many leading candidates each row accepts: [b, k] -> [b].
-
-    t_0 always; t_j while every earlier one was accepted and c_j >= τ; never more than `limit`
-    (B, max_accept, tokens left); nothing after an eos. τ >= 1 accepts exactly t_0 — even when a
-    probability rounds to 1.0, which the official sampler would accept.
-    """
-    if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
-        return torch.ones(tokens.shape[0], dtype=torch.long, device=tokens.device)
-    passes = conf >= tau
-    passes[:, 0] = True
-    n = passes.long().cumprod(dim=1).sum(dim=1)                # leading run of passes
-    n = torch.minimum(n, limit)
-    is_eos = torch.isin(tokens, eos_ids)
-    first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, tokens.shape[1])
-    return torch.minimum(n, first_eos)
+def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, limits: list[int],
+                 eos: set[int], conf_dtype: torch.dtype = torch.float32) -> list[int]:
+    """accept_counts on host lists (the decoder's step, after its one device sync): the same counts for the same
+    inputs. `conf` holds values of `conf_dtype`, compared with τ rounded to that dtype as the tensor comparison
+    rounds it; a few list steps cost less than accept_counts' ~ten small ops on a CPU."""
+    if tau >= 1.0:
+        return [1] * len(tokens)
+    tau_c = torch.tensor(tau, dtype=conf_dtype).item()
+    counts = []
+    for row, c, limit in zip(tokens, conf, limits):
+        n = 1
+        while n < len(row) and c[n] >= tau_c:
+            n += 1
+        n = min(n, limit)
+        n = next((j + 1 for j, t in enumerate(row) if t in eos and j < n), n)   # up to and with the first eos
+        counts.append(n)
+    return counts
 
 
 def _check_has_text(lm, ids: list[int]) -> None:
@@ -727,13 +729,12 @@ def _check_finite(logits: torch.Tensor, lm, step: int, found=None) -> torch.Tens
     return top
 
 
-def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos_ids, generator, found_conf=None) -> list[_Settled]:
+def _settle_mars(logits, top, rows, cfg, tau, n_masks, eos: set[int], generator, found_conf=None) -> list[_Settled]:
     """Lossy MARS (and AR): accept the leading candidates q_0.. whose confidence stays >= τ."""
     tokens, conf = propose(logits, cfg.criterion, cfg.temperature, cfg.top_p, generator, top, found_conf)
-    left = torch.tensor([r.left for r in rows], device=tokens.device)
-    limit = left.clamp(max=min(cfg.max_accept or cfg.candidates, n_masks + 1))
-    n = accept_counts(tokens, conf, tau, limit, eos_ids)
-    tokens_h, conf_h, n_h = tokens.tolist(), conf.tolist(), n.tolist()   # the step's one host sync
+    tokens_h, conf_h = tokens.tolist(), conf.tolist()   # the step's one host sync
+    cap = min(cfg.max_accept or cfg.candidates, n_masks + 1)
+    n_h = accept_lists(tokens_h, conf_h, tau, [min(r.left, cap) for r in rows], eos, conf.dtype)
     return [_Settled(tokens_h[i][: n_h[i]], tokens_h[i], conf_h[i]) for i in range(len(rows))]
 
 
@@ -802,8 +803,8 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     cfg.validate()
     prompt_ids = _prompt_ids(lm, prompts)
     device, n_masks_max = lm.device, cfg.candidates - 1
-    eos_ids = torch.tensor(lm.eos_ids, device=device)   # on the device for MARS's acceptance, as a set for verify
     eos_set = set(lm.eos_ids)
+    own_causal = getattr(net(lm), "builds_causal_mask", False)
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=device)
@@ -831,9 +832,10 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
         keep = torch.arange(width - 1 - n_verify, ids.shape[1], device=device)   # q_0 (and drafts, leaves), masks
         n_mask_cols = (len(behind) + n_leaves) * n_masks                          # the chunk's last columns
         n_out = n_verify + 1 + n_leaves                                           # kept rows before the masks
-        out = net(lm)(input_ids=ids, attention_mask=batch.attention(valid, width, blocks), position_ids=pos,
-                       cache=batch.cache, use_cache=True, logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols),
-                       **head_top(lm, cfg, n_out, n_out if cfg.mode == "verify" else 0))
+        mask = batch.attention(valid, width, blocks, own_causal)
+        out = net(lm)(input_ids=ids, attention_mask=mask, position_ids=pos, cache=batch.cache, use_cache=True,
+                      logits_to_keep=keep, **draft_tail(lm, cfg, n_mask_cols),
+                      **head_top(lm, cfg, n_out, n_out if cfg.mode == "verify" else 0))
         logits = never_propose_mask(out.logits, lm.mask_id, first=n_out)
         top = _check_finite(logits, lm, step, getattr(out, "top", None))
         conf = getattr(out, "conf", None)   # the head's confidences where it gathered them (head_top)
@@ -841,7 +843,7 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
             settled = _settle_verify(logits, top, batch.rows, cfg, tau, n_masks, n_verify, n_leaves, behind, width,
                                      eos_set, planner, conf)
         else:
-            settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_ids, generator, conf)
+            settled = _settle_mars(logits, top, batch.rows, cfg, tau, n_masks, eos_set, generator, conf)
         kept = [range(width - len(r.pending), width) if st.kept is None else st.kept
                 for r, st in zip(batch.rows, settled)]
         batch.rollback(n_mask_cols, kept, width + n_leaves)

@@ -50,13 +50,15 @@ class _Batch:
         self.kv_valid = torch.zeros(len(rows), 0, dtype=torch.bool, device=device)
         self.kv_holes = False       # whether any cached column is a hole (then every step needs the 4D mask)
 
-    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None):
-        """The step's attention mask, or None for a one-position step with no holes anywhere: that position may
-        see every cached one, so no mask is the same mask and the model skips building one (AR steps at batch
-        1 got ~14% faster on tiny-mars). Longer chunks keep ours: the model's own causal mask for a chunk
-        after a cache cost more than building this one. `blocks` (chunk's): the columns after the uncached
-        tokens see only their own prefix (mars_core.drafts.block_attention)."""
-        if chunk_valid.shape[1] == 1 and not self.kv_holes and all(len(r.pending) == width for r in self.rows):
+    def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None, own_causal: bool = False):
+        """The step's attention mask, or None where it is plain causal (no holes anywhere, the plain layout) and
+        the model builds that itself at no more cost: for a one-position step (it sees every cached position,
+        so no mask is the same mask; AR steps at batch 1 got ~14% faster on tiny-mars), and for longer chunks
+        where `own_causal` says the backend's own causal mask is cheap (the lean forward's; transformers' own
+        for a chunk after a cache cost more than building this one). `blocks` (chunk's): the columns after the
+        uncached tokens see only their own prefix (mars_core.drafts.block_attention)."""
+        plain = blocks is None and not self.kv_holes and all(len(r.pending) == width for r in self.rows)
+        if plain and (chunk_valid.shape[1] == 1 or own_causal):
             return None
         mask = step_attention(self.kv_valid, chunk_valid)
         return block_attention(mask, width, *blocks) if blocks is not None else mask

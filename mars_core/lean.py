@@ -188,6 +188,7 @@ class LeanLM(torch.nn.Module):
     """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
 
     takes_draft_tail = True   # forward() accepts draft_tail (mars_core.decoding.draft_tail)
+    builds_causal_mask = True  # attention_mask=None is the causal mask, built in a few ops (_mask_fill)
 
     @property
     def takes_head_top(self) -> bool:

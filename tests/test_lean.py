@@ -448,3 +448,27 @@ def test_bf16_on_an_amx_cpu_is_packed_and_exact_lossless_equals_ar_and_batch_equ
     mars = DecodeConfig(mode="mars", tau=0.8, max_new_tokens=40)
     for p, row in zip(prompts, generate(lm, prompts, mars)):
         assert generate(lm, [p], mars)[0].steps == row.steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_no_mask_is_the_causal_mask_bitwise_for_a_chunk_after_a_cache(arch, tokenizer):
+    """The decoder passes attention_mask=None for a plain multi-position step on the lean forward
+    (builds_causal_mask): its own causal mask must give exactly the logits step_attention's mask gives."""
+    from mars_core.batch import _Batch, _Row
+
+    net = LeanLM(make_model(arch, len(tokenizer)))
+    assert net.builds_causal_mask
+    prompt, chunk = torch.tensor([[5, 9, 12, 7, 3, 8, 11]] * 2), torch.tensor([[4, 6, 10, 13]] * 2)
+    batch = _Batch([_Row(0, 9, [4, 6, 10, 13]), _Row(1, 9, [4, 6, 10, 13])], None, "cpu")
+    batch.kv_valid = torch.ones(2, 7, dtype=torch.bool)
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    assert batch.attention(valid, 4, own_causal=True) is None
+    logits = []
+    for mask in (None, step_attention(batch.kv_valid, valid)):
+        cache = net.new_cache()
+        with torch.inference_mode():
+            net(input_ids=prompt, cache=cache)
+            logits.append(net(input_ids=chunk, attention_mask=mask, cache=cache).logits)
+    assert torch.equal(*logits)
+    batch.kv_holes = True                     # a hole in the cache: the mask must be built
+    assert batch.attention(valid, 4, own_causal=True) is not None
