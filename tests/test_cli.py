@@ -52,7 +52,9 @@ def test_generate_plain_text_marks_forward_boundaries(model_dir):
     assert out.stdout.count("|") == 5 and "5 forwards, 5 tokens, 1.00 tokens/forward" in out.stdout
 
 
-def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys):
+def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys, monkeypatch):
+    from types import SimpleNamespace
+
     from mars_core import cli
 
     def answer(*extra):
@@ -65,11 +67,17 @@ def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys):
                   ("--draft-layout", "quadratic", "--prompt-lookup", "3"), ("--draft-layout", "tree"),
                   ("--draft-layout", "tree", "--block-size", "2", "--tree-width", "3"), ("--draft-layout", "auto")):
         lossless = answer("--mode", "verify", "--tau", "0.3", *extra)
-        assert lossless["token_ids"] == ar["token_ids"] and lossless["forwards"] < ar["forwards"], extra
+        assert lossless["token_ids"] == ar["token_ids"], extra
+        # auto follows this machine's measured forward costs (under load drafting may not pay): checked below
+        assert lossless["forwards"] < ar["forwards"] or extra == ("--draft-layout", "auto"), extra
         assert len(lossless["positions"]) == lossless["forwards"]
     assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "What is 17 + 25?", "--max-new-tokens", "8",
                      "--mode", "verify", "--draft-layout", "auto"]) == 0
     assert "draft_layout auto: forward cost by positions 1.00 " in capsys.readouterr().err
+    # on free positions (a flat measured curve) auto drafts, and saves forwards
+    monkeypatch.setattr(cli, "row_costs", lambda lm, ids, max_rows, **kw: [SimpleNamespace(cost=1.0)] * max_rows)
+    lossless = answer("--mode", "verify", "--tau", "0.3", "--draft-layout", "auto")
+    assert lossless["token_ids"] == ar["token_ids"] and lossless["forwards"] < ar["forwards"]
 
 
 def test_draft_options_outside_lossless_mode_exit_2_naming_the_value(capsys):
