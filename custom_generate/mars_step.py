@@ -612,10 +612,15 @@ def never_propose_mask(logits: torch.Tensor, mask_id: int, first: int = 1) -> to
 
 def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, limits: list[int],
                  eos: set[int], conf_dtype: torch.dtype = torch.float32) -> list[int]:
-    """accept_counts on host lists (the decoder's step, after its one device sync): the same counts for the same
-    inputs. `conf` holds values of `conf_dtype`, compared with τ rounded to that dtype as the tensor comparison
-    rounds it; a few list steps cost less than accept_counts' ~ten small ops on a CPU."""
-    if tau >= 1.0:
+    """How many leading candidates each row accepts, on the host lists of a step's one device sync.
+
+    t_0 always; t_j while every earlier one was accepted and c_j >= τ; never more than the row's limit
+    (B, max_accept, tokens left); nothing after an eos. τ >= 1 accepts exactly t_0 — even when a
+    probability rounds to 1.0, which the official sampler would accept. `conf` holds values of `conf_dtype`,
+    compared with τ rounded to that dtype, as a tensor comparison `conf >= tau` rounds it (0.95 is no fp32
+    number). A few list steps per row cost less on a CPU than a dozen small tensor ops.
+    """
+    if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
         return [1] * len(tokens)
     tau_c = torch.tensor(tau, dtype=conf_dtype).item()
     counts = []
@@ -624,8 +629,7 @@ def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, l
         while n < len(row) and c[n] >= tau_c:
             n += 1
         n = min(n, limit)
-        n = next((j + 1 for j, t in enumerate(row) if t in eos and j < n), n)   # up to and with the first eos
-        counts.append(n)
+        counts.append(next((j + 1 for j, t in enumerate(row[:n]) if t in eos), n))   # up to and with an eos
     return counts
 
 

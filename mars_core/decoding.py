@@ -102,29 +102,22 @@ def never_propose_mask(logits: torch.Tensor, mask_id: int, first: int = 1) -> to
 
 def accept_counts(tokens: torch.Tensor, conf: torch.Tensor, tau: float, limit: torch.Tensor,
                   eos_ids: torch.Tensor) -> torch.Tensor:
-    """How many leading candidates each row accepts: [b, k] -> [b].
-
-    t_0 always; t_j while every earlier one was accepted and c_j >= τ; never more than `limit`
-    (B, max_accept, tokens left); nothing after an eos. τ >= 1 accepts exactly t_0 — even when a
-    probability rounds to 1.0, which the official sampler would accept.
-    """
-    if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
-        return torch.ones(tokens.shape[0], dtype=torch.long, device=tokens.device)
-    passes = conf >= tau
-    passes[:, 0] = True
-    n = passes.long().cumprod(dim=1).sum(dim=1)                # leading run of passes
-    n = torch.minimum(n, limit)
-    is_eos = torch.isin(tokens, eos_ids)
-    first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, tokens.shape[1])
-    return torch.minimum(n, first_eos)
+    """How many leading candidates each row accepts: [b, k] -> [b] (accept_lists on tensors)."""
+    n = accept_lists(tokens.tolist(), conf.tolist(), tau, limit.tolist(), set(eos_ids.tolist()), conf.dtype)
+    return torch.tensor(n, dtype=torch.long, device=tokens.device)
 
 
 def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, limits: list[int],
                  eos: set[int], conf_dtype: torch.dtype = torch.float32) -> list[int]:
-    """accept_counts on host lists (the decoder's step, after its one device sync): the same counts for the same
-    inputs. `conf` holds values of `conf_dtype`, compared with τ rounded to that dtype as the tensor comparison
-    rounds it; a few list steps cost less than accept_counts' ~ten small ops on a CPU."""
-    if tau >= 1.0:
+    """How many leading candidates each row accepts, on the host lists of a step's one device sync.
+
+    t_0 always; t_j while every earlier one was accepted and c_j >= τ; never more than the row's limit
+    (B, max_accept, tokens left); nothing after an eos. τ >= 1 accepts exactly t_0 — even when a
+    probability rounds to 1.0, which the official sampler would accept. `conf` holds values of `conf_dtype`,
+    compared with τ rounded to that dtype, as a tensor comparison `conf >= tau` rounds it (0.95 is no fp32
+    number). A few list steps per row cost less on a CPU than a dozen small tensor ops.
+    """
+    if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
         return [1] * len(tokens)
     tau_c = torch.tensor(tau, dtype=conf_dtype).item()
     counts = []
@@ -133,8 +126,7 @@ def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, l
         while n < len(row) and c[n] >= tau_c:
             n += 1
         n = min(n, limit)
-        n = next((j + 1 for j, t in enumerate(row) if t in eos and j < n), n)   # up to and with the first eos
-        counts.append(n)
+        counts.append(next((j + 1 for j, t in enumerate(row[:n]) if t in eos), n))   # up to and with an eos
     return counts
 
 

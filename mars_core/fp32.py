@@ -3,10 +3,10 @@
 A decoding step multiplies 1 to ~15 rows by each weight. MKL's fp32 GEMM for so few rows of a small model's
 matrices is far from the core's FMA peak (on an AVX2 AMD EPYC, 4 rows of tiny-mars took 2.6x the time of one:
 docs/experiments.md, "One mask per group"), and its per-row results may change with the number of rows. This
-kernel reads each packed weight panel once per call for all rows and computes every row alone in one fixed order,
-so a position's outputs are the same bits whatever else the forward carries (batch == alone, lossless == AR and
-cached == uncached hold bitwise in the lean fp32 loop by construction). Its sums are ordered differently from
-MKL's, so logits differ from transformers' in the last bits, as MKL's own do.
+kernel reads each packed weight panel once for up to three rows and sums every row in one fixed order, so a
+product's row is the same bits whatever other rows share the call (attention, still torch's fp32 ops, is what can
+make a position's logits depend on the rest of the forward). Its sums are ordered differently from MKL's, so
+logits differ from transformers' in the last bits, as MKL's own do.
 
 Chosen where it builds (AVX2 and FMA, a C++ compiler, Linux) unless MARS_FP32=0; elsewhere the loop multiplies with
 torch's `@` as before. Built by mars_core.native.

@@ -71,8 +71,8 @@ def packed_bf16_supported() -> bool:
 
 class FloatLinear(torch.nn.Module):
     """x @ W^T in the weights' float dtype. fp32 runs our own kernel where it builds (mars_core.fp32: each weight
-    read once for all rows, each row's sums in a fixed order whatever the other rows), else keeps W^T row-major,
-    which MKL multiplies faster for few rows; bf16 keeps W as it is (F.linear), which measured faster there
+    read once for up to three rows, each row's sums in a fixed order whatever the other rows), else keeps W^T
+    row-major, which MKL multiplies faster for few rows; bf16 keeps W as it is (F.linear), which measured faster there
     (mars_core.cpu_layout explains the layout), or, on a CPU with AMX, packed once for oneDNN (its cost barely
     grows with the rows: docs/experiments.md). `own=False` keeps MKL for fp32."""
 
@@ -273,7 +273,7 @@ class LeanLM(torch.nn.Module):
             "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins], [m.w_zero for m in lins],
                                     [m.bias for m in lins], two, norms),
             "w8a8-vnni": own, "w8a8-avx2": own,
-            "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], norms),
+            "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], [m.out_features for m in lins], norms),
             "fp32-own": lambda: ([m.own32 for m in lins], [m.b for m in lins], [m.out_features for m in lins],
                                  norms)}[loop]()
         if self.gate is not None and self.format == "w8a8":   # the native stack's int8 deltas (_native_lora)

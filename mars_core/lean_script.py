@@ -127,76 +127,59 @@ def native_loop(kernel: str):
     return loop
 
 
-def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """mars_core.lean.FloatLinear.forward in fp32 (W^T row-major), op for op."""
+def _fp32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """mars_core.lean.FloatLinear.forward in fp32 on MKL (W^T row-major), op for op; `n` is implied by `w`."""
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
-def _fp32_gated(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], column: Optional[torch.Tensor],
-                a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> torch.Tensor:
-    """_fp32 plus, where `column` (1 at mask positions, else 0) is given, a gated adapter's delta
+def _own32(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """FloatLinear.forward on our kernel (mars_core.fp32): `packed` by mars_fp32.pack, `n` output columns."""
+    return torch.ops.mars_fp32.linear(x, packed, bias, n)
+
+
+def _gated(y: torch.Tensor, x: torch.Tensor, column: Optional[torch.Tensor], a: Optional[torch.Tensor],
+           b: Optional[torch.Tensor]) -> torch.Tensor:
+    """A product's output `y` plus, where `column` (1 at mask positions, else 0) is given, a gated adapter's delta
     (mars_core.gated.GatedLinear.forward, op for op)."""
-    y = _fp32(x, w, bias)
     if column is None or a is None or b is None:
         return y
     return torch.addmm(y, (x @ a) * column, b)
 
 
-def layers_fp32(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
-                norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
-                length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor],
-                eps: float, column: Optional[torch.Tensor] = None, lora_a: Optional[List[Optional[torch.Tensor]]] = None,
-                lora_b: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-    """Every layer in fp32, as layers_w8a8 with plain products; with `column`, a gated adapter's deltas
-    (`lora_a`/`lora_b`: [in, R] and [R, out] per product, None where a product has none) at the mask positions."""
-    for i in range(len(norms) // 2):
-        j = 4 * i
-        a: List[Optional[torch.Tensor]] = [None, None, None, None]
-        bb: List[Optional[torch.Tensor]] = [None, None, None, None]
-        if column is not None and lora_a is not None and lora_b is not None:
-            a = lora_a[j: j + 4]
-            bb = lora_b[j: j + 4]
-        qkv = _fp32_gated(_rms(x, norms[2 * i], eps), weights[j], biases[j], column, a[0], bb[0])
-        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + _fp32_gated(att, weights[j + 1], biases[j + 1], column, a[1], bb[1])
-        h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = _fp32_gated(h, weights[j + 2], biases[j + 2], column, a[2], bb[2]).chunk(2, -1)
-        x = x + _fp32_gated(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3], column, a[3], bb[3])
-    return x
+def _fp32_loop(product):
+    """The fp32 layer loop with `product` (_fp32 or _own32) for its matrix products. TorchScript resolves the
+    product when it compiles each loop, so the kernel's loop is built only where its op exists."""
 
-
-def _own32_gated(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int,
-                 column: Optional[torch.Tensor], a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> torch.Tensor:
-    """_fp32_gated with the product on our kernel (mars_core.fp32; FloatLinear.forward, op for op)."""
-    y = torch.ops.mars_fp32.linear(x, packed, bias, n)
-    if column is None or a is None or b is None:
-        return y
-    return torch.addmm(y, (x @ a) * column, b)
-
-
-def layers_fp32_own(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
-                    ns: List[int], norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
-                    b: int, length: int, heads: int, kv: int, d: int, rope: torch.Tensor,
-                    hidden: Optional[torch.Tensor], eps: float, column: Optional[torch.Tensor] = None,
+    def layers_fp32(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]], ns: List[int],
+                    norms: List[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor, past: int, b: int,
+                    length: int, heads: int, kv: int, d: int, rope: torch.Tensor, hidden: Optional[torch.Tensor],
+                    eps: float, column: Optional[torch.Tensor] = None,
                     lora_a: Optional[List[Optional[torch.Tensor]]] = None,
                     lora_b: Optional[List[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-    """layers_fp32 with the products on our kernel: `weights` packed by mars_fp32.pack, `ns` their output widths.
-    A separate loop because TorchScript resolves the op when it compiles, and the op exists only where it built."""
-    for i in range(len(norms) // 2):
-        j = 4 * i
-        a: List[Optional[torch.Tensor]] = [None, None, None, None]
-        bb: List[Optional[torch.Tensor]] = [None, None, None, None]
-        if column is not None and lora_a is not None and lora_b is not None:
-            a = lora_a[j: j + 4]
-            bb = lora_b[j: j + 4]
-        qkv = _own32_gated(_rms(x, norms[2 * i], eps), weights[j], biases[j], ns[j], column, a[0], bb[0])
-        att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
-        x = x + _own32_gated(att, weights[j + 1], biases[j + 1], ns[j + 1], column, a[1], bb[1])
-        h = _rms(x, norms[2 * i + 1], eps)
-        gate, up = _own32_gated(h, weights[j + 2], biases[j + 2], ns[j + 2], column, a[2], bb[2]).chunk(2, -1)
-        x = x + _own32_gated(torch.nn.functional.silu(gate) * up, weights[j + 3], biases[j + 3], ns[j + 3], column,
-                             a[3], bb[3])
-    return x
+        """Every layer in fp32, as layers_w8a8 with plain products (`ns`: their output widths); with `column`, a
+        gated adapter's deltas (`lora_a`/`lora_b`: [in, R] and [R, out] per product, None where a product has
+        none) at the mask positions."""
+        for i in range(len(norms) // 2):
+            j = 4 * i
+            a: List[Optional[torch.Tensor]] = [None, None, None, None]
+            bb: List[Optional[torch.Tensor]] = [None, None, None, None]
+            if column is not None and lora_a is not None and lora_b is not None:
+                a = lora_a[j: j + 4]
+                bb = lora_b[j: j + 4]
+            h = _rms(x, norms[2 * i], eps)
+            qkv = _gated(product(h, weights[j], biases[j], ns[j]), h, column, a[0], bb[0])
+            att = _attention(i, qkv, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden)
+            x = x + _gated(product(att, weights[j + 1], biases[j + 1], ns[j + 1]), att, column, a[1], bb[1])
+            h = _rms(x, norms[2 * i + 1], eps)
+            gate, up = _gated(product(h, weights[j + 2], biases[j + 2], ns[j + 2]), h, column, a[2], bb[2]).chunk(2, -1)
+            h = torch.nn.functional.silu(gate) * up
+            x = x + _gated(product(h, weights[j + 3], biases[j + 3], ns[j + 3]), h, column, a[3], bb[3])
+        return x
+
+    return layers_fp32
+
+
+layers_fp32 = _fp32_loop(_fp32)
 
 
 def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hidden, eps):
@@ -211,8 +194,9 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 
 def scripted(name: str):
-    """The TorchScript-compiled "w8a8", "w8a8-onednn", "fp32" or "fp32-own" loop, or None where torch cannot script it; for
-    "w8a8-vnni" and "w8a8-avx2", that kernel's native layer stack (only once its op is registered, mars_core.native)."""
+    """The TorchScript-compiled "w8a8", "w8a8-onednn", "fp32" or "fp32-own" loop (the last only once our fp32 op is
+    registered), or None where torch cannot script it; for "w8a8-vnni" and "w8a8-avx2", that kernel's native layer
+    stack (only once its op is registered, mars_core.native)."""
     if name in ("w8a8-vnni", "w8a8-avx2"):   # already one C++ call: nothing to compile
         return native_loop(name.split("-")[1])
     if name not in _COMPILED:
@@ -220,7 +204,7 @@ def scripted(name: str):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the deprecation notice; the function is what it was
                 loops = {"w8a8": layers_w8a8, "w8a8-onednn": layers_w8a8_onednn, "fp32": layers_fp32,
-                         "fp32-own": layers_fp32_own}
+                         "fp32-own": _fp32_loop(_own32)}
                 _COMPILED[name] = torch.jit.script(loops[name])
         except Exception:   # any failure to compile means "run the Python function", never a wrong result
             _COMPILED[name] = None
