@@ -8,7 +8,8 @@
 //
 // The sums use vpmaddwd on bytes widened to int16, whose pair sums cannot overflow; fbgemm's AVX2 path multiplies
 // with vpmaddubsw, whose int16 pair sums saturate, so on these CPUs its sums are not exact. One pass over a block
-// of 4 weight rows serves 3 activation rows (12 accumulators of the 16 ymm registers).
+// of 4 weight rows serves 3 activation rows (12 accumulators of the 16 ymm registers). A block is stored as one run
+// of memory, the 4 rows' 16 inputs of each step side by side, so a product reads its weights as one stream.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -29,14 +30,22 @@ namespace {
 constexpr int64_t CH = 4;    // weight rows (output channels) per block
 constexpr int64_t RW = 3;    // activation rows per pass over a block
 constexpr int64_t KS = 16;   // inputs per step: one ymm of int16
+// How far ahead of the step a block reads (bytes): one cache line a step, far enough that the line arrives before
+// the step needs it (4 KB gave the same speed as 2 and 8 KB; docs/experiments.md, "one weight stream").
+constexpr int64_t AHEAD = 4096;
 
-// w int8 [N, K] -> int8 [ceil(N / 4) * 4, Kp] with Kp = K rounded up to 16; padding is zero.
+// w int8 [N, K] -> int8 [ceil(N / 4) * 4, Kp] with Kp = K rounded up to 16; padding is zero. Block b (rows 4b ..
+// 4b + 3) fills rows 4b .. 4b + 3 of the result as [Kp / 16 steps][4 rows][16 inputs]: what block() reads, in order.
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack: an int8 [N, K] weight is expected");
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1), kp = (k + KS - 1) / KS * KS, np = (n + CH - 1) / CH * CH;
   auto out = at::zeros({np, kp}, wc.options());
-  for (int64_t j = 0; j < n; ++j) std::memcpy(out.data_ptr<int8_t>() + j * kp, wc.data_ptr<int8_t>() + j * k, k);
+  int8_t* o = out.data_ptr<int8_t>();
+  const int8_t* src = wc.data_ptr<int8_t>();
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < k; i += KS)
+      std::memcpy(o + (j / CH) * CH * kp + i * CH + (j % CH) * KS, src + j * k + i, std::min(KS, k - i));
   return out;
 }
 
@@ -80,22 +89,18 @@ inline void reduce4(__m256i c0, __m256i c1, __m256i c2, __m256i c3, int32_t* out
                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
-// Sums of R (1..3) activation rows (int16, kp apart) against 4 weight rows (int8, kp apart): sums[r * 4 + c].
+// Sums of R (1..3) activation rows (int16, kp apart) against one packed block of 4 weight rows: sums[r * 4 + c].
 template <int R>
 void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
   __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00,
           c20 = c00, c21 = c00, c22 = c00, c23 = c00;
   for (int64_t i = 0; i < kp; i += KS) {
-    if ((i & 63) == 0) {   // the next block's 4 rows, a cache line of each per 64 inputs: without it one row ran
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kp + i), _MM_HINT_T0);   // ~1.5x slower (weights waited on)
-      _mm_prefetch(reinterpret_cast<const char*>(w + 5 * kp + i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 6 * kp + i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 7 * kp + i), _MM_HINT_T0);
-    }
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kp + i)));
-    const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * kp + i)));
-    const __m256i w3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 3 * kp + i)));
+    const int8_t* wi = w + i * CH;   // this step's 4 x 16 weights: one cache line
+    _mm_prefetch(reinterpret_cast<const char*>(wi + AHEAD), _MM_HINT_T0);   // waiting on memory cost ~1.3x (docs)
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + KS)));
+    const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 2 * KS)));
+    const __m256i w3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 3 * KS)));
     const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
     c00 = _mm256_add_epi32(c00, _mm256_madd_epi16(w0, a0));
     c01 = _mm256_add_epi32(c01, _mm256_madd_epi16(w1, a0));
