@@ -244,6 +244,9 @@ class LeanLM(torch.nn.Module):
         scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
         self.register_buffer("rope_scale", scale[:, None], persistent=False)
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
+        self.huge_pages = False   # whether the packed weights asked for 2 MB pages (and the OS took the advice)
+        if self.kernel in OWN:
+            self._onto_huge_pages()
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
@@ -254,6 +257,17 @@ class LeanLM(torch.nn.Module):
         self.native = self.scripted is not None and self.kernel in OWN
         exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
         self.attention_dtype = torch.float64 if exact_rows and not self.native else torch.float32
+
+    def _onto_huge_pages(self) -> None:
+        """Our w8a8 kernels' packed weights, moved into one buffer on 2 MB pages where the OS grants them: a
+        one-position forward streams them all (mars_core.hugepages)."""
+        from mars_core.hugepages import gather
+
+        owns = [getattr(layer, n)._own for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        owns.append(self.head._own)
+        packed, self.huge_pages = gather([o.packed for o in owns])
+        for o, p in zip(owns, packed):
+            o.packed = p
 
     def _script(self) -> None:
         """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""

@@ -16,7 +16,7 @@ from mars_core.batch import step_attention
 from mars_core.lean import GROW, LeanCache, LeanLM, unsupported
 from mars_core.formats import pick_backend
 from mars_core.loading import wrap_model
-from mars_core.w8a8 import W8A8Linear, w8a8_supported
+from mars_core.w8a8 import OWN, W8A8Linear, w8a8_supported
 from tests.conftest import PROMPTS
 from tests.tiny_fixtures import make_model, tiny_causal_lm
 
@@ -267,6 +267,18 @@ def test_w8a8_one_token_mode_and_lossless_equal_ar_in_that_format(tiny_mars_w8a8
         assert max(r.tokens_per_forward for r in lossless) > 1.5     # drafts really were confirmed
         for p, row in zip(suite[:3], lossless[:3]):
             assert generate(lm, [p], DecodeConfig(mode="verify", tau=tau, max_new_tokens=40))[0].steps == row.steps
+
+
+def test_our_kernels_stream_their_weights_from_one_buffer(tiny_mars_w8a8):
+    """mars_core.hugepages: the packed weights of our kernels are moved into one buffer (on 2 MB pages where the OS
+    grants them); the torch kernels keep theirs where they are."""
+    net = tiny_mars_w8a8.net
+    if net.kernel not in OWN:
+        assert not net.huge_pages and not hasattr(net.layers[0].qkv, "_own")
+        return
+    packed = [getattr(layer, n)._own.packed for layer in net.layers for n in ("qkv", "o", "gate_up", "down")]
+    packed.append(net.head._own.packed)
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
 
 
 def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
