@@ -89,11 +89,11 @@ inline void reduce4(__m256i c0, __m256i c1, __m256i c2, __m256i c3, int32_t* out
                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
-// Sums of R (1..3) activation rows (int16, kp apart) against one packed block of 4 weight rows: sums[r * 4 + c].
+// Sums of R (1 or 2) activation rows (int16, kp apart) against one packed block of 4 weight rows: sums[r * 4 + c].
 template <int R>
 void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
-  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00,
-          c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+  static_assert(R == 1 || R == 2, "three rows go through block3");
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   for (int64_t i = 0; i < kp; i += KS) {
     const int8_t* wi = w + i * CH;   // this step's 4 x 16 weights: one cache line
     _mm_prefetch(reinterpret_cast<const char*>(wi + AHEAD), _MM_HINT_T0);   // waiting on memory cost ~1.3x (docs)
@@ -113,17 +113,57 @@ void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
       c12 = _mm256_add_epi32(c12, _mm256_madd_epi16(w2, a1));
       c13 = _mm256_add_epi32(c13, _mm256_madd_epi16(w3, a1));
     }
-    if constexpr (R > 2) {
-      const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2 * kp + i));
-      c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(w0, a2));
-      c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(w1, a2));
-      c22 = _mm256_add_epi32(c22, _mm256_madd_epi16(w2, a2));
-      c23 = _mm256_add_epi32(c23, _mm256_madd_epi16(w3, a2));
-    }
   }
   reduce4(c00, c01, c02, c03, sums);
   if constexpr (R > 1) reduce4(c10, c11, c12, c13, sums + 4);
-  if constexpr (R > 2) reduce4(c20, c21, c22, c23, sums + 8);
+}
+
+// block() for 3 rows, in assembly. Written with intrinsics, g++ kept 8 of the 12 accumulators in memory (a load and
+// a store each a step), which made three rows cost 1.7x what this loop costs and a pass over the weights wait on
+// arithmetic rather than memory. Here the accumulators stay in ymm4-15 for the whole loop (row r, channel c in
+// ymm 4 + 4r + c); rows 1 and 2 of the step sit in ymm2-3, row 0 is read by each multiply from memory (L1), ymm0
+// holds a weight row and ymm1 a product. The same integer sums as block(), so the same bits.
+void block3(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
+  alignas(32) int32_t acc[12 * 8];
+  const int16_t* a1 = a + kp;
+  const int16_t* a2 = a + 2 * kp;
+  int64_t i = 0;
+#define MARS_W(off, c0, c1, c2)                                   \
+  "vpmovsxbw " #off "(%[w]), %%ymm0\n\t"                           \
+  "vpmaddwd (%[a0],%[i],2), %%ymm0, %%ymm1\n\t"                    \
+  "vpaddd %%ymm1, %%ymm" #c0 ", %%ymm" #c0 "\n\t"                  \
+  "vpmaddwd %%ymm2, %%ymm0, %%ymm1\n\t"                            \
+  "vpaddd %%ymm1, %%ymm" #c1 ", %%ymm" #c1 "\n\t"                  \
+  "vpmaddwd %%ymm3, %%ymm0, %%ymm0\n\t"                            \
+  "vpaddd %%ymm0, %%ymm" #c2 ", %%ymm" #c2 "\n\t"
+  asm volatile(
+      "vpxor %%xmm4, %%xmm4, %%xmm4\n\t" "vpxor %%xmm5, %%xmm5, %%xmm5\n\t" "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+      "vpxor %%xmm7, %%xmm7, %%xmm7\n\t" "vpxor %%xmm8, %%xmm8, %%xmm8\n\t" "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+      "vpxor %%xmm10, %%xmm10, %%xmm10\n\t" "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "vpxor %%xmm12, %%xmm12, %%xmm12\n\t" "vpxor %%xmm13, %%xmm13, %%xmm13\n\t"
+      "vpxor %%xmm14, %%xmm14, %%xmm14\n\t" "vpxor %%xmm15, %%xmm15, %%xmm15\n\t"
+      "1:\n\t"
+      "prefetcht0 %c[ahead](%[w])\n\t"
+      "vmovdqu (%[a1],%[i],2), %%ymm2\n\t"
+      "vmovdqu (%[a2],%[i],2), %%ymm3\n\t"
+      MARS_W(0, 4, 8, 12) MARS_W(16, 5, 9, 13) MARS_W(32, 6, 10, 14) MARS_W(48, 7, 11, 15)
+      "add $64, %[w]\n\t"
+      "add $16, %[i]\n\t"
+      "cmp %[kp], %[i]\n\t"
+      "jl 1b\n\t"
+      "vmovdqa %%ymm4, (%[acc])\n\t" "vmovdqa %%ymm5, 32(%[acc])\n\t" "vmovdqa %%ymm6, 64(%[acc])\n\t"
+      "vmovdqa %%ymm7, 96(%[acc])\n\t" "vmovdqa %%ymm8, 128(%[acc])\n\t" "vmovdqa %%ymm9, 160(%[acc])\n\t"
+      "vmovdqa %%ymm10, 192(%[acc])\n\t" "vmovdqa %%ymm11, 224(%[acc])\n\t" "vmovdqa %%ymm12, 256(%[acc])\n\t"
+      "vmovdqa %%ymm13, 288(%[acc])\n\t" "vmovdqa %%ymm14, 320(%[acc])\n\t" "vmovdqa %%ymm15, 352(%[acc])\n\t"
+      : [w] "+r"(w), [i] "+r"(i)
+      : [a0] "r"(a), [a1] "r"(a1), [a2] "r"(a2), [kp] "r"(kp), [acc] "r"(acc), [ahead] "i"(AHEAD)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef MARS_W
+  const __m256i* c = reinterpret_cast<const __m256i*>(acc);
+  for (int r = 0; r < 3; ++r)
+    reduce4(_mm256_load_si256(c + 4 * r), _mm256_load_si256(c + 4 * r + 1), _mm256_load_si256(c + 4 * r + 2),
+            _mm256_load_si256(c + 4 * r + 3), sums + 4 * r);
 }
 
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
@@ -167,7 +207,7 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
       const int64_t r = std::min(RW, all - m0);
       const int16_t* am = a.data() + m0 * kp;
       int32_t* s = sums.data() + m0 * CH;
-      if (r == 3) block<3>(am, wp + j0 * kp, kp, s);
+      if (r == 3) block3(am, wp + j0 * kp, kp, s);
       else if (r == 2) block<2>(am, wp + j0 * kp, kp, s);
       else block<1>(am, wp + j0 * kp, kp, s);
     }
