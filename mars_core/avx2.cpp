@@ -211,19 +211,38 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
       else if (r == 2) block<2>(am, wp + j0 * kp, kp, s);
       else block<1>(am, wp + j0 * kp, kp, s);
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t c = 0; c < CH && j0 + c < n; ++c) {
-        const int64_t j = j0 + c;
-        float v = static_cast<float>(sums[m * CH + c]) * sc[j];
-        if (second[m] >= 0) v = v + static_cast<float>(sums[second[m] * CH + c]) * sc[j] * r_mags[m];
-        v = v * mags[m];
-        if (bp) v = v + bp[j];
-        yp[m * n + j] = v;
-        if (tops && j != skip[m]) {
-          if (v > best[m]) best[m] = v, at[m] = j;
-          else if (std::isnan(v) && nan_at[m] < 0) nan_at[m] = j;
+    const int64_t width = std::min(CH, n - j0);
+    for (int64_t m = 0; m < rows; ++m) {
+      float* out = yp + m * n + j0;
+      if (width == CH) {   // the scalar loop's operations in its order, one channel a lane: the same bits
+        const __m128 s4 = _mm_loadu_ps(sc + j0);
+        const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums.data() + m * CH));
+        __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(s1), s4);
+        if (second[m] >= 0) {
+          const __m128i s2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums.data() + second[m] * CH));
+          v = _mm_add_ps(v, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(s2), s4), _mm_set1_ps(r_mags[m])));
+        }
+        v = _mm_mul_ps(v, _mm_set1_ps(mags[m]));
+        if (bp) v = _mm_add_ps(v, _mm_loadu_ps(bp + j0));
+        _mm_storeu_ps(out, v);
+      } else {
+        for (int64_t c = 0; c < width; ++c) {
+          const int64_t j = j0 + c;
+          float v = static_cast<float>(sums[m * CH + c]) * sc[j];
+          if (second[m] >= 0) v = v + static_cast<float>(sums[second[m] * CH + c]) * sc[j] * r_mags[m];
+          v = v * mags[m];
+          if (bp) v = v + bp[j];
+          out[c] = v;
         }
       }
+      for (int64_t c = 0; tops && c < width; ++c) {
+        const int64_t j = j0 + c;
+        const float v = out[c];
+        if (j == skip[m]) continue;
+        if (v > best[m]) best[m] = v, at[m] = j;
+        else if (std::isnan(v) && nan_at[m] < 0) nan_at[m] = j;
+      }
+    }
   }
   for (int64_t m = 0; tops && m < rows; ++m) {
     top->merge(m, best[m], at[m]);
