@@ -2,11 +2,11 @@
 
 A one-position w8a8 forward reads every weight once, so it is bound by how fast one core can stream them. On 4 KB
 pages that stream crosses a page every 4 KB: each crossing costs a TLB walk, and the hardware prefetchers stop at
-page boundaries. On 2 MB pages neither happens (docs/experiments.md, "Huge pages"). Where the kernel's setting is
-`madvise` (the usual default), memory is put on huge pages only where a program asks with madvise(MADV_HUGEPAGE)
-before first touching it; where it is `always` this changes nothing, and where it is `never` (or off Linux) the
-weights stay where they are. The values are copied, never changed, so no result changes. MARS_HUGE_PAGES=0
-leaves the weights where torch put them.
+page boundaries. On 2 MB pages neither happens (docs/experiments.md, "The AVX2 kernel reads its weights as one
+stream"). Where the kernel's setting is `madvise` (the usual default), memory goes onto huge pages only where a
+program asks with madvise(MADV_HUGEPAGE) before first touching it; where it is `always` this changes nothing, and
+where it is `never` (or off Linux) the weights stay on ordinary pages. The values are copied, never changed, so no
+result changes. MARS_HUGE_PAGES=0 leaves the weights where torch put them.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def gather(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
     for n in sizes:
         offsets.append(total)
         total += (n + ALIGN - 1) // ALIGN * ALIGN
-    # fresh from mmap (far above glibc's mmap threshold), so no page of it has been touched yet
+    # a model's weights are far above glibc's mmap threshold, so this comes fresh from mmap, no page touched yet
     pages = -(-total // HUGE) * HUGE
     buffer = torch.empty(pages + HUGE, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE   # the first 2 MB boundary inside it
