@@ -31,7 +31,8 @@ constexpr int64_t CH = 4;    // weight rows (output channels) per block
 constexpr int64_t RW = 3;    // activation rows per pass over a block
 constexpr int64_t KS = 16;   // inputs per step: one ymm of int16
 // How far ahead of the step a block reads (bytes): one cache line a step, far enough that the line arrives before
-// the step needs it (4 KB gave the same speed as 2 and 8 KB; docs/experiments.md, "one weight stream").
+// the step needs it (4 KB gave the same speed as 2 and 8 KB; docs/experiments.md, "The AVX2 kernel reads its
+// weights as one stream").
 constexpr int64_t AHEAD = 4096;
 
 // w int8 [N, K] -> int8 [ceil(N / 4) * 4, Kp] with Kp = K rounded up to 16; padding is zero. Block b (rows 4b ..
@@ -96,7 +97,7 @@ void block(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
   __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   for (int64_t i = 0; i < kp; i += KS) {
     const int8_t* wi = w + i * CH;   // this step's 4 x 16 weights: one cache line
-    _mm_prefetch(reinterpret_cast<const char*>(wi + AHEAD), _MM_HINT_T0);   // waiting on memory cost ~1.3x (docs)
+    _mm_prefetch(reinterpret_cast<const char*>(wi + AHEAD), _MM_HINT_T0);   // without it AR ran ~1.15x slower
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + KS)));
     const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 2 * KS)));
