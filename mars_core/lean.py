@@ -32,6 +32,7 @@ ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
 FORMATS = ("float", "int8", "w8a8")
 GROW = 256   # cache columns added at a time
+PRODUCTS = ("qkv", "o", "gate_up", "down")   # a layer's products, in the layer loops' order
 
 
 def unsupported(model) -> str | None:
@@ -263,18 +264,20 @@ class LeanLM(torch.nn.Module):
         one-position forward streams them all (mars_core.hugepages)."""
         from mars_core.hugepages import gather
 
-        owns = [getattr(layer, n)._own for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
-        owns.append(self.head._own)
+        owns = [m._own for m in self._products()] + [self.head._own]
         packed, self.huge_pages = gather([o.packed for o in owns])
         for o, p in zip(owns, packed):
             o.packed = p
+
+    def _products(self) -> list:
+        """Every layer's products in the layer loops' order, a GatedLinear as its base product."""
+        return [getattr(getattr(layer, n), "inner", getattr(layer, n)) for layer in self.layers for n in PRODUCTS]
 
     def _script(self) -> None:
         """The layer loop for this format and kernel, compiled by TorchScript, and the weight lists it takes."""
         from mars_core.lean_script import scripted
 
-        lins = [getattr(getattr(layer, n), "inner", getattr(layer, n))   # a GatedLinear's base product
-                for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        lins = self._products()
         own32 = self.kernel is None and lins[0].own32 is not None   # fp32 on our kernel (mars_core.fp32)
         loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
                 None: "fp32-own" if own32 else "fp32"}[self.kernel]
@@ -293,7 +296,7 @@ class LeanLM(torch.nn.Module):
         if self.gate is not None and self.format == "w8a8":   # the native stack's int8 deltas (_native_lora)
             self._lora = self._native_lora()
         elif self.gate is not None:   # the fp32 loop's deltas
-            gated = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+            gated = [getattr(layer, n) for layer in self.layers for n in PRODUCTS]
             self._lora = ([getattr(m, "a_t", None) for m in gated], [getattr(m, "b_t", None) for m in gated])
 
     def _native_lora(self) -> tuple:
@@ -302,7 +305,7 @@ class LeanLM(torch.nn.Module):
         output offset), from each layer's `lora` (_layer)."""
         a, a_scale, b, b_scale, index = [], [], [], [], []
         for i, layer in enumerate(self.layers):
-            for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+            for j, name in enumerate(PRODUCTS):
                 lora = layer.lora.get(name)
                 if lora is None:
                     continue
@@ -320,7 +323,7 @@ class LeanLM(torch.nn.Module):
         scales = self._smooth(w, ranges) if ranges is not None else {}
         out = torch.nn.Module()
         out.lora = {}   # w8a8: the gated deltas the native stack applies (_native_lora)
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in PRODUCTS:
             linear = make_linear(w[name], w.get(name + "_b"), fmt, dtype, name, self.kernel)
             if self.gate is not None and fmt == "w8a8":
                 out.lora[name] = self._w8a8_delta(layer, name, *scales.get(name, (None, None)))
