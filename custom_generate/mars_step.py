@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import torch
 import math
 import numbers
+import functools
 import time
 
 
@@ -610,6 +611,12 @@ def never_propose_mask(logits: torch.Tensor, mask_id: int, first: int = 1) -> to
     return logits
 
 
+@functools.lru_cache(maxsize=64)
+def _rounded(tau: float, dtype: torch.dtype) -> float:
+    """τ as a value of `dtype` (a tensor comparison with τ rounds it so); cached, since it runs every step."""
+    return torch.tensor(tau, dtype=dtype).item()
+
+
 def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, limits: list[int],
                  eos: set[int], conf_dtype: torch.dtype = torch.float32) -> list[int]:
     """How many leading candidates each row accepts, on the host lists of a step's one device sync.
@@ -622,7 +629,7 @@ def accept_lists(tokens: list[list[int]], conf: list[list[float]], tau: float, l
     """
     if tau >= 1.0:   # AR's step: t_0 alone, which every row has room for (a row with no room has ended)
         return [1] * len(tokens)
-    tau_c = torch.tensor(tau, dtype=conf_dtype).item()
+    tau_c = _rounded(tau, conf_dtype)
     counts = []
     for row, c, limit in zip(tokens, conf, limits):
         n = 1
