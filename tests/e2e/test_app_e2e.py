@@ -356,8 +356,9 @@ def test_a_race_whose_page_closed_during_its_timing_frees_the_machine(browser, a
     closing = open_page(browser, url)
     pick_model(closing, "smollm2-mars")   # a real model: one repeat decodes for seconds
     # long enough that half a repeat stands well above the page's own start latency on a fast CPU too (the
-    # lean w8a8 path writes ~60 tokens/s; 20 tokens made a repeat 0.6 s, as short as a click's round trip)
-    closing.fill("#max-new input[type=number]", "160")
+    # lean w8a8 path writes ~60-90 tokens/s; 20 tokens made a repeat 0.6 s, as short as a click's round trip, and
+    # 160 made it 3.3 s beside a 1.8 s start latency once the AVX2 kernel got faster)
+    closing.fill("#max-new input[type=number]", "400")
     closing.press("#max-new input[type=number]", "Enter")
     closing.fill("#prompt textarea", LONG_PROMPT)
     status = "document.querySelector('#race-status')?.innerText"
