@@ -270,7 +270,7 @@ def _parser() -> argparse.ArgumentParser:
                          "by 0..B-1")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is fastest for these tiny models on a busy machine)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "w8a8"),
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "w8a16"),
                     help="weights dtype for load_model (auto: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
                     help="cpu, cuda or auto (default: cpu for the tasks suite, auto for the natural suite)")

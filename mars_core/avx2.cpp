@@ -25,6 +25,25 @@
 #include <limits>
 #include <vector>
 
+// Built twice. Without MARS_WIDE: w8a8 (torch.ops.mars_avx2), the definition above. With MARS_WIDE: w8a16
+// (torch.ops.mars_avx2w), where each row is quantized once to int16 levels instead of int8 plus a second pass for
+// the rounding's remainder. vpmaddwd multiplies int16 by int16 anyway, so a row costs what an int8 row costs, and
+// the rows that w8a8 multiplies twice (q/k/v and down, at every position a lossless step must keep exact) are
+// multiplied once. The levels are capped so that no int32 sum can overflow (levels()).
+#ifdef MARS_WIDE
+constexpr bool WIDE = true;
+#else
+constexpr bool WIDE = false;
+#endif
+
+// w8a16's largest activation level for a product of kp (padded) inputs: 32767, or less where kp inputs of that
+// level times weights of 127 could pass the int32 range (kp > 516). A function of the weight's shape only, so every
+// row of every call quantizes alike.
+int64_t levels(int64_t kp) {
+  TORCH_CHECK(kp > 0, "levels: a product needs at least one input");
+  return std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (127 * kp));
+}
+
 namespace {
 
 constexpr int64_t CH = 4;    // weight rows (output channels) per block
@@ -81,6 +100,19 @@ void prepare(const float* x, int64_t k, int64_t kp, int64_t m, int64_t second, f
   r_mags[m] = max_abs(u.data(), k);
   for (int64_t i = 0; i < k; ++i) u[i] = u[i] / r_mags[m];
   quantize(u.data(), a + second * kp, k, inverse);
+}
+
+// w8a16: one row of the layer input -> its int16 levels, round(x / magnitude * levels) (half to even); no second
+// pass. The magnitude and the division are w8a8's (prepare), so the two formats differ only in the rounding.
+void prepare_wide(const float* x, int64_t k, int64_t kp, int64_t m, int16_t* a, float* mags) {
+  x += m * k;
+  mags[m] = max_abs(x, k);
+  const float top = static_cast<float>(levels(kp));
+  int16_t* q = a + m * kp;
+  for (int64_t i = 0; i < k; ++i) {
+    const float t = std::nearbyint((x[i] / mags[m]) * top);
+    q[i] = static_cast<int16_t>(std::min(std::max(t, -top), top));
+  }
 }
 
 // The four channels' sums of one row: lanes of c0..c3 added within each accumulator, into out[0..3].
@@ -169,7 +201,8 @@ void block3(const int16_t* a, const int8_t* w, int64_t kp, int32_t* sums) {
 
 // y [rows, n] = W8A8Linear(x) for fp32 x [rows, k]; `packed` from pack(), `scale` fp32(a_scale * w_scale) per
 // channel, `bias` optional. With `two`, every row gets the second pass except, when `tail` > 0, the last `tail` of
-// every `length` rows (a lossless step's masks; see mars_core/vnni.cpp).
+// every `length` rows (a lossless step's masks; see mars_core/vnni.cpp). w8a16 (MARS_WIDE): `scale` is
+// fp32(w_scale / levels(kp)), and `two`, `inverse` and `step` are not used.
 at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool two, double inverse_d, double step_d,
                        int64_t length, int64_t tail, mars_w8a8::Top* top) {
@@ -179,13 +212,15 @@ at::Tensor linear_into(const at::Tensor& x_in, const at::Tensor& packed, const a
   TORCH_CHECK(packed.dim() == 2 && kp == (k + KS - 1) / KS * KS && packed.size(0) == (n + CH - 1) / CH * CH,
               "linear: the packed weight does not match the input width");
   std::vector<int64_t> second;   // row -> the index of its second-pass row, or -1
-  const int64_t all = mars_w8a8::second_rows(rows, length, tail, two, second);
+  const int64_t all = mars_w8a8::second_rows(rows, length, tail, two && !WIDE, second);
   const float inverse = static_cast<float>(inverse_d), step = static_cast<float>(step_d);
   std::vector<int16_t> a(all * kp, 0);   // zero in the padding columns
   std::vector<float> mags(rows), r_mags(rows, 0.f), u(k);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < rows; ++m)
-    prepare(xp, k, kp, m, second[m], inverse, step, a.data(), mags.data(), r_mags.data(), u);
+  for (int64_t m = 0; m < rows; ++m) {
+    if constexpr (WIDE) prepare_wide(xp, k, kp, m, a.data(), mags.data());
+    else prepare(xp, k, kp, m, second[m], inverse, step, a.data(), mags.data(), r_mags.data(), u);
+  }
   auto y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -260,4 +295,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 
 }  // namespace
 
+#ifdef MARS_WIDE
+MARS_W8A8_OPS(mars_avx2w)
+TORCH_LIBRARY_FRAGMENT(mars_avx2w, m) { m.def("levels(int kp) -> int", &levels); }
+#else
 MARS_W8A8_OPS(mars_avx2)
+#endif

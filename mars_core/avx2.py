@@ -24,3 +24,8 @@ OP = NativeOp(Path(__file__).with_name("avx2.cpp"), "mars_avx2", BASE_FLAGS + ["
 # load(): build (once) and load the kernel, True where `torch.ops.mars_avx2` is ready; it never raises, and a reason it
 # is not available is kept for why_not(); w8a8 then runs another kernel (mars_core.w8a8.pick_kernel)
 load, why_not, cpu_supported = OP.load, OP.why_not, OP.cpu_supported
+
+# The same source built as w8a16 (`torch.ops.mars_avx2w`, dtype="w8a16"): int16 activation levels, one pass, where
+# w8a8 multiplies the products of TWO_PASS twice (mars_core/avx2.cpp, MARS_WIDE). Switched off with the same
+# MARS_AVX2=0.
+WIDE = NativeOp(OP.source, "mars_avx2w", OP.flags + ["-DMARS_WIDE"], CPU_FLAGS, "MARS_AVX2")

@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU the faster exact format a one-time probe finds: w8a8 for models whose quality in it was measured, else float32), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), or w8a8 (CPU only: int8 weights and per-row int8 activations, through our AVX512-VNNI or AVX2 kernel, else fbgemm; rows independent, so lossless equals AR in it)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU the faster exact format a one-time probe finds: w8a8 for models whose quality in it was measured, else float32), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), w8a8 (CPU only: int8 weights and per-row int8 activations, through our AVX512-VNNI or AVX2 kernel, else fbgemm; rows independent, so lossless equals AR in it), or w8a16 (CPU with AVX2: w8a8 with int16 activation levels in one pass, on our AVX2 kernel; exact the same way)")
     p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
                    help="what the decoder runs: lean (mars_core/lean.py, the Llama family: fewer ops per layer, its "
                         "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
@@ -238,7 +238,7 @@ def _model_meta(lm) -> dict:
     """What a timing depends on: model, device, weight dtype and layout, threads."""
     act = str(getattr(lm.net, "dtype", None) or lm.model.dtype).replace("torch.", "")
     fmt = lm.weight_format
-    if fmt in ("int8", "w8a8"):
+    if fmt in ("int8", "w8a8", "w8a16"):
         dtype, layout = f"{fmt} (activations {act})", fmt
     elif lm.backend == "lean":
         dtype, layout = act, "lean (fused)"

@@ -105,7 +105,7 @@ def choose_cpu_format(builders: dict, where: str, n_params: int) -> tuple[str, o
         return names[0], None
     path, key = _cache_file(), _key(where)
     known = _known()
-    if key in known and known[key].get("dtype") in names:
+    if key in known and known[key].get("candidates") == names:   # probed among these very candidates
         return known[key]["dtype"], None
     nets = {name: build() for name, build in builders.items()}
     ms = forward_ms(nets)
@@ -114,7 +114,8 @@ def choose_cpu_format(builders: dict, where: str, n_params: int) -> tuple[str, o
     close = [n for n in names if one[n] <= best * (1 + TIE)]   # within the probe's noise of the fastest AR step
     choice = min(close, key=lambda n: ms[(n, MARS_ROWS)])
     known = {k: v for k, v in known.items() if Path(k.split("|", 1)[0]).exists()}   # forget deleted models
-    known[key] = {"dtype": choice, **{f"{n}_ms_{r}_rows": round(v, 3) for (n, r), v in ms.items()}}
+    known[key] = {"dtype": choice, "candidates": names,
+                  **{f"{n}_ms_{r}_rows": round(v, 3) for (n, r), v in ms.items()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mars_core.gated import GatedLinear, gate_of
 from mars_core.lean_script import _rms, layers
-from mars_core.w8a8 import OWN   # our kernels, which skip the second pass on a lossless step's masks
+from mars_core.w8a8 import NATIVE   # our kernels, which skip the second pass on a lossless step's masks
 
 ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
@@ -200,7 +200,7 @@ class LeanLM(torch.nn.Module):
     def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,
                  ranges: list[dict] | None = None, kernel: str | None = None):
         """`ranges` (w8a8 only): mars_core.w8a8.activation_ranges of `model`, to smooth the products with;
-        `kernel` (w8a8 only): one of mars_core.w8a8.KERNELS, by default pick_kernel()'s."""
+        `kernel` (w8a8 only): one of mars_core.w8a8.KERNELS, by default pick_kernel()'s, or WIDE (w8a16)."""
         super().__init__()
         reason = unsupported(model)
         if reason is not None:
@@ -217,10 +217,10 @@ class LeanLM(torch.nn.Module):
 
             kernel = kernel or pick_kernel()
         self.kernel = kernel if fmt == "w8a8" else None
-        if self.gate is not None and fmt == "w8a8" and (kernel not in OWN or not script):
-            how = f"the {kernel!r} kernel" if kernel not in OWN else "script=False (the module loop)"
+        if self.gate is not None and fmt == "w8a8" and (kernel not in NATIVE or not script):
+            how = f"the {kernel!r} kernel" if kernel not in NATIVE else "script=False (the module loop)"
             raise ValueError(f"the lean w8a8 forward applies a gated adapter only in our kernels' native layer "
-                             f"stack ({', '.join(OWN)}), not with {how}: use dtype float32, bfloat16 or int8, or "
+                             f"stack ({', '.join(NATIVE)}), not with {how}: use dtype float32, bfloat16 or int8, or "
                              f"backend='hf'")
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
         mask_row = getattr(model, "_mars_gated_mask_row", None)
@@ -246,7 +246,7 @@ class LeanLM(torch.nn.Module):
         self.register_buffer("rope_scale", scale[:, None], persistent=False)
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         self.huge_pages = False   # whether the packed weights asked for 2 MB pages (and the OS took the advice)
-        if self.kernel in OWN:
+        if self.kernel in NATIVE:
             self._onto_huge_pages()
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
@@ -255,7 +255,7 @@ class LeanLM(torch.nn.Module):
         # whatever shares its call, so float32 is exact there (and it reads keys in tiles: LeanCache); in torch,
         # float64 scores and sums make those last-bit differences vanish in fp32 (the same holds for bf16's packed
         # products on an AMX CPU)
-        self.native = self.scripted is not None and self.kernel in OWN
+        self.native = self.scripted is not None and self.kernel in NATIVE
         exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
         self.attention_dtype = torch.float64 if exact_rows and not self.native else torch.float32
 
@@ -280,7 +280,7 @@ class LeanLM(torch.nn.Module):
         lins = self._products()
         own32 = self.kernel is None and lins[0].own32 is not None   # fp32 on our kernel (mars_core.fp32)
         loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2",
-                None: "fp32-own" if own32 else "fp32"}[self.kernel]
+                "avx2w": "w8a8-avx2w", None: "fp32-own" if own32 else "fp32"}[self.kernel]
         self.scripted = scripted(loop)
         norms = [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)]
         two = [m.passes == 2 for m in lins] if self.format == "w8a8" else []
@@ -289,7 +289,7 @@ class LeanLM(torch.nn.Module):
             "w8a8": lambda: ([m._packed for m in lins], [m.bias for m in lins], two, self.layers[0].qkv.rails, norms),
             "w8a8-onednn": lambda: ([m._packed for m in lins], [m.w_scale for m in lins], [m.w_zero for m in lins],
                                     [m.bias for m in lins], two, norms),
-            "w8a8-vnni": own, "w8a8-avx2": own,
+            "w8a8-vnni": own, "w8a8-avx2": own, "w8a8-avx2w": own,
             "fp32": lambda: ([m.w for m in lins], [m.b for m in lins], [m.out_features for m in lins], norms),
             "fp32-own": lambda: ([m.own32 for m in lins], [m.b for m in lins], [m.out_features for m in lins],
                                  norms)}[loop]()
@@ -465,8 +465,8 @@ class LeanLM(torch.nn.Module):
         # a gated adapter's deltas act at mask positions (the fp32 loop takes them; the modules apply their own)
         gated = self.gate is not None and self.gate.read(input_ids)
         if self.scripted is not None:
-            tail = {"tail": min(draft_tail, length)} if self.kernel in OWN and draft_tail else {}
-            if gated and self.kernel in OWN:   # the native stack: the mask rows' int8 deltas
+            tail = {"tail": min(draft_tail, length)} if self.kernel in NATIVE and draft_tail else {}
+            if gated and self.kernel in NATIVE:   # the native stack: the mask rows' int8 deltas
                 tail.update(rows=self.gate.column[:, 0].nonzero()[:, 0], lora=self._lora)
             elif gated:
                 tail = {"column": self.gate.column, "lora_a": self._lora[0], "lora_b": self._lora[1]}

@@ -195,9 +195,9 @@ def layers(x, modules, k_cache, v_cache, past, b, length, heads, kv, d, rope, hi
 
 def scripted(name: str):
     """The TorchScript-compiled "w8a8", "w8a8-onednn", "fp32" or "fp32-own" loop (the last only once our fp32 op is
-    registered), or None where torch cannot script it; for "w8a8-vnni" and "w8a8-avx2", that kernel's native layer
-    stack (only once its op is registered, mars_core.native)."""
-    if name in ("w8a8-vnni", "w8a8-avx2"):   # already one C++ call: nothing to compile
+    registered), or None where torch cannot script it; for "w8a8-vnni", "w8a8-avx2" and "w8a8-avx2w" (w8a16), that
+    kernel's native layer stack (only once its op is registered, mars_core.native)."""
+    if name in ("w8a8-vnni", "w8a8-avx2", "w8a8-avx2w"):   # already one C++ call: nothing to compile
         return native_loop(name.split("-")[1])
     if name not in _COMPILED:
         try:

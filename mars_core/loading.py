@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from mars_core.adapter import is_gated, read_adapter_config
 from mars_core.cpu_layout import RowMajorLinear, cpu_decoding_layout  # noqa: F401  (also imported from here)
-from mars_core.formats import (BACKENDS, W8A8_KEEPS_QUALITY, auto_cpu_format, lean_net, pick_backend,  # noqa: F401
-                               pick_dtype)
+from mars_core.formats import (ACT_QUANTIZED, BACKENDS, W8A8_KEEPS_QUALITY, auto_cpu_format, lean_net,  # noqa: F401
+                               pick_backend, pick_dtype)
 # Also imported from here by code older than mars_core.sources and mars_core.tokens (finetune, w8a8, vnni, app).
 from mars_core.sources import (  # noqa: F401
     ASSETS, DEFAULT_MODEL, KNOWN_MODELS, REPO_ROOT, _checkpoint_dir, _first_line, _from_pretrained, _model_name,
@@ -57,16 +57,16 @@ class LoadedModel:
 
     @property
     def weight_format(self) -> str:
-        """"w8a8", "int8", or the float dtype the decoder computes in: what tells two loads of one model apart."""
+        """"w8a8", "w8a16", "int8", or the float dtype the decoder computes in: what tells two loads of one model apart."""
+        from mars_core.int8 import Int8Linear
+        from mars_core.w8a8 import WIDE, W8A8Linear
+
         fmt = getattr(self.net, "format", None)
         if fmt in ("int8", "w8a8"):
-            return fmt
-        from mars_core.int8 import Int8Linear
-        from mars_core.w8a8 import W8A8Linear
-
+            return "w8a16" if getattr(self.net, "kernel", None) == WIDE else fmt
         for m in self.model.modules():
             if isinstance(m, (Int8Linear, W8A8Linear)):
-                return "int8" if isinstance(m, Int8Linear) else "w8a8"
+                return "int8" if isinstance(m, Int8Linear) else "w8a16" if m.kernel == WIDE else "w8a8"
         return str(getattr(self.net, "dtype", None) or self.model.dtype).replace("torch.", "")
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -157,7 +157,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
     `cpu_layout=False` keeps the stock modules. `dtype="int8"` (CPU only) stores the linear weights as int8
     with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.int8`);
-    `dtype="w8a8"` (CPU only) also quantizes the activations, per row (`mars_core.w8a8`).
+    `dtype="w8a8"` (CPU only) also quantizes the activations, per row (`mars_core.w8a8`); `dtype="w8a16"` (CPU with
+    AVX2) to int16 levels in one pass, on our AVX2 kernel.
     `backend`: what the decoder runs (`LoadedModel.net`): "lean" (mars_core.lean, Llama-family only), "hf" (the
     transformers model) or "auto" (lean on a CPU where the architecture allows, else hf).
     """
@@ -176,7 +177,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     # the lean w8a8 forward applies a gated adapter in our own kernels' native stack only (asked only where w8a8
     # may run: finding the kernel can mean building it)
     may_w8a8 = dtype == "w8a8" or (dtype == "auto" and (name_or_path or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)
-    native_gate = gated and may_w8a8 and _own_w8a8_kernel()
+    # w8a16 runs only on our AVX2 kernel (pick_dtype refuses it where that is missing), which has the native stack
+    native_gate = gated and (dtype == "w8a16" or (may_w8a8 and _own_w8a8_kernel()))
     if gated and dtype == "w8a8" and backend == "lean" and not native_gate:
         raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward applies only with our "
                          "own w8a8 kernels (not available here): use backend='hf' (or auto) with w8a8, or dtype "
@@ -186,7 +188,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     where = _checkpoint_dir(kind, where, name_or_path)
     config = _stock_config(where)
     tokenizer = _load_tokenizer(where)
-    quantized = dtype in ("int8", "w8a8")   # weights rounded once, from fp32
+    quantized = dtype in ("int8",) + ACT_QUANTIZED   # weights rounded once, from fp32
     model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
     if gated:   # before any change of layout or format, which keep the wrappers (mars_core.gated)
         from mars_core.gated import attach_gated
@@ -208,10 +210,10 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
 
         quantize_int8(model, torch_dtype)
         model.to(torch_dtype)
-    elif dtype == "w8a8":
-        from mars_core.w8a8 import quantize_w8a8
+    elif dtype in ACT_QUANTIZED:
+        from mars_core.w8a8 import WIDE, quantize_w8a8
 
-        quantize_w8a8(model)
+        quantize_w8a8(model, WIDE if dtype == "w8a16" else None)
     elif dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
     mask_id, source = resolve_mask_id(tokenizer, model, mask_token)

@@ -35,23 +35,31 @@ import torch
 RAILS = 2   # the +1 / -1 columns
 KERNELS = ("fbgemm", "onednn", "vnni", "avx2")
 OWN = ("vnni", "avx2")   # our own kernels (mars_core/vnni.cpp, mars_core/avx2.cpp): exact sums, one call per product
+# dtype="w8a16": the AVX2 kernel built with int16 activation levels and one pass (mars_core/avx2.cpp, MARS_WIDE). Its
+# own format, not a w8a8 kernel: pick_kernel never chooses it and its answers differ from w8a8's.
+WIDE = "avx2w"
+NATIVE = OWN + (WIDE,)   # the kernels with a native layer stack (mars_core/w8a8_layers.h)
 
 
 def own_kernel(kernel: str):
     """The module of one of our own kernels (its load(), why_not(), cpu_supported())."""
     from mars_core import avx2, vnni
 
-    return {"vnni": vnni, "avx2": avx2}[kernel]
+    return {"vnni": vnni, "avx2": avx2, WIDE: avx2.WIDE}[kernel]
 
 
 class OwnWeights:
     """One product's int8 weight in an own kernel's layout, and its rescale: `scale` = fp32(2/255 * w_scale) per
-    channel, the product fbgemm multiplies its int32 sums by."""
+    channel, the product fbgemm multiplies its int32 sums by; for WIDE (w8a16) fp32(w_scale / levels), levels
+    being the kernel's largest activation level for this weight's width."""
 
     def __init__(self, kernel: str, q: torch.Tensor, w_scale: torch.Tensor):
         self.op = getattr(torch.ops, f"mars_{kernel}")
         self.packed = self.op.pack(q.contiguous())
-        self.scale = (_STEP * w_scale.float()).contiguous()
+        if kernel == WIDE:
+            self.scale = (w_scale.float() / float(self.op.levels(self.packed.shape[1]))).contiguous()
+        else:
+            self.scale = (_STEP * w_scale.float()).contiguous()
 
 
 def w8a8_supported() -> bool:
@@ -89,13 +97,14 @@ def check_w8a8() -> None:
 
 
 class W8A8Linear(torch.nn.Module):
-    """Inference-only stand-in for `nn.Linear` on fp32 activations: int8 weight, per-row int8 activations."""
+    """Inference-only stand-in for `nn.Linear` on fp32 activations: int8 weight, per-row int8 activations (with
+    kernel WIDE: per-row int16 activation levels, one pass; dtype="w8a16")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 1,
                  kernel: str = "fbgemm"):
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel={kernel!r} is unknown: use one of {', '.join(KERNELS)}")
+        if kernel not in KERNELS + (WIDE,):
+            raise ValueError(f"kernel={kernel!r} is unknown: use one of {', '.join(KERNELS + (WIDE,))}")
         self.passes = passes   # 2: the input's rounding error goes through a second product (see on_grid)
         self.kernel = kernel
         w = weight.detach().float()
@@ -111,7 +120,7 @@ class W8A8Linear(torch.nn.Module):
             self.register_buffer("w_scale", scale, persistent=False)
             self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
             return
-        if kernel in OWN:
+        if kernel in NATIVE:
             own = own_kernel(kernel)
             if not own.load():
                 raise ValueError(f"the w8a8 kernel {kernel!r} is not available here ({own.why_not()}): use "
@@ -125,7 +134,7 @@ class W8A8Linear(torch.nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(padded, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                            0, torch.qint8)
-            if kernel in OWN:   # the very int8 weights and scales fbgemm would get, in the kernel's layout
+            if kernel in NATIVE:   # the very int8 weights and scales fbgemm would get, in the kernel's layout
                 self._own = OwnWeights(kernel, q.int_repr()[:, : self.in_features], scale)
                 return
             self._packed = torch.ops.quantized.linear_prepack(q, None)
@@ -133,7 +142,7 @@ class W8A8Linear(torch.nn.Module):
     @property
     def gives_top(self) -> bool:
         """Whether `with_top` is served (our own kernels) rather than refused."""
-        return self.kernel in OWN
+        return self.kernel in NATIVE
 
     @property
     def gives_sums(self) -> bool:
@@ -149,7 +158,7 @@ class W8A8Linear(torch.nn.Module):
         `conf_from` or later (none for -1) get the sum over those columns of exp(y - largest), so that 1 / sum is
         the softmax probability of the top column, where `gives_sums` (NaN elsewhere). Our own kernels only."""
         if not self.gives_top:
-            raise ValueError(f"with_top needs one of our own w8a8 kernels ({', '.join(OWN)}), not {self.kernel!r}")
+            raise ValueError(f"with_top needs one of our own w8a8 kernels ({', '.join(NATIVE)}), not {self.kernel!r}")
         v = self._own
         return v.op.linear_top(x.float(), v.packed, v.scale, self.bias, self.passes == 2, _INVERSE, float(_STEP),
                                1, 0, exclude, period, first, conf_from)
@@ -160,7 +169,7 @@ class W8A8Linear(torch.nn.Module):
         if self.kernel == "onednn":
             y = onednn_w8a8(x, self._packed, self.w_scale, self.w_zero, self.bias, self.passes == 2)
             return y.reshape(*shape[:-1], self.out_features)
-        if self.kernel in OWN:
+        if self.kernel in NATIVE:
             v = self._own
             y = v.op.linear(x, v.packed, v.scale, self.bias, self.passes == 2, _INVERSE, float(_STEP))
             return y.reshape(*shape[:-1], self.out_features)
@@ -254,10 +263,22 @@ def on_grid(u: torch.Tensor) -> torch.Tensor:
 TWO_PASS = ("qkv", "down")
 
 
-def quantize_w8a8(model: torch.nn.Module) -> None:
-    """Replace every `nn.Linear` (a tied LM head included) by a `W8A8Linear`, in place; fp32 model, CPU only."""
-    check_w8a8()
-    kernel = pick_kernel()
+def check_w8a16() -> None:
+    from mars_core import avx2
+
+    if not avx2.WIDE.load():
+        raise ValueError(f"dtype='w8a16' needs our AVX2 kernel (mars_core/avx2.cpp), which is not available here "
+                         f"({avx2.WIDE.why_not()}): use dtype='w8a8' or 'float32'")
+
+
+def quantize_w8a8(model: torch.nn.Module, kernel: str | None = None) -> None:
+    """Replace every `nn.Linear` (a tied LM head included) by a `W8A8Linear`, in place; fp32 model, CPU only.
+    `kernel` WIDE makes it w8a16."""
+    if kernel == WIDE:
+        check_w8a16()
+    else:
+        check_w8a8()
+    kernel = kernel or pick_kernel()
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:

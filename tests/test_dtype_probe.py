@@ -74,6 +74,28 @@ def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch
     assert load_model("tiny-mars", device="cpu", backend="hf").weight_format == "float32"   # w8a8 exactness is lean's
 
 
+def test_auto_times_w8a16_only_for_a_model_cleared_for_it_and_probes_again_for_a_new_candidate_set(monkeypatch,
+                                                                                                     tmp_path):
+    from mars_core import avx2, formats, load_model
+
+    if not avx2.WIDE.load():
+        pytest.skip(f"w8a16's kernel is not available here ({avx2.WIDE.why_not()})")
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(formats, "W8A8_KEEPS_QUALITY", ("tiny-mars",))
+    monkeypatch.setattr(dtype_probe, "MIN_PARAMS", 1)
+    timed = {}
+    monkeypatch.setattr(dtype_probe, "forward_ms", lambda nets: timed.update({n: None for n in nets}) or {
+        ("float32", 1): 2.0, ("float32", 7): 3.0, ("w8a8", 1): 1.0, ("w8a8", 7): 1.5, ("w8a16", 1): 1.01,
+        ("w8a16", 7): 1.2})
+    assert load_model("tiny-mars", device="cpu").weight_format == "w8a8"   # w8a16 not cleared: not timed
+    assert sorted(timed) == ["float32", "w8a8"]
+    monkeypatch.setattr(formats, "W8A16_KEEPS_QUALITY", ("tiny-mars",))
+    timed.clear()
+    lm = load_model("tiny-mars", device="cpu")   # the cached choice was made among fewer: probed again
+    assert sorted(timed) == ["float32", "w8a16", "w8a8"]
+    assert lm.weight_format == "w8a16" and lm.net.kernel == "avx2w"   # one-row tie within 3%: the cheaper 7 rows
+
+
 def test_forward_ms_times_every_model_and_row_count(tiny_lm):
     ms = dtype_probe.forward_ms({"a": tiny_lm.net}, rows=(1, 3), rounds=2, context=8)   # either backend
     assert set(ms) == {("a", 1), ("a", 3)} and all(v > 0 for v in ms.values())

@@ -168,18 +168,21 @@ def test_auto_serves_a_gated_adapter_in_float32_and_lean_w8a8_needs_our_kernels(
         load_model(str(folder), device="cpu", dtype="w8a8", backend="lean")
 
 
-@pytest.mark.parametrize("kernel", own_w8a8_kernels() or [pytest.param("vnni", marks=pytest.mark.skip(
-    reason="neither of our w8a8 kernels builds on this machine (no g++ or no AVX2)"))])
+@pytest.mark.parametrize("kernel", own_w8a8_kernels() + (["avx2w"] if "avx2" in own_w8a8_kernels() else []) or [
+    pytest.param("vnni", marks=pytest.mark.skip(
+        reason="neither of our w8a8 kernels builds on this machine (no g++ or no AVX2)"))])
 def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(gated, base_dir, kernel, monkeypatch):
     """In the native stack the deltas are int8 products of the mask rows alone: τ = 1 and lossless are the base
     model's w8a8 answers, a batch decodes as each row alone, and the masks' logits are the fp32 adapter's to w8a8's
-    precision (so smoothing's scales were carried into A and B)."""
-    monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
+    precision (so smoothing's scales were carried into A and B). The same for w8a16 (kernel avx2w)."""
+    dtype = "w8a16" if kernel == "avx2w" else "w8a8"
+    if dtype == "w8a8":
+        monkeypatch.setenv("MARS_W8A8_KERNEL", kernel)
     folder, _ = gated
-    lm = load_model(str(folder), device="cpu", dtype="w8a8", backend="lean")
-    base = load_model(str(base_dir), device="cpu", dtype="w8a8", backend="lean", mask_token=MASK_TOKEN)
+    lm = load_model(str(folder), device="cpu", dtype=dtype, backend="lean")
+    base = load_model(str(base_dir), device="cpu", dtype=dtype, backend="lean", mask_token=MASK_TOKEN)
     exact = load_model(str(folder), device="cpu", dtype="float32", backend="lean")
-    assert lm.backend == "lean" and lm.weight_format == "w8a8" and lm.net.kernel == kernel
+    assert lm.backend == "lean" and lm.weight_format == dtype and lm.net.kernel == kernel
     from mars_core.lean import LeanLM
     with pytest.raises(ValueError, match="gated adapter only in our kernels' native layer stack.*script=False"):
         LeanLM(exact.model, "w8a8", kernel=kernel, script=False)   # the module loop has no delta to add
