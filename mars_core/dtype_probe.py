@@ -1,17 +1,18 @@
 """`dtype="auto"` on a CPU: the fastest weight format among those in which decoding is exact.
 
 "Exact" means lossless decoding equals AR and a batch equals each row alone, token for token (docs/algorithm.md):
-float32, and w8a8 (int8 products whose rows are independent, mars_core/w8a8.py). bf16 is not offered: its
-multi-position forwards round differently from one-position ones, so its lossless answer drifts from its AR
-answer. w8a8 rounds the model, so it is a candidate only for a model whose quality in w8a8 was measured and kept
-(`mars_core.formats.W8A8_KEEPS_QUALITY`); every other model decodes in float32 without a probe.
+float32, w8a8 (int8 products whose rows are independent, mars_core/w8a8.py) and w8a16 (the same with int16
+activation levels, on the AVX2 kernel). bf16 is not offered: its multi-position forwards round differently from
+one-position ones, so its lossless answer drifts from its AR answer. w8a8 and w8a16 round the model, so each is a
+candidate only for a model whose quality in it was measured and kept (`mars_core.formats.W8A8_KEEPS_QUALITY`,
+`W8A16_KEEPS_QUALITY`); every other model decodes in float32 without a probe.
 
 With more than one candidate the probe times each format's decoding forward (the backend the decoder will run)
 and AR's one-row forward decides, so the AR baseline runs in its own fastest configuration and MARS in the same
 one; only when two one-row times are within `TIE` (the probe's own noise) does the cheaper 2B-1-row forward (a
 full MARS step) break the tie. Models under `MIN_PARAMS` stay fp32 (their steps are bound by Python overhead,
-not by weight reads). The choice is measured once per model file, CPU and torch version, and cached in
-`cache_dir()/dtype-probe.json`.
+not by weight reads). The choice is measured once per model file, CPU, torch version and set of candidates, and
+cached in `cache_dir()/dtype-probe.json`.
 """
 from __future__ import annotations
 

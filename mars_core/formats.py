@@ -1,6 +1,7 @@
 """Which weight format and backend a model decodes in: `pick_dtype`, `pick_backend`, and `dtype="auto"`'s choice
-on a CPU (the fastest exact format: w8a8 for models cleared for it, float32 otherwise; mars_core/dtype_probe.py
-times the candidates). `mars_core.loading.load_model` calls these before and after it loads the weights."""
+on a CPU (the fastest exact format: w8a8 or w8a16 for models cleared for them, float32 otherwise;
+mars_core/dtype_probe.py times the candidates). `mars_core.loading.load_model` calls these before and after it
+loads the weights."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,9 @@ import torch
 # dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
 # seed against its bf16 numbers and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
 W8A8_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
-# ... and w8a16 (mars_core/avx2.cpp, MARS_WIDE), for these models; the probe then times it beside w8a8
-W8A16_KEEPS_QUALITY: tuple[str, ...] = ()
+# ... and in w8a16 (mars_core/avx2.cpp, MARS_WIDE), measured the same way (docs/experiments.md, "w8a16"); the probe
+# then times it beside w8a8
+W8A16_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
 # The CPU formats with int8 weights and per-row quantized activations (mars_core.w8a8): w8a16 is w8a8's layer
 # stack with int16 activation levels in one pass, on our AVX2 kernel only.
 ACT_QUANTIZED = ("w8a8", "w8a16")
