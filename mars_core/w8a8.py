@@ -103,7 +103,7 @@ class W8A8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 1,
                  kernel: str = "fbgemm"):
         super().__init__()
-        if kernel not in KERNELS + (WIDE,):
+        if kernel not in KERNELS and kernel != WIDE:
             raise ValueError(f"kernel={kernel!r} is unknown: use one of {', '.join(KERNELS + (WIDE,))}")
         self.passes = passes   # 2: the input's rounding error goes through a second product (see on_grid)
         self.kernel = kernel

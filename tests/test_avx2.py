@@ -2,13 +2,12 @@
 (fbgemm's quantization and rescale, W8A8Linear's epilogue) and what the VNNI kernel and fbgemm give on an
 AVX512-VNNI CPU; the second pass skipped on exactly the tail positions; and a machine where it cannot be built
 falls back, saying why."""
-import warnings
-
 import pytest
 import torch
 
 import mars_core.avx2 as avx2
 from mars_core.w8a8 import _INVERSE, _STEP, W8A8Linear, pick_kernel
+from tests.tiny_fixtures import int8_weights, kernel_case, kernel_rows
 
 pytestmark = pytest.mark.skipif(not avx2.cpu_supported(),
                                 reason="this CPU has no AVX2/FMA, which mars_core/avx2.cpp is written for")
@@ -25,12 +24,7 @@ def definition(lin: W8A8Linear, weight: torch.Tensor, x: torch.Tensor, length: i
     emulated exactly in float64 then rounded to fp32 as a fused multiply-add does), integer sums in float64
     (exact), fbgemm's rescale and the fp32 epilogue in W8A8Linear's order."""
     w = lin._own
-    n = weight.shape[0]
-    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0                # W8A8Linear's per-channel rounding
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(weight, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-    q_w = q.int_repr().double()
+    q_w, _ = int8_weights(weight)
     mag = x.abs().amax(1, keepdim=True).clamp(min=1e-30)
     u = x / mag
 
@@ -49,11 +43,7 @@ def definition(lin: W8A8Linear, weight: torch.Tensor, x: torch.Tensor, length: i
 
 
 def linear(n, k, bias, passes, seed=0):
-    gen = torch.Generator().manual_seed(n + k + seed)
-    weight = torch.randn(n, k, generator=gen) * 0.05
-    weight[:, 1] *= 20                                                       # an outlier input channel
-    b = torch.randn(n, generator=gen) if bias else None
-    return W8A8Linear(weight, b, passes=passes, kernel="avx2"), weight, gen
+    return kernel_case(n, k, bias, passes, "avx2", seed)
 
 
 def test_the_kernel_builds_and_loads_on_this_cpu():
@@ -67,9 +57,7 @@ def test_the_kernel_builds_and_loads_on_this_cpu():
 def test_the_kernel_equals_the_definition_bitwise_for_any_number_of_rows(n, k, bias, passes):
     lin, weight, gen = linear(n, k, bias, passes)
     for rows in (1, 2, 3, 4, 7, 16):                                         # 3 rows per pass over a block
-        x = torch.randn(rows, k, generator=gen) * 3
-        x[:, 2] *= 40
-        x[0, :] = 0.0                                                        # an all-zero row: magnitude 1e-30
+        x = kernel_rows(gen, rows, k)
         with torch.inference_mode():
             expected, got = definition(lin, weight, x), lin(x)
         assert torch.equal(got, expected), (rows, (got - expected).abs().max().item())

@@ -2,13 +2,12 @@
 built with MARS_WIDE). Its sums are exact int32 sums, so it must give bit for bit what its definition gives, never
 overflow, keep every row independent of the others (lossless == AR, batch == alone) and refuse clearly where the
 kernel cannot run."""
-import warnings
-
 import pytest
 import torch
 
 import mars_core.avx2 as avx2
-from mars_core.w8a8 import _INVERSE, _STEP, RAILS, WIDE, W8A8Linear
+from mars_core.w8a8 import _INVERSE, _STEP, WIDE, W8A8Linear
+from tests.tiny_fixtures import int8_weights, kernel_case, kernel_rows
 
 pytestmark = pytest.mark.skipif(not avx2.cpu_supported(),
                                 reason="this CPU has no AVX2/FMA, which mars_core/avx2.cpp is written for")
@@ -21,17 +20,6 @@ SHAPES = [(960, 576, None), (576, 576, None), (3072, 576, None), (576, 1536, Non
 
 def levels(k: int) -> int:
     return torch.ops.mars_avx2w.levels((k + 15) // 16 * 16)
-
-
-def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8Linear's per-channel int8 weights (as float64) and their fp32 scales."""
-    n, k = weight.shape
-    padded = torch.cat([weight, weight.new_zeros(n, RAILS)], dim=1)          # the rails' zero weights, as w8a8
-    w_scale = padded.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(padded, w_scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-    return q.int_repr()[:, :k].double(), w_scale
 
 
 def definition(lin: W8A8Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -49,11 +37,7 @@ def definition(lin: W8A8Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.
 
 
 def linear(n, k, bias, seed=0):
-    gen = torch.Generator().manual_seed(n + k + seed)
-    weight = torch.randn(n, k, generator=gen) * 0.05
-    weight[:, 1] *= 20                                                       # an outlier input channel
-    b = torch.randn(n, generator=gen) if bias else None
-    return W8A8Linear(weight, b, passes=2, kernel=WIDE), weight, gen
+    return kernel_case(n, k, bias, 2, WIDE, seed)
 
 
 def test_the_wide_kernel_builds_and_loads_on_this_cpu():
@@ -72,9 +56,7 @@ def test_levels_are_the_most_that_no_int32_sum_can_overflow():
 def test_the_kernel_equals_the_definition_bitwise_for_any_number_of_rows(n, k, bias):
     lin, weight, gen = linear(n, k, bias)
     for rows in (1, 2, 3, 4, 7, 16):                                         # 3 rows per pass over a block
-        x = torch.randn(rows, k, generator=gen) * 3
-        x[:, 2] *= 40
-        x[0, :] = 0.0                                                        # an all-zero row: magnitude 1e-30
+        x = kernel_rows(gen, rows, k)
         with torch.inference_mode():
             expected, got = definition(lin, weight, x), lin(x)
             alone = torch.cat([lin(x[m: m + 1]) for m in range(rows)])
@@ -110,7 +92,7 @@ def test_it_rounds_less_than_w8a8():
     """The activations keep ~15 bits where w8a8's one-pass products keep 8 (two-pass ones ~16): over a product with
     an outlier channel, the error against the fp32 product of the same int8 weights is smaller than w8a8's."""
     lin, weight, gen = linear(576, 1536, None)
-    one_pass = W8A8Linear(weight, passes=1, kernel="avx2" if avx2.load() else "fbgemm")
+    one_pass = W8A8Linear(weight, passes=1, kernel="avx2")
     x = torch.randn(4, 1536, generator=gen)
     x[:, 3] *= 50
     q_w, w_scale = int8_weights(weight)

@@ -159,3 +159,42 @@ def own_w8a8_kernels() -> list[str]:
     tests can run (none without g++ or AVX2)."""
     from mars_core.w8a8 import OWN, own_kernel
     return [k for k in OWN if own_kernel(k).load()]
+
+
+# ----------------------------------------------------------------------------- our kernels' products
+def kernel_case(n: int, k: int, bias, passes: int, kernel: str, seed: int = 0):
+    """(a W8A8Linear on `kernel`, its fp32 weight, a generator for its inputs): a seeded [n, k] weight with an
+    outlier input channel, and a bias where `bias` is truthy (as Qwen2's q/k/v have)."""
+    import torch
+
+    from mars_core.w8a8 import W8A8Linear
+
+    gen = torch.Generator().manual_seed(n + k + seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[:, 1] *= 20                                                       # an outlier input channel
+    b = torch.randn(n, generator=gen) if bias else None
+    return W8A8Linear(weight, b, passes=passes, kernel=kernel), weight, gen
+
+
+def kernel_rows(gen, rows: int, k: int):
+    """`rows` inputs of width k for a kernel test: an outlier channel, and row 0 all zeros (magnitude 1e-30)."""
+    import torch
+
+    x = torch.randn(rows, k, generator=gen) * 3
+    x[:, 2] *= 40
+    x[0, :] = 0.0
+    return x
+
+
+def int8_weights(weight):
+    """W8A8Linear's per-channel int8 weights (as float64, exact) and their fp32 scales, for a [n, k] fp32 weight."""
+    import warnings
+
+    import torch
+
+    n = weight.shape[0]
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0                # the rails' zero columns change no max
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(weight, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+    return q.int_repr().double(), scale
