@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from mars_core import DecodeConfig, TauControl
 
 YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed down
+TIMING_STARTS = "◔ timing the decoders again for a speedup you can quote …"   # the status until a repeat ends
 # What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA (mars_core.config, which imports torch,
 # so they are named here; tests/test_app.py checks they are the same, in the same order), labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
@@ -341,8 +342,8 @@ def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: s
         yield page.show(f"✓ Done: {summary}.", final=True, tau_line=tau_line)
         return
     # the answers, tokens/forward, plots and ledger go out now; the timing follows within its budget
-    yield page.show(f"✓ Race finished: {summary}. ◔ timing the decoders again for a speedup you can quote …",
-                    final=True, tau_line=tau_line, measuring="◔ timing again …")
+    yield page.show(f"✓ Race finished: {summary}. {TIMING_STARTS}", final=True, tau_line=tau_line,
+                    measuring="◔ timing again …")
     try:
         measured = yield from _time_again(page, settings, lanes, summary, tau_line, give_way, turn)
     except Exception as exc:
@@ -451,7 +452,8 @@ def _time_again(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], su
             return (yield from timing.measure_iter(page.sides, runs, lanes["ar"].lm, lanes["mars"].lm, prompt_ids,
                                                    settings.block_size, stop=give_way))
 
-    status = [f"✓ Race finished: {summary}."]   # the line last shown, repeated while a repeat runs
+    # the line last shown, repeated while a repeat runs: until the first repeat ends it still says the timing runs
+    status = [f"✓ Race finished: {summary}. {TIMING_STARTS}"]
 
     def show(progress):
         msg, so_far = progress

@@ -197,3 +197,21 @@ def test_a_learn_step_says_where_it_waits_and_then_lays_out_the_step(tiny_mars):
     m.leave(held)
     html, fig = list(step)[-1]
     assert "model: <b>tiny-mars</b>" in html and html.count("<tr class=") == 4 and not m.busy()
+
+
+def test_the_status_says_the_timing_runs_until_its_first_repeat_ends(tiny_mars):
+    # a page that renders only some updates (a loaded CPU) must still read that the timing runs: the status the
+    # handler repeats while the first repeat computes is the line that announced it, not the bare race summary
+    with slowed(tiny_mars, 0.04):
+        race = generate.race_models(_settings(max_new=32, measure_after=True), "tiny-mars", "tiny-mars", "page-6",
+                                    machine=Machine())
+        while "timing the decoders again" not in next(race)[0]:
+            pass
+        between = []
+        for out in race:
+            if "timing again: repeat" in out[0] or out[0].startswith("✓ Done"):
+                break
+            between.append(out[0])
+        race.close()
+    assert between, "no status came while the first repeat ran (it is seconds long here)"
+    assert all("timing the decoders again" in line for line in between), between
