@@ -6,6 +6,7 @@ become a checked `RaceSettings`, then the models load, the lanes stream, and the
 """
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -40,10 +41,13 @@ CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
 # position a forward feeds costs, what made smollm2-mars's lossless lane fastest (docs/experiments.md, "One mask per
 # group"): alone on an AVX2 CPU, with two runner-ups per slot where extra positions are cheap (AMX). A model whose
 # masks all draft well (tiny-mars) does better with B.
-LAYOUT_CHOICES = [("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
+FASTEST = "fastest"   # the lossless layout a short timed decode finds fastest for this model here (fastest_lossless)
+LAYOUT_CHOICES = [("fastest on this machine (timed)", FASTEST),
+                  ("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
                   ("a tree: also runner-up tokens", "tree"), ("one mask (CPU)", "one-mask"),
                   ("one mask + runner-ups (AMX)", "one-mask-tree")]
 ONE_MASK = {"one-mask": ("linear", 2), "one-mask-tree": ("tree", 3)}   # choice -> (layout, tree width)
+CALIBRATE_TOKENS = 32   # the timed decodes behind "fastest": long enough to draft, short enough to wait for
 LOOKUP_N = 3
 
 # The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.
@@ -196,6 +200,7 @@ class RaceSettings:
     prompt_lookup: int = 0
     one_mask: bool = False           # the lossless lane appends one mask per group (B = 2), whatever block_size
     tree_width: int = 2
+    fastest: bool = False            # the lossless layout is picked once the model has loaded (pick_fastest)
 
     @classmethod
     def from_inputs(cls, prompt, tau, tau_off, block_size, max_new_tokens, temperature, slow_motion=1,
@@ -210,15 +215,28 @@ class RaceSettings:
         if not tau_off:
             _repeat_tau_note(session, tau, notes)
         from mars_core.drafts import LAYOUTS
-        if not isinstance(draft_layout, str) or draft_layout not in (*LAYOUTS, *ONE_MASK):
+        if not isinstance(draft_layout, str) or draft_layout not in (FASTEST, *LAYOUTS, *ONE_MASK):
             raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of "
-                             f"{', '.join((*LAYOUTS, *ONE_MASK))}")
+                             f"{', '.join((FASTEST, *LAYOUTS, *ONE_MASK))}")
+        fastest = draft_layout == FASTEST
+        if fastest:
+            draft_layout = "one-mask"   # until pick_fastest has timed the loaded model
         layout, width = ONE_MASK.get(draft_layout, (draft_layout, 2))
         return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
                    slow_motion=check_slow_motion(slow_motion), criterion=check_criterion(criterion),
                    measure_after=bool(measure_after), notes=notes, draft_layout=layout,
                    prompt_lookup=LOOKUP_N if copy_drafts else 0, one_mask=draft_layout in ONE_MASK,
-                   tree_width=width)
+                   tree_width=width, fastest=fastest)
+
+    def pick_fastest(self, lm, name: str) -> str | None:
+        """For the "fastest" choice: the layout fastest_lossless finds for `lm` at this race's B and τ; returns
+        the line that says which and why (None where there is nothing to choose)."""
+        if not self.fastest or self.tau >= 1.0:
+            return None
+        (layout, block, width), why = fastest_lossless(lm, name, self.tau, self.block_size, self.criterion,
+                                                       self.prompt_lookup)
+        self.draft_layout, self.tree_width, self.one_mask = layout, width, block == 2
+        return why
 
     @property
     def lanes(self) -> list[str]:
@@ -237,6 +255,53 @@ class RaceSettings:
                                           prompt_lookup=self.prompt_lookup, **common)
         return mars_core.DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
                                       criterion=self.criterion, **common)
+
+
+_fastest_lock = threading.Lock()
+_fastest: dict[tuple, tuple[object, tuple, str]] = {}   # (id(lm), B, τ, ...) -> (lm, (layout, B, width), why)
+LAYOUT_NAMES = {("linear", 2): "one mask a group", ("tree", 2): "one mask + runner-ups"}
+
+
+def lossless_candidates(block_size: int) -> list[tuple[str, int, int]]:
+    """(layout, B, tree width) of the lossless lanes "fastest" times: all of B's masks where B > 2, one mask,
+    and one mask with runner-up leaves (W = 3)."""
+    return ([("linear", block_size, 2)] if block_size > 2 else []) + [("linear", 2, 2), ("tree", 2, 3)]
+
+
+def fastest_lossless(lm, name: str, tau: float, block_size: int, criterion: str = "prob",
+                     prompt_lookup: int = 0) -> tuple[tuple[str, int, int], str]:
+    """The lossless layout that decodes the model's first example prompt fastest here: each candidate decodes
+    CALIBRATE_TOKENS tokens twice, alternating, on the race's clock (app.timing.clock_for); the best of each
+    one's two runs decides. Once per model and setting (about 2 s for smollm2-mars on a CPU). Every candidate writes
+    AR's tokens, so only its speed differs: which wins depends on the model (how many masks draft well) and on the
+    machine (what a forward over more positions costs)."""
+    key = (id(lm), block_size, round(tau, 3), criterion, prompt_lookup)
+    with _fastest_lock:
+        hit = _fastest.get(key)
+        if hit is not None and hit[0] is lm:
+            return hit[1], hit[2]
+    prompt = models.example_prompts(name, 1)[0]
+    clock = timing.clock_for(lm)[0]
+    candidates = lossless_candidates(block_size)
+    best = {c: math.inf for c in candidates}
+    for _ in range(2):
+        for layout, block, width in candidates:
+            cfg = mars_core.DecodeConfig(mode="verify", tau=tau, criterion=criterion, block_size=block,
+                                         draft_layout=layout, tree_width=width, prompt_lookup=prompt_lookup,
+                                         max_new_tokens=CALIBRATE_TOKENS)
+            start = clock()
+            mars_core.generate(lm, [prompt], cfg)
+            best[(layout, block, width)] = min(best[(layout, block, width)], clock() - start)
+    pick = min(candidates, key=lambda c: best[c])
+
+    def label(c):
+        return LAYOUT_NAMES.get(c[:2], f"all {c[1]} masks a group")
+    timed = ", ".join(f"{label(c)} {best[c] * 1000:.0f} ms" for c in candidates)
+    why = (f"lossless drafts: {label(pick)}, the fastest here for this model in a timed decode of "
+           f"{CALIBRATE_TOKENS} tokens ({timed})")
+    with _fastest_lock:
+        _fastest[key] = (lm, pick, why)
+    return pick, why
 
 
 @dataclass
@@ -326,6 +391,16 @@ def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: s
     except Exception as exc:
         yield page.show(f"⚠ Could not load the model: {models.friendly_error(exc)}")
         return
+    if "verify" in settings.lanes and settings.fastest:
+        yield page.show("◔ Timing the lossless layouts on this machine (once per model and setting) …")
+        try:
+            why = settings.pick_fastest(lm, name)
+        except Exception as exc:
+            yield page.show(f"⚠ Could not time the lossless layouts: {models.friendly_error(exc)}")
+            return
+        if why:
+            page.notes += f"\n\nℹ {why}"
+            page.sides["verify"].layout = settings.draft_layout
     if "verify" not in settings.lanes:
         page.sides["verify"].note = ("lossless MARS reproduces greedy AR, so it runs at temperature 0 only: "
                                      "set temperature to 0 to race it")

@@ -203,11 +203,12 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
                                           elem_id="slow-motion", container=False)
             gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
                                             elem_id="measure-after", container=False)
-            gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value="linear", label="lossless drafts",
-                                           scale=2, min_width=330, elem_id="draft-layout",
-                                           info="after every draft: a rejection no longer leaves the next pass "
-                                                "without drafts, at more positions per pass; one mask: the fewest "
-                                                "positions, the fastest lossless lane for SmolLM2 on a CPU")
+            gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value=generate.FASTEST,
+                                           label="lossless drafts", scale=2, min_width=330, elem_id="draft-layout",
+                                           info="fastest: all of B's masks, one mask, or one mask + runner-ups, "
+                                                "whichever a short timed decode of this model finds fastest here; "
+                                                "after every draft: a rejection no longer leaves the next pass "
+                                                "without drafts, at more positions per pass")
             gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1, elem_id="copy-drafts",
                                           info="prompt lookup: draft what followed the same tokens earlier")
             gen.tau_status = gr.Markdown("", elem_id="tau-status")

@@ -346,6 +346,63 @@ def test_the_one_mask_choices_race_lossless_with_one_mask_a_group_while_mars_kee
     assert max(len(s.candidates) for s in mars.steps) == 4
 
 
+def test_the_fastest_choice_times_all_of_b_one_mask_and_runner_ups():
+    assert generate.lossless_candidates(4) == [("linear", 4, 2), ("linear", 2, 2), ("tree", 2, 3)]
+    assert generate.lossless_candidates(2) == [("linear", 2, 2), ("tree", 2, 3)]
+
+
+@pytest.mark.parametrize("slow", [("linear", 4), ("linear", 2), ("tree", 2)])
+def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_once(tiny_dir, monkeypatch, slow):
+    # a fake clock: every candidate's decode takes 1 s, except that `slow`'s takes 3 s and the first of the others
+    # takes 2 s, so the pick is the last of the fast ones (the best of two runs decides)
+    import mars_core
+    now, runs = [0.0], []
+
+    def fake_generate(lm, prompts, cfg):
+        runs.append((cfg.draft_layout, cfg.block_size, cfg.tree_width, cfg.tau, cfg.mode))
+        fast = [c for c in generate.lossless_candidates(4) if c[:2] != slow]
+        now[0] += 3.0 if (cfg.draft_layout, cfg.block_size) == slow else (
+            2.0 if (cfg.draft_layout, cfg.block_size) == fast[0][:2] else 1.0)
+        return []
+    monkeypatch.setattr(mars_core, "generate", fake_generate)
+    monkeypatch.setattr(generate.timing, "clock_for", lambda lm: (lambda: now[0], "fake"))
+    monkeypatch.setattr(generate, "_fastest", {})
+    lm = models.get_model("tiny-mars")
+    pick, why = generate.fastest_lossless(lm, "tiny-mars", 0.7, 4)
+    fast = [c for c in generate.lossless_candidates(4) if c[:2] != slow]
+    assert pick == fast[1]
+    assert len(runs) == 6 and {r[:3] for r in runs} == set(generate.lossless_candidates(4))
+    assert all(r[3:] == (0.7, "verify") for r in runs)
+    assert generate.fastest_lossless(lm, "tiny-mars", 0.7, 4) == (pick, why) and len(runs) == 6   # cached
+    assert "3000 ms" in why and "1000 ms" in why
+    generate.fastest_lossless(lm, "tiny-mars", 0.8, 4)   # another τ is another setting: timed again
+    assert len(runs) == 12
+
+
+def test_a_fastest_race_is_lossless_and_says_which_layout_it_took(tiny_dir, monkeypatch):
+    monkeypatch.setattr(generate, "_fastest", {})
+    prompt = "Sort these numbers: 42, 7, 19, 3"
+    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.7, False, 4, 40, 0.0, measure_after=False,
+                                  draft_layout=generate.FASTEST))
+    state = _final(outs)[-1]
+    verify, ar = state["verify"], state["ar"]
+    assert verify.token_ids == ar.token_ids
+    assert any("Timing the lossless layouts" in o[0] for o in outs)
+    (layout, block, width), why = generate.fastest_lossless(models.get_model("tiny-mars"), "tiny-mars", 0.7, 4)
+    assert verify.layout == layout and why in outs[-1][0]
+    settings = generate.RaceSettings.from_inputs(prompt, 0.7, False, 4, 40, 0.0, draft_layout=generate.FASTEST)
+    assert settings.pick_fastest(models.get_model("tiny-mars"), "tiny-mars") == why
+    cfg = settings.config("verify")
+    assert (cfg.draft_layout, cfg.block_size, cfg.tree_width) == (layout, block, width)
+    assert max(len(s.candidates) for s in verify.steps) <= block
+
+
+def test_the_page_opens_on_the_fastest_lossless_choice(tmp_path):
+    from app.ui import build_ui
+    picker = _dropdown(build_ui("tiny-mars", runs_dir=tmp_path / "runs"), "draft-layout")
+    assert picker.value == generate.FASTEST == _values(picker.choices)[0]
+
+
 def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     # A race, the Learn step and a sweep pass the page's choice on: the confidences shown are the decoder's
     # own for that criterion (they differ between criteria).
