@@ -6,7 +6,6 @@ become a checked `RaceSettings`, then the models load, the lanes stream, and the
 """
 from __future__ import annotations
 
-import math
 import re
 import threading
 import time
@@ -271,7 +270,7 @@ def lossless_candidates(block_size: int) -> list[tuple[str, int, int]]:
 def fastest_lossless(lm, name: str, tau: float, block_size: int, criterion: str = "prob",
                      prompt_lookup: int = 0) -> tuple[tuple[str, int, int], str]:
     """The lossless layout that decodes the model's first example prompt fastest here: each candidate decodes
-    CALIBRATE_TOKENS tokens twice, alternating, on the race's clock (app.timing.clock_for); the best of each
+    CALIBRATE_TOKENS tokens twice, alternating (app.timing.time_lanes, on the race's clock); the best of each
     one's two runs decides. Once per model and setting (about 2 s for smollm2-mars on a CPU). Every candidate writes
     AR's tokens, so only its speed differs: which wins depends on the model (how many masks draft well) and on the
     machine (what a forward over more positions costs)."""
@@ -281,17 +280,15 @@ def fastest_lossless(lm, name: str, tau: float, block_size: int, criterion: str 
         if hit is not None and hit[0] is lm:
             return hit[1], hit[2]
     prompt = models.example_prompts(name, 1)[0]
-    clock = timing.clock_for(lm)[0]
     candidates = lossless_candidates(block_size)
-    best = {c: math.inf for c in candidates}
-    for _ in range(2):
-        for layout, block, width in candidates:
-            cfg = mars_core.DecodeConfig(mode="verify", tau=tau, criterion=criterion, block_size=block,
-                                         draft_layout=layout, tree_width=width, prompt_lookup=prompt_lookup,
-                                         max_new_tokens=CALIBRATE_TOKENS)
-            start = clock()
-            mars_core.generate(lm, [prompt], cfg)
-            best[(layout, block, width)] = min(best[(layout, block, width)], clock() - start)
+
+    def decode(layout, block, width):
+        cfg = mars_core.DecodeConfig(mode="verify", tau=tau, criterion=criterion, block_size=block,
+                                     draft_layout=layout, tree_width=width, prompt_lookup=prompt_lookup,
+                                     max_new_tokens=CALIBRATE_TOKENS)
+        return lambda: mars_core.generate(lm, [prompt], cfg)
+    *_, (_, times, _) = timing.time_lanes({c: decode(*c) for c in candidates}, 2, timing.clock_for(lm)[0])
+    best = {c: min(t) for c, t in times.items()}
     pick = min(candidates, key=lambda c: best[c])
 
     def label(c):

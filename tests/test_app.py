@@ -356,6 +356,7 @@ def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_o
     # a fake clock: every candidate's decode takes 1 s, except that `slow`'s takes 3 s and the first of the others
     # takes 2 s, so the pick is the last of the fast ones (the best of two runs decides)
     import mars_core
+    lm = models.get_model("tiny-mars")   # loaded (and warmed up) before the decoder is faked
     now, runs = [0.0], []
 
     def fake_generate(lm, prompts, cfg):
@@ -367,7 +368,6 @@ def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_o
     monkeypatch.setattr(mars_core, "generate", fake_generate)
     monkeypatch.setattr(generate.timing, "clock_for", lambda lm: (lambda: now[0], "fake"))
     monkeypatch.setattr(generate, "_fastest", {})
-    lm = models.get_model("tiny-mars")
     pick, why = generate.fastest_lossless(lm, "tiny-mars", 0.7, 4)
     fast = [c for c in generate.lossless_candidates(4) if c[:2] != slow]
     assert pick == fast[1]
