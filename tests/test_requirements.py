@@ -20,6 +20,7 @@ REQUIREMENT_FILES = ("requirements.txt", "requirements-dev.txt", "requirements-n
 # commands: optional speed references and hardware paths.
 OPTIONAL = {
     "llama_cpp": "bench's optional llama.cpp side (llama-cpp-python, a speed reference)",
+    "onnxruntime_genai": "bench's optional ONNX Runtime side (onnxruntime-genai, a speed reference)",
 }
 
 
