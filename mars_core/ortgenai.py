@@ -1,11 +1,11 @@
 """ONNX Runtime GenAI as a speed reference for `bench --onnxruntime`: greedy AR on int4 weights, one thread.
 
 Optional and never a dependency: `pip install onnxruntime-genai onnx onnx_ir onnxscript`. ONNX Runtime's own
-model builder turns a transformers checkpoint into an ONNX model whose products are MatMulNBits: 4-bit weights in
-blocks of 32, each with a scale, and with accuracy_level=4 the activations quantized to int8 per block, so the
-products run on int8 dot products (docs/experiments.md, "ONNX Runtime and torchao"). Without a folder, bench
-builds one from the very checkpoint our sides load (smollm2-mars: the merged adapter), once, under
-cache_dir()/onnxruntime; its answers are then that model's in int4 and are compared with our AR's.
+model builder turns a transformers checkpoint into an ONNX model whose products are MatMulNBits: 8-bit (or 4-bit)
+weights in blocks of 32, each with a scale, and with accuracy_level=4 the activations quantized to int8 per block,
+so the products run on int8 dot products (docs/experiments.md, "ONNX Runtime and torchao"). Without a folder,
+bench builds one from the very checkpoint our sides load (smollm2-mars: the merged adapter), once, under
+cache_dir()/onnxruntime: int8 by default, whose quality matches w8a16's; int4 is faster and loses quality.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 HINT = "pip install onnxruntime-genai onnx onnx_ir onnxscript (not needed for anything but this comparison)"
-# what the builder is told: 4-bit weights, CPU, int8 products (MatMulNBits accuracy_level 4)
-BUILD_ARGS = ["-p", "int4", "-e", "cpu", "--extra_options", "int4_accuracy_level=4"]
+PRECISIONS = ("int8", "int4")   # the weights' bits in the builds bench makes; the products are int8 in both
 
 
 def available() -> bool:
@@ -38,13 +37,29 @@ def check_usable() -> None:
         raise ValueError(f"--onnxruntime: onnxruntime-genai is installed but does not import ({e}): {HINT}") from None
 
 
-def build(checkpoint: str | Path) -> Path:
-    """The int4 ONNX model of a transformers checkpoint folder, built once under cache_dir()/onnxruntime (offline,
-    written to a temporary folder first, so a half-built model never looks complete)."""
+def check_folder(folder: str | Path) -> None:
+    """A ValueError naming the fix unless `folder` holds a model ONNX Runtime GenAI's builder wrote."""
+    if not (Path(folder) / "genai_config.json").is_file():
+        raise ValueError(f"--onnxruntime {str(folder)!r} is not an ONNX Runtime GenAI model folder (no "
+                         f"genai_config.json): pass one its model builder wrote, or {' or '.join(PRECISIONS)} to "
+                         "build one")
+
+
+def wants_build(choice: str) -> bool:
+    """Whether `--onnxruntime CHOICE` names a precision to build rather than a folder."""
+    return choice in PRECISIONS and not Path(choice).is_dir()
+
+
+def build(checkpoint: str | Path, precision: str = "int8") -> Path:
+    """The ONNX model of a transformers checkpoint folder with `precision` weights (PRECISIONS) and int8 products
+    (MatMulNBits accuracy_level 4), built once under cache_dir()/onnxruntime (offline, written to a temporary folder
+    first, so a half-built model never looks complete)."""
     from mars_core.sources import cache_dir
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"--onnxruntime {precision!r}: build int8 or int4, or pass a model folder")
     checkpoint = Path(checkpoint)
-    target = cache_dir() / "onnxruntime" / f"{checkpoint.name}-int4"
+    target = cache_dir() / "onnxruntime" / f"{checkpoint.name}-{precision}"
     if (target / "genai_config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -52,7 +67,8 @@ def build(checkpoint: str | Path) -> Path:
         out, work = Path(tmp) / "model", Path(tmp) / "work"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
-                               "-o", str(out), "-c", str(work), *BUILD_ARGS], env=env, capture_output=True, text=True)
+                               "-o", str(out), "-c", str(work), "-p", precision, "-e", "cpu",
+                               "--extra_options", "int4_accuracy_level=4"], env=env, capture_output=True, text=True)
         if done.returncode != 0 or not (out / "genai_config.json").is_file():
             last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
             raise ValueError(f"--onnxruntime: ONNX Runtime's model builder failed on {checkpoint} ({last}): pass a "
@@ -79,9 +95,7 @@ class OrtGenAIAR:
     def __init__(self, folder: str | Path, eos_ids: list[int], threads: int = 1):
         check_usable()
         folder = Path(folder)
-        if not (folder / "genai_config.json").is_file():
-            raise ValueError(f"--onnxruntime {str(folder)!r} is not an ONNX Runtime GenAI model folder (no "
-                             "genai_config.json): pass one its model builder wrote, or no folder to build one")
+        check_folder(folder)
         import onnxruntime_genai as og
 
         self._view = tempfile.TemporaryDirectory(prefix="mars-ort-")

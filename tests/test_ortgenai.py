@@ -57,12 +57,17 @@ def test_bench_onnxruntime_without_the_package_is_one_clear_line(monkeypatch, ca
     assert len(err.splitlines()) == 1 and "pip install onnxruntime-genai" in err
 
 
-def test_an_onnxruntime_folder_without_its_config_is_named(monkeypatch, tmp_path):
+def test_an_onnxruntime_folder_without_its_config_is_named_before_the_model_loads(monkeypatch, tmp_path, capsys):
     import mars_core.ortgenai as ortgenai
+    from mars_core import cli
 
     monkeypatch.setattr(ortgenai, "check_usable", lambda: None)
-    with pytest.raises(ValueError, match="is not an ONNX Runtime GenAI model folder .*genai_config.json"):
+    with pytest.raises(ValueError, match="is not an ONNX Runtime GenAI model folder .*genai_config.json.*int8 or int4"):
         ortgenai.OrtGenAIAR(tmp_path, eos_ids=[2])
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    assert cli.main(["bench", "--model", "tiny-mars", "--onnxruntime", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not an ONNX Runtime GenAI model folder" in err
 
 
 def test_the_thread_count_goes_into_a_view_and_the_model_folder_stays_untouched(tmp_path):
@@ -90,3 +95,10 @@ def test_a_failed_onnxruntime_build_is_one_line_and_leaves_no_model(monkeypatch,
     with pytest.raises(ValueError, match="model builder failed on .*ckpt.*--onnxruntime DIR"):
         ortgenai.build(checkpoint)
     assert list((tmp_path / "cache" / "onnxruntime").iterdir()) == []
+
+
+def test_an_unknown_onnxruntime_precision_is_named_before_any_build(tmp_path):
+    from mars_core.ortgenai import build
+
+    with pytest.raises(ValueError, match="'int3': build int8 or int4, or pass a model folder"):
+        build(tmp_path, "int3")
