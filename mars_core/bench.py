@@ -213,8 +213,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
     the row says by how much. `externals` ({side: another runtime's AR}, e.g. "llamacpp":
     mars_core.llamacpp.LlamaCppAR, "onnxruntime": mars_core.ortgenai.OrtGenAIAR) join at batch size 1 as speed
-    references and AR baselines: their weight formats and answers differ, so they are compared by time per token. `draft_layout`,
-    `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig)."""
+    references and AR baselines: their weight formats and answers differ, so they are compared by time per token.
+    `draft_layout`, `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig)."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")

@@ -1,4 +1,4 @@
-"""ONNX Runtime GenAI as a speed reference for `bench --onnxruntime`: greedy AR on int4 weights, one thread.
+"""ONNX Runtime GenAI as a speed reference for `bench --onnxruntime`: greedy AR on int8 or int4 weights, one thread.
 
 Optional and never a dependency: `pip install onnxruntime-genai onnx onnx_ir onnxscript`. ONNX Runtime's own
 model builder turns a transformers checkpoint into an ONNX model whose products are MatMulNBits: 8-bit (or 4-bit)
