@@ -237,8 +237,9 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
         sides = dict(cfgs)
-        for name, runtime in (externals or {}).items() if bs == 1 else ():
-            sides[name], models[name] = ExternalGreedy(max_new_tokens), runtime
+        if bs == 1:   # other runtimes decode one prompt at a time
+            for name, runtime in (externals or {}).items():
+                sides[name], models[name] = ExternalGreedy(max_new_tokens), runtime
         for side, cfg in sides.items():                 # warm-up, every side
             _timed_run(models[side], batches[:1], cfg, clock)
         times = {side: [] for side in sides}

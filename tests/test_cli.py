@@ -243,14 +243,17 @@ def test_bench_times_both_backends_side_by_side(model_dir):
     assert row["per_token_speedup"][row["fastest_ar_per_token"]] == pytest.approx(1.0)
 
 
-def test_bench_llamacpp_without_the_package_is_one_clear_line(monkeypatch, capsys):
-    import mars_core.llamacpp as llamacpp
+@pytest.mark.parametrize("flag, module, fix", [("--llamacpp", "llamacpp", "pip install llama-cpp-python"),
+                                               ("--onnxruntime", "ortgenai", "pip install onnxruntime-genai")])
+def test_bench_other_runtime_without_its_package_is_one_clear_line(monkeypatch, capsys, flag, module, fix):
+    import importlib
+
     from mars_core.cli import main
 
-    monkeypatch.setattr(llamacpp, "available", lambda: False)
-    assert main(["bench", "--model", "tiny-mars", "--llamacpp", "--device", "cpu"]) == 2
+    monkeypatch.setattr(importlib.import_module(f"mars_core.{module}"), "available", lambda: False)
+    assert main(["bench", "--model", "tiny-mars", flag, "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err
+    assert len(err.splitlines()) == 1 and fix in err
 
 
 def test_bench_llamacpp_installed_without_its_dependencies_is_one_clear_line(monkeypatch, capsys, tmp_path):

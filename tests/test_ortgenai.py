@@ -47,16 +47,6 @@ def test_other_runtimes_join_the_race_as_ar_baselines_per_token():
     assert "onnxruntime" not in row2.time_ranges and row2.external_labels == {}
 
 
-def test_bench_onnxruntime_without_the_package_is_one_clear_line(monkeypatch, capsys):
-    import mars_core.ortgenai as ortgenai
-    from mars_core.cli import main
-
-    monkeypatch.setattr(ortgenai, "available", lambda: False)
-    assert main(["bench", "--model", "tiny-mars", "--onnxruntime", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install onnxruntime-genai" in err
-
-
 def test_an_onnxruntime_folder_without_its_config_is_named_before_the_model_loads(monkeypatch, tmp_path, capsys):
     import mars_core.ortgenai as ortgenai
     from mars_core import cli
