@@ -33,7 +33,7 @@ CONFIG_FILE = "train_config.json"
 
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
-RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers", "train_mask_row", "block_size",
+RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers", "train_mask_row", "freeze_embeddings", "block_size",
                "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
                "batch_size", "grad_accum", "max_length", "overlong")
 

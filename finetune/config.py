@@ -117,6 +117,10 @@ class TrainConfig:
     """MARS: also train the mask token's embedding row (one vector of hidden-size numbers). For a reused special
     token (SmolLM2's <repo_name>) that row was never trained for anything; with tied embeddings the LM head's
     row of the mask id is the same vector, and the decoder never proposes the mask id at a mask position."""
+    freeze_embeddings: bool = False
+    """Full fine-tuning: keep the token embedding matrix (and so a tied LM head) as it is; with --train-mask-row the
+    mask token's row still trains. The change then lies in the decoder layers only, which an SVD delta can ship
+    compactly (finetune.export_delta); a changed 49,152 x 576 embedding would not."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end, on SIGINT/SIGTERM)."""
     keep_checkpoints: int = 2
@@ -174,6 +178,8 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}; use 0 (off) or a positive norm")
         need(self.lora_r >= 1, f"lora_r={self.lora_r}; use 1 or more")
         need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
+        need(not (self.freeze_embeddings and self.lora),
+             "freeze_embeddings applies to full fine-tuning (LoRA never trains the embeddings): drop it or --lora")
         need(not self.train_mask_row or self.stage == "mars",
              "train_mask_row applies to --stage mars only (AR-SFT never feeds the mask token): drop it")
         need(not self.gated_lora or (self.lora and self.stage == "mars"),

@@ -68,6 +68,8 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None, init: 
     model.set_attn_implementation(cfg.attention)   # the losses pass eager an additive mask (finetune.losses)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    if cfg.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     if cfg.lora:
         model = add_lora(model, cfg)
         if state is not None:

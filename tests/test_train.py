@@ -409,3 +409,30 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_naming_it(tmp_path, mo
     with pytest.raises(ValueError, match=r"--output-dir .*cannot be written \(Read-only file system\): pass a") as info:
         check_output_dir(given)
     assert repr(given) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_full_fine_tuning_with_frozen_embeddings_trains_the_layers_and_only_the_mask_row(tiny, tmp_path):
+    """--freeze-embeddings: the decoder layers change, the (tied) embedding only in the mask row, and a resumed run
+    equals the uninterrupted one (the flag is part of what a resume must match)."""
+    from mars_core import load_model
+
+    model_dir, _ = tiny
+    mask_id = load_model(str(model_dir), device="cpu", cpu_layout=False).mask_id
+    flags = ["--lr", "1e-2", "--stage", "mars", "--train-mask-row", "--freeze-embeddings", "--decay", "constant"]
+    out = tmp_path / "run"
+    main(train_flags(tiny, out, *flags, "--max-steps", "2"))
+    trained, base = weights(out / "checkpoint-2"), weights(model_dir)
+    emb, emb0 = trained["model.embed_tokens.weight"], base["model.embed_tokens.weight"]
+    others = torch.ones(emb.shape[0], dtype=torch.bool)
+    others[mask_id] = False
+    assert torch.equal(emb[others], emb0[others]) and not torch.equal(emb[mask_id], emb0[mask_id])
+    layer = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(trained[layer], base[layer])
+    straight = tmp_path / "straight"
+    main(train_flags(tiny, straight, *flags, "--max-steps", "3", "--save-every", "2"))
+    main(train_flags(tiny, out, *flags, "--max-steps", "3"))
+    a, b = weights(straight / "checkpoint-3"), weights(out / "checkpoint-3")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="freeze_embeddings applies to full fine-tuning"):
+        main(train_flags(tiny, tmp_path / "lora", "--lora", "--freeze-embeddings", "--max-steps", "1"))

@@ -1,0 +1,127 @@
+"""Score models on development prompts, per category: ``python -m finetune.devscore --model A --model B``.
+
+For choosing training settings (smollm2-mars v3's learning-rate and step probe) without touching the report set:
+prompts are ``natural_prompts("heldout", n, seed)`` plus ``structured_prompts("heldout", n, seed)`` with a
+development seed (77 by default; the report seed 1 is refused). Per model and category it prints
+
+- tokens per forward of lossy MARS at each τ and the share of those answers identical to the model's own τ = 1
+  (AR) answer,
+- tokens per forward of lossless MARS (tree drafts at draft threshold 0.3; its answer is AR's, checked),
+- loops: answers that repeat an 8-token run 3 times (finetune.distill.repeats_itself) where AR's does not.
+
+Every decode is batched (``--batch-size``) in one format (``--dtype``); one JSON line per model goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPORT_SEED = 1
+
+
+def dev_prompts(n_natural: int, n_structured: int, seed: int) -> list[tuple[str, str]]:
+    """(category, prompt) pairs: natural then structured held-out prompts of a development seed."""
+    from finetune.natural import natural_prompts
+    from finetune.structured import category_of, structured_prompts
+
+    if seed == REPORT_SEED:
+        raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another (77)")
+    cats = category_of()
+    prompts = natural_prompts("heldout", n_natural, seed=seed) + structured_prompts("heldout", n_structured, seed=seed)
+    return [(cats[p], p) for p in prompts]
+
+
+def group_of(category: str) -> str:
+    """'structured' for the five structured categories, else 'natural'."""
+    from finetune.structured import CATEGORIES
+
+    return "structured" if category in CATEGORIES else "natural"
+
+
+def score_model(lm, items: list[tuple[str, str]], taus: list[float], *, block_size: int, max_new_tokens: int,
+                batch_size: int) -> dict:
+    """Per-prompt results of AR, lossy MARS at each τ and lossless tree MARS, summarised per group."""
+    from finetune.distill import repeats_itself
+    from finetune.evaluate_common import decode_batches
+    from mars_core import DecodeConfig
+
+    ids = [lm.encode(p) for _, p in items]
+    runs = {"ar": DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=max_new_tokens)}
+    for tau in taus:
+        runs[f"tau{tau}"] = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+    # verify mode's τ picks which mask guesses become drafts (τ >= 1: none); 0.3 as finetune.ab scores lossless
+    runs["tree"] = DecodeConfig(mode="verify", tau=0.3, block_size=block_size, max_new_tokens=max_new_tokens,
+                                draft_layout="tree")
+    out = {name: decode_batches(lm, ids, cfg, batch_size) for name, cfg in runs.items()}
+    ar = [r.token_ids for r in out["ar"]]
+    groups: dict[str, list[int]] = {"all": list(range(len(items)))}
+    for i, (cat, _) in enumerate(items):
+        groups.setdefault(group_of(cat), []).append(i)
+        groups.setdefault(cat, []).append(i)
+    summary = {}
+    for g, idx in groups.items():
+        row = {"n": len(idx)}
+        for name in runs:
+            if name == "ar":
+                continue
+            res = [out[name][i] for i in idx]
+            row[f"{name}_tpf"] = sum(r.tokens_per_forward for r in res) / len(res)
+            row[f"{name}_same"] = sum(res[k].token_ids == ar[i] for k, i in enumerate(idx)) / len(idx)
+            row[f"{name}_loops"] = sum(repeats_itself(res[k].token_ids) and not repeats_itself(ar[i])
+                                       for k, i in enumerate(idx))
+        summary[g] = row
+    return {"summary": summary, "answers": {name: [r.text for r in res] for name, res in out.items()}}
+
+
+def format_table(name: str, summary: dict, taus: list[float]) -> str:
+    cols = [f"tau{t}" for t in taus] + ["tree"]
+    head = "| group | n | " + " | ".join(f"{c} tpf (== AR, loops)" for c in cols) + " |"
+    lines = [f"### {name}", "", head, "|" + "---|" * (2 + len(cols))]
+    for g, row in summary.items():
+        cells = [f"{row[c + '_tpf']:.3f} ({row[c + '_same']:.0%}, {row[c + '_loops']})" for c in cols]
+        lines.append(f"| {g} | {row['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m finetune.devscore", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", required=True, help="model name or folder (repeatable)")
+    ap.add_argument("--natural", type=int, default=24, help="natural held-out prompts")
+    ap.add_argument("--structured", type=int, default=20, help="structured held-out prompts")
+    ap.add_argument("--seed", type=int, default=77, help="development seed (not 1, the report seed)")
+    ap.add_argument("--taus", default="0.95,0.9,0.8")
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="", help="JSONL file to append one line per model to")
+    args = ap.parse_args(argv)
+    taus = [float(t) for t in args.taus.split(",")]
+    items = dev_prompts(args.natural, args.structured, args.seed)
+    import torch
+
+    from mars_core import load_model
+
+    torch.set_num_threads(args.threads)
+    for name in args.model:
+        t0 = time.time()
+        lm = load_model(name, dtype=args.dtype)
+        res = score_model(lm, items, taus, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size)
+        print(format_table(f"{name} ({time.time() - t0:.0f} s)", res["summary"], taus), flush=True)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"model": name, "dtype": args.dtype, "seed": args.seed, "taus": taus,
+                                    "prompts": [p for _, p in items], **res}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from finetune.config import run_main
+
+    run_main(main)
