@@ -57,7 +57,7 @@ def draft_confirmation_by_slot(verify: SideRecord) -> list[tuple[int, float | No
         for prev, s in zip(verify.steps, verify.steps[1:]):
             if len(prev.draft_ids) > j:
                 drafted += 1
-                kept += s.confirmed > j
+                kept += s.drafts_confirmed > j
         out.append((j + 1, kept / drafted if drafted else None, drafted))
     return out
 

@@ -77,6 +77,13 @@ class StepRecord:
     leaf_confirmed: bool = False      # tree layout: an alternative held AR's token where a draft did not
     positions: int = 0         # columns this forward fed (StepEvent.positions; 0 when unknown)
 
+    @property
+    def drafts_confirmed(self) -> int:
+        """Verify mode: how many of the previous step's drafts this pass confirmed. The decoder's `confirmed`
+        also counts a tree alternative (leaf) that held AR's token where a draft did not; that one is not a
+        draft, and counting it as one once showed "9 of 2 drafts confirmed"."""
+        return self.confirmed - int(self.leaf_confirmed)
+
 
 @dataclass
 class SideRecord:
@@ -153,9 +160,16 @@ class SideRecord:
         return [s.tau for s in self.steps]
 
     def drafts_checked(self) -> tuple[int, int]:
-        """Verify mode: (drafts confirmed, drafts checked). A pass checks the drafts of the pass before it."""
+        """Verify mode: (drafts confirmed, drafts checked). A pass checks the drafts of the pass before it; the
+        last pass's drafts are never checked."""
         checked = sum(len(prev.draft_ids) for prev in self.steps[:-1])
-        return sum(s.confirmed for s in self.steps[1:]), checked
+        return sum(s.drafts_confirmed for s in self.steps[1:]), checked
+
+    def alternatives_checked(self) -> tuple[int, int]:
+        """Tree layout: (alternatives confirmed, alternatives checked): the runner-up tokens fed beside the drafts,
+        of which at most one per pass can hold AR's token."""
+        checked = sum(len(prev.leaves) for prev in self.steps[:-1])
+        return sum(int(s.leaf_confirmed) for s in self.steps[1:]), checked
 
     def positions_fed(self) -> list[int]:
         """New positions each pass after the first fed to its forward (what its cost depends on).

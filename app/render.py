@@ -23,7 +23,8 @@ STAT_DEFINITIONS = (
     "**time** — this lane's own compute in the race: the sum of its measured forward-pass times (the lanes take "
     "turns on the machine). "
     "**drafts confirmed** — lossless MARS: the mask proposals kept as drafts that the next forward found equal to "
-    "AR's own token. "
+    "AR's own token, out of the drafts it checked; with tree drafts also the *alternatives* (runner-up tokens "
+    "checked beside a draft) that held AR's token where the draft did not. "
     "**speedup ×** — AR time ÷ this lane's time for its whole answer, *measured* after the race by timing the "
     "decoders again on the same prompt (alternating, warmed up; median and min–max; on a CPU by the decoding thread's "
     "CPU time, so other processes' turns on a shared machine do not count). Called a speedup only when the "
@@ -71,18 +72,18 @@ def tau_summary(taus: list[float]) -> str:
 def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
     """One verify pass: the confirmed drafts (verified), the rejected drafts struck through, AR's token."""
     prev = side.steps[k - 1] if k > 0 else None
-    c = s.confirmed
+    c, chain = s.confirmed, s.drafts_confirmed
     tips = [f"step {s.step} · τ={_tau_text(s.tau)} · {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} committed"]
     parts = []
     copied = prev is not None and prev.draft_source == "prompt"
     if c:
-        tips.append(f"  {c} draft{'s' if c != 1 else ''} of step {s.step - 1}"
+        what = f"{chain} draft{'s' if chain != 1 else ''}" + (" + 1 alternative" if s.leaf_confirmed else "")
+        tips.append(f"  {what} of step {s.step - 1}"
                     + (" (copied from earlier text: prompt lookup)" if copied else "")
                     + " confirmed = AR's own tokens: " + " ".join(_visible(t) for t in s.tokens[:c]))
         parts.append(f'<span class="verified{" from-prompt" if copied else ""}">{_esc(s.confirmed_text)}</span>')
     rest_text = s.text[len(s.confirmed_text):] if s.text.startswith(s.confirmed_text) else s.text
     if prev is not None and s.rejected is not None:
-        chain = c - 1 if s.leaf_confirmed else c     # drafts of the chain confirmed before the rejection
         dropped = prev.drafts[chain:]
         if s.leaf_confirmed:
             tips.append(f"  draft {_visible(s.rejected)} rejected, but an alternative at its depth, "
@@ -180,7 +181,11 @@ def render_stats(sides: dict, measured: dict | None = None, ar_label: str = "AR"
             if side.mode != "verify":
                 return "—"
             ok, checked = side.drafts_checked()
-            return f"{ok} of {checked}" + (f" ({ok / checked:.0%})" if checked else "")
+            text = f"{ok} of {checked}" + (f" ({ok / checked:.0%})" if checked else "")
+            alt_ok, alt_checked = side.alternatives_checked()
+            if alt_checked:
+                text += f" · alternatives {alt_ok} of {alt_checked}"
+            return text
         if key == "same":
             if side.mode == "ar" or ar is None or not side.finished or not ar.finished:
                 return "—"
@@ -210,7 +215,7 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     cmp = compare(side.token_strings, ar.token_strings) if done else None
     word = "speedup" if cmp is None or cmp.identical else "time ratio"
     if m is not None:
-        return _measured_html(lane, vid, label, word, cmp, m)
+        return _measured_html(lane, vid, label, word, cmp, m, (ar.forwards - 1, side.forwards - 1))
     race_ratio = ""
     if done and side.compute_time > 0:
         race_ratio = (f"this race, one run: {ar.compute_time / side.compute_time:.2f}× "
@@ -222,7 +227,7 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
             f'<div class="equal-work">{comparison_html(cmp, label)}</div></div>')
 
 
-def _measured_html(lane: str, vid: str, label: str, word: str, cmp, m) -> str:
+def _measured_html(lane: str, vid: str, label: str, word: str, cmp, m, forwards: tuple[int, int]) -> str:
     """The speedup line once timed: the median and spread of the repeats so far, and the bound once measured."""
     # full precision in the data attributes, so whoever reads them rounds exactly as the text does
     bound_attr = "" if m.bound is None else f' data-bound="{float(m.bound)!r}"'
@@ -236,8 +241,11 @@ def _measured_html(lane: str, vid: str, label: str, word: str, cmp, m) -> str:
         return (f'<div class="speedup" data-lane="{lane}">{_esc(label)} vs AR, {word}: {value}'
                 f'<span class="how">{how}</span><div class="bound-line">{bound}</div>'
                 f'<div class="equal-work">{comparison_html(cmp, label)}</div>{note}</div>')
-    bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = tokens/forward {m.forward_ratio:.2f} "
-             f"(after the prompt pass) × cost(1) ÷ cost({m.mean_fed:.1f} positions fed) = "
+    # Named by what it is, AR's forwards over this lane's, with both counts: it equals the lane's tokens/forward
+    # after the prompt pass only when the answers are the same, and must never read as a second tokens/forward.
+    bound = (f"expected bound <b class='bound'>{m.bound:.2f}×</b> = AR forwards ÷ {_esc(label)} forwards after "
+             f"the prompt pass ({forwards[0]} ÷ {forwards[1]} = {m.forward_ratio:.2f}) × cost(1) ÷ "
+             f"cost({m.mean_fed:.1f} positions fed) = "
              f"{m.forward_ratio:.2f} ÷ {m.mean_cost:.2f}; cost = the forward (measured after the race: "
              f"{m.forward_ms:.1f} ms for 1 position) + {m.overhead_ms:.1f} ms of per-step work outside it (AR's "
              f"timed run per forward − its forward)")
@@ -286,9 +294,9 @@ def _checked_html(s: StepRecord, prev: StepRecord | None, checked: list) -> tupl
     own token committed after them."""
     rows = []
     for j, d in enumerate(checked):
-        if j < s.confirmed:
+        if j < s.drafts_confirmed:
             verdict, cls, ar_tok = "confirmed: equal to AR's token — committed", "acc", d
-        elif j == s.confirmed and s.rejected is not None:
+        elif j == s.drafts_confirmed and s.rejected is not None:
             ar_tok = s.tokens[j] if j < len(s.tokens) else ""
             verdict, cls = f"rejected: AR's token is {_visible(ar_tok)} — it replaces the draft", "stop"
         else:
@@ -355,13 +363,15 @@ def _verify_ledger(side: SideRecord, k: int) -> str:
     checked = prev.drafts if prev is not None else []
     checked_html, bonus = _checked_html(s, prev, checked)
     props_html = _proposals_html(side, s)
+    chain = s.drafts_confirmed
+    alt = " + 1 confirmed alternative" if s.leaf_confirmed else ""
     why = (f"Lossless: a token is committed only when it equals AR's greedy token at its position, so the text is "
            f"exactly AR's; this pass committed {s.n_accepted} token{'s' if s.n_accepted != 1 else ''} "
-           f"({s.confirmed} confirmed draft{'s' if s.confirmed != 1 else ''} + AR's token).")
+           f"({chain} confirmed draft{'s' if chain != 1 else ''}{alt} + AR's token).")
     if s.done and s.finish_reason:
         why += f" The run ends here: {_FINISH.get(s.finish_reason, s.finish_reason)}."
     return (f"<div class='ledger'><div class='ledger-head'>{_esc(side.label)} · step {s.step} of "
-            f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · confirmed {s.confirmed} of {len(checked)} drafts · "
+            f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · confirmed {chain} of {len(checked)} drafts{alt} · "
             f"committed {s.n_accepted} · {s.step_time * 1000:.1f} ms</div>{checked_html}{bonus}"
             f"<div class='ledger-sub'>New mask proposals → drafts for step {s.step + 1}</div>{props_html}"
             f"<div class='why'>Why: {_esc(why)}</div></div>")

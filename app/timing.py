@@ -209,7 +209,7 @@ def _bounded(lanes, runs, ar_lm, lane_lm, prompt_ids, block_size, times, results
         side = lanes[n]
         b, fr, fed, mc = bound(ar.forwards, side.positions_fed(), cost_ar1, costs, overhead)
         label = ("" if side.token_strings == ar.token_strings
-                 else "AR forwards per lane forward: the answers differ, so this is not the lane's tokens/forward")
+                 else "the answers differ: a ratio of different work")
         if ar_lm is not lane_lm:
             label = (label + "; " if label else "") + "AR is another model: cost(1) is its own forward"
         again = [list(res[0].token_ids) for res in results.get(n, []) if res and hasattr(res[0], "token_ids")]

@@ -1,0 +1,113 @@
+"""Every number the race shows, recomputed from the recorded decoder events by small independent functions.
+
+The page's numbers come from app.race.SideRecord and app.render; these tests keep the raw mars_core events of a
+real decode (tiny-mars, several lossless layouts, prompt lookup, lossy MARS, AR) and derive forwards, tokens,
+tokens/forward, drafts checked and confirmed, and each ledger header from the events alone, without the app's
+code, then compare with what the rendered HTML says.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("gradio")
+
+from app import generate, models  # noqa: E402
+from app.race import SideRecord  # noqa: E402
+from app.render import render_ledger, render_stats  # noqa: E402
+from mars_core import DecodeConfig, generate_stream  # noqa: E402
+
+SORT = "Sort in descending order: 91, 57, 59, 87"
+COPY = "Repeat: 12 34 56 12 34 56 12 34"
+
+
+@pytest.fixture(scope="module")
+def tiny_mars():
+    return models.get_model("tiny-mars")
+
+
+def _events(lm, prompt: str, cfg: DecodeConfig) -> list:
+    return [ev for ev in generate_stream(lm, [prompt], cfg) if ev.rows[0].active]
+
+
+def _record(lm, lane: str, events: list) -> SideRecord:
+    side = SideRecord({"ar": "AR", "verify": "MARS lossless", "mars": "MARS"}[lane], lane)
+    for ev in events:
+        side.add(ev, generate.token_texts(lm), generate._decoder(lm))
+    side.finished = True
+    return side
+
+
+def _leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def truth(events: list) -> dict:
+    """The numbers, from the events only: a pass confirms the leading drafts of the pass before it that equal the
+    tokens it committed (the first committed token that differs is AR's replacement)."""
+    rows = [ev.rows[0] for ev in events]
+    tokens = sum(len(r.accepted_ids) for r in rows)
+    per_step = [(len(prev.drafts), _leading_equal(list(prev.drafts), list(r.accepted_ids)))
+                for prev, r in zip(rows, rows[1:])]
+    return {"forwards": len(rows), "tokens": tokens, "tpf": tokens / len(rows),
+            "checked": sum(c for c, _ in per_step), "confirmed": sum(k for _, k in per_step), "per_step": per_step}
+
+
+def _cell(html: str, key: str, lane: str) -> str:
+    m = re.search(rf"<td class='stat-{key}-{lane}'>([^<]*)</td>", html)
+    assert m, f"no {key} cell for {lane}"
+    return m.group(1)
+
+
+CONFIGS = [
+    ("verify", SORT, dict(mode="verify", tau=0.5)),
+    ("verify", SORT, dict(mode="verify", tau=0.3, draft_layout="tree")),
+    ("verify", SORT, dict(mode="verify", tau=0.9, draft_layout="tree", tree_width=3)),
+    ("verify", SORT, dict(mode="verify", tau=0.5, draft_layout="quadratic")),
+    ("verify", COPY, dict(mode="verify", tau=0.9, prompt_lookup=3)),
+    ("mars", SORT, dict(mode="mars", tau=0.5)),
+    ("ar", SORT, dict(mode="mars", tau=1.0, block_size=1)),
+]
+
+
+@pytest.mark.parametrize("lane,prompt,kw", CONFIGS, ids=[f"{c[0]}-{'-'.join(map(str, c[2].values()))}" for c in CONFIGS])
+def test_the_stats_table_and_ledgers_say_what_the_events_say(tiny_mars, lane, prompt, kw):
+    events = _events(tiny_mars, prompt, DecodeConfig(max_new_tokens=48, **kw))
+    side = _record(tiny_mars, lane, events)
+    want = truth(events)
+    html = render_stats({lane: side})
+    assert _cell(html, "forwards", lane) == str(want["forwards"])
+    assert _cell(html, "tokens", lane) == str(want["tokens"])
+    assert _cell(html, "tpf", lane) == f"{want['tpf']:.2f}"
+    if lane != "verify":
+        assert _cell(html, "drafts", lane) == "—"
+        return
+    drafts = _cell(html, "drafts", lane)
+    ok, checked = (int(x) for x in re.match(r"(\d+) of (\d+)", drafts).groups())
+    assert (ok, checked) == (want["confirmed"], want["checked"]) and ok <= checked
+    alt = re.search(r"alternatives (\d+) of (\d+)", drafts)
+    if alt:
+        assert int(alt.group(1)) <= int(alt.group(2))
+    for k, (n_checked, n_ok) in enumerate(want["per_step"], start=1):
+        head = re.search(r"confirmed (\d+) of (\d+) drafts", render_ledger(side, k))
+        assert (int(head.group(1)), int(head.group(2))) == (n_ok, n_checked), f"step {k}"
+
+
+def test_a_tree_alternative_is_never_counted_as_a_draft(tiny_mars):
+    """The case that once read "drafts confirmed 9 of 2 (450%)": passes that commit a runner-up (a leaf) where no
+    draft was kept. The events' own `confirmed` counts the leaf; the page must not call it a draft."""
+    seen_leaf = False
+    for tau in (0.3, 0.6, 0.9, 0.99):
+        events = _events(tiny_mars, SORT, DecodeConfig(mode="verify", tau=tau, draft_layout="tree", tree_width=3,
+                                                       max_new_tokens=48))
+        side = _record(tiny_mars, "verify", events)
+        seen_leaf |= any(s.leaf_confirmed for s in side.steps)
+        ok, checked = side.drafts_checked()
+        assert ok <= checked and ok == truth(events)["confirmed"]
+        alt_ok, alt_checked = side.alternatives_checked()
+        assert alt_ok <= alt_checked
+    assert seen_leaf, "no pass confirmed an alternative: pick settings that exercise the tree's leaves"
