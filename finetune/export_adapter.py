@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     from finetune.data import MANIFEST_FILE
     from mars_core import load_model
     from mars_core.adapter import adapter_files_size, read_adapter_config, save_adapter
+    from mars_core.storage import replace_folder
 
     checkpoint, out = Path(checkpoint), Path(out)
     for name in (CONFIG_FILE, STATE_FILE):
@@ -42,13 +44,38 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
                          "(--stage mars --lora) exports as an adapter; a full fine-tune is its checkpoint folder itself")
     state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
     lm = load_model(cfg.base_model, device="cpu", dtype="float32", cpu_layout=False)   # the mask token it trained with
-    save_adapter(out, state["lora"], state.get("mask_row"), r=cfg.lora_r, alpha=cfg.lora_alpha,
-                 base=base or cfg.base_model, mask_id=lm.mask_id, mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id),
-                 block_size=cfg.block_size, dtype=getattr(torch, dtype), gated=cfg.gated_lora,
-                 extra={"steps": state["step"], "checkpoint": checkpoint.name})
-    if (checkpoint / MANIFEST_FILE).is_file():
-        shutil.copy2(checkpoint / MANIFEST_FILE, out / MANIFEST_FILE)
+    # Written beside `out` and swapped in whole: replacing an adapter file by file could leave new weights under an
+    # old config (another rank) if stopped halfway, and the old adapter goes only once the new one is complete.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_adapter(tmp, state["lora"], state.get("mask_row"), r=cfg.lora_r, alpha=cfg.lora_alpha,
+                     base=base or cfg.base_model, mask_id=lm.mask_id,
+                     mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=cfg.block_size,
+                     dtype=getattr(torch, dtype), gated=cfg.gated_lora,
+                     extra={"steps": state["step"], "checkpoint": checkpoint.name})
+        if (checkpoint / MANIFEST_FILE).is_file():
+            shutil.copy2(checkpoint / MANIFEST_FILE, tmp / MANIFEST_FILE)
+        keep_other_files(out, tmp)
+        replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"format": read_adapter_config(out)["format"], "step": state["step"], "bytes": adapter_files_size(out)}
+
+
+def keep_other_files(old: Path, new: Path) -> None:
+    """Copy what ``old`` holds besides the adapter (a README, a model card) into ``new``: an export replaced the
+    adapter's files in place before, and a user's own files there must not go with the old adapter."""
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        if (new / entry.name).exists() or entry.name.startswith("."):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry, new / entry.name, follow_symlinks=False)
 
 
 def main(argv: list[str] | None = None) -> int:

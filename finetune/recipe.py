@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from finetune.recipe_settings import (
     ABLATION, AR_SFT, AR_SFT_2, AR_SFT_3, MARS, MODEL, STAGE1_ROWS, STAGE2, TIMING_PROMPTS, VOCAB_SIZE,
 )
 from finetune.status import RunStatus, read_status
+from mars_core.storage import replace_folder
 
 STAGES = ("tokenizer", "base", "ar-sft", "ar-sft-2", "ar-sft-3", "mars", "ablation", "eval")
 DEFAULT_STAGES = tuple(s for s in STAGES if s != "ablation")   # the ablation trains on its own: --stages ablation,eval
@@ -154,12 +156,17 @@ def final_checkpoint(run_dir: Path) -> Path:
 
 def export(checkpoint: Path, dest: Path) -> None:
     """Copy the files an embedded model needs (no optimizer state) from a checkpoint to `dest`."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for name in KEEP_FILES:
-        if (checkpoint / name).is_file():
-            shutil.copy2(checkpoint / name, dest / name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in KEEP_FILES:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, tmp / name)
+        replace_folder(tmp, dest)   # the committed model leaves only once its successor is complete
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mars_core import loading
-from mars_core.storage import check_free_space, storage_error
+from mars_core.storage import check_free_space, replace_folder, storage_error
 
 EXPORT_INFO = "mars_export.json"
 
@@ -124,9 +124,8 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
         if saved.get("mask_token_id") != lm.mask_id or saved.get("pard_token") != lm.mask_id or "auto_map" in saved:
             raise ValueError(f"the saved config.json of {model!r} lost mask_token_id or kept auto_map: report this")
         _plain_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)                           # --force (check_out refused a non-empty one without it)
-        os.replace(tmp, out)
+        # --force (check_out refused a non-empty one without it): the old export leaves only once this one is in
+        replace_folder(tmp, out)
     except OSError as exc:   # a full or read-only disk: one line; the temp folder goes in finally
         raise ValueError(storage_error(exc, exc.filename or out, what)) from None
     finally:

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from mars_core.adapter import CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS
 from mars_core.adapter import is_gated, merge_adapter, read_adapter_config
 from mars_core.catalogue import CATALOGUE, DEFAULT_MODEL, SMOLLM2_GGUF, SMOLLM2_RECIPE, TINY_RECIPE  # noqa: F401
-from mars_core.storage import check_free_space, storage_error
+from mars_core.storage import check_free_space, replace_folder, storage_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,8 +188,22 @@ def gguf_to_checkpoint(gguf_path: str) -> str:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(src)}))
-        os.replace(tmp, target)  # atomic: a half-written cache never looks complete
+        _publish(tmp, target, "config.json")
     return str(target)
+
+
+def _publish(tmp: Path, target: Path, done_file: str) -> None:
+    """Rename a finished cache build into place (atomic: a half-written cache never looks complete). Another
+    process converting the same source at the same time may have put its own there first: that folder is the same
+    build, finished, so it is used and ours dropped. A leftover without ``done_file`` (emptied by hand) is
+    replaced, and removed only once ours is in."""
+    try:
+        os.replace(tmp, target)
+        return
+    except OSError:
+        if (target / done_file).exists():
+            return
+    replace_folder(tmp, target)
 
 
 @contextmanager
@@ -350,14 +364,7 @@ def merge_adapter_to_checkpoint(adapter_dir: str | Path) -> str:
             source = {"base": cfg["base"], "base_dir": str(base_dir), "adapter": str(adapter_dir.resolve()),
                       "adapter_digest": target.name.rsplit("-", 1)[1], "adapter_config": cfg}
             (tmp / "source.json").write_text(json.dumps(source, indent=2))   # written last: marks it complete
-            if target.exists() and not (target / "source.json").exists():   # a leftover someone emptied by hand
-                shutil.rmtree(target)
-            try:
-                os.replace(tmp, target)  # atomic: a half-written cache never looks complete
-            except OSError:
-                if not (target / "source.json").exists():
-                    raise
-                # another process finished the same build first: its folder is as good as ours
+            _publish(tmp, target, "source.json")
     return str(target)
 
 

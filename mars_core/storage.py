@@ -93,3 +93,43 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, what: str | None = 
 
 def atomic_write_text(path: str | os.PathLike, text: str, what: str | None = None) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), what)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the OS or the file
+    system cannot, and the caller falls back to two renames."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_folder(new: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Put the finished folder ``new`` at ``final``, replacing what is there: the old folder leaves by rename and
+    is deleted only once the new one is in place, so a kill at any moment leaves a complete folder at ``final``
+    (old or new; with the atomic exchange there is no moment without one) and never a half-deleted one.
+    ``new`` must lie beside ``final`` (one file system)."""
+    new, final = Path(new), Path(final)
+    if not final.exists() and not final.is_symlink():
+        os.replace(new, final)
+        return
+    if final.is_dir() and not final.is_symlink() and _exchange(new, final):
+        shutil.rmtree(new, ignore_errors=True)   # `new` now holds the old folder
+        return
+    aside = final.with_name(f".{final.name}.old-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        os.rename(aside, final)   # the new one could not go in: the old one comes back
+        raise
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
