@@ -22,7 +22,7 @@ from torch import nn
 
 from finetune.config import TrainConfig
 from finetune.status import METRICS_FILE, read_metrics_rows, write_json
-from mars_core.storage import storage_error
+from mars_core.storage import replace_folder, storage_error
 
 if TYPE_CHECKING:
     from finetune.train_model import Run, TrainModule
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "train_config.json"
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")   # one file, or a sharded set's index
+# What trainer_state.pt must hold for a resume (``trainer_state``); "lora" too for a --lora run
+STATE_KEYS = ("step", "optimizer", "rng")
 
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
@@ -45,12 +48,26 @@ def checkpoint_step(path: Path) -> int | None:
     return int(name[len(CHECKPOINT_PREFIX) :])
 
 
-def list_checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints (those with trainer_state.pt), oldest first."""
+def all_checkpoints(out: Path) -> list[Path]:
+    """Every checkpoint-<step> folder, complete or not, oldest first: any of them means the run has a history."""
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if checkpoint_step(p) is not None and (p / STATE_FILE).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return sorted((p for p in out.iterdir() if checkpoint_step(p) is not None and p.is_dir()), key=checkpoint_step)
+
+
+def missing_files(ckpt: Path) -> list[str]:
+    """What a resume needs that ``ckpt`` lacks: the trainer state (optimizer, step, RNG), the model config, the
+    weights. trainer_state.pt is the first file a user deletes to free disk (it is twice the model)."""
+    missing = [name for name in (STATE_FILE, "config.json") if not (ckpt / name).is_file()]
+    if not any((ckpt / name).is_file() for name in WEIGHTS_FILES):
+        missing.append(WEIGHTS_FILES[0])
+    return missing
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Checkpoints with trainer_state.pt, oldest first: the ones to name as the last good one, or to prune. What a
+    resume reads is ``all_checkpoints``: one without that file is damaged, not absent."""
+    return [p for p in all_checkpoints(out) if (p / STATE_FILE).is_file()]
 
 
 def rng_state() -> dict:
@@ -88,16 +105,17 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             write_checkpoint(run, tmp, step, elapsed)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            replace_folder(tmp, final)   # a damaged checkpoint-<step> of an earlier session goes only once this is in
         except BaseException as exc:   # no half checkpoint left behind (a full disk would stay full)
             shutil.rmtree(tmp, ignore_errors=True)
             if not isinstance(exc, OSError):
                 raise
             raise ValueError(storage_error(exc, tmp if exc.filename is None else exc.filename,
                                            f"checkpoint {final.name} of --output-dir {str(run.out)!r}")) from None
-        for old in list_checkpoints(run.out)[: -run.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = list_checkpoints(run.out)[-run.cfg.keep_checkpoints:]
+        for old in all_checkpoints(run.out):   # incomplete ones older than those kept go too
+            if checkpoint_step(old) < checkpoint_step(kept[0]):
+                shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
     return final
 
@@ -155,6 +173,7 @@ def trainer_state(run: Run, train_module: TrainModule, step: int, elapsed: float
         "lora": lora_weights(train_module.model) if run.cfg.lora else None,  # the base model + these = the model
         "mask_row": None if mask_row is None else mask_row.row.detach().cpu().clone(),
         "num_processes": run.accelerator.num_processes,
+        "config": run.cfg.to_dict(),   # the settings record that survives a deleted train_config.json
     }
 
 
@@ -167,27 +186,46 @@ def lora_weights(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- resuming
 
 
-def check_resumable(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume a run whose model-, objective- or data-defining settings (``RESUME_KEYS``) changed."""
-    saved_path = out / CONFIG_FILE
-    if not saved_path.is_file():   # removed by hand: every checkpoint carries its own copy
-        copies = [c / CONFIG_FILE for c in list_checkpoints(out) if (c / CONFIG_FILE).is_file()]
-        if not copies:
-            return
-        saved_path = copies[-1]
-    try:
-        saved = json.loads(saved_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{saved_path} is unreadable ({exc}): restore it, or use a new --output-dir") from None
+RESTART_FIX = "pass --restart to move this run aside and start over, or use a new --output-dir"
+
+
+def check_resumable(out: Path, cfg: TrainConfig, checkpoints: list[Path] | None = None) -> bool:
+    """Refuse to resume a run whose model-, objective- or data-defining settings (``RESUME_KEYS``) changed, by
+    every record that survives: the run's train_config.json and each checkpoint's copy (one of them may have been
+    deleted or replaced by hand). Returns whether any was found; with none, ``load_resume`` checks the settings
+    saved in the trainer state."""
+    checkpoints = all_checkpoints(out) if checkpoints is None else checkpoints
+    records = [path for path in (out / CONFIG_FILE, *(c / CONFIG_FILE for c in checkpoints)) if path.is_file()]
+    for path in records:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is unreadable ({exc}): restore it, or use a new --output-dir") from None
+        check_same_settings(out, saved, cfg, path)
+    return bool(records)
+
+
+def check_same_settings(out: Path, saved, cfg: TrainConfig, record: Path) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"{record} holds no settings (not a JSON object): restore it, or use a new --output-dir")
     keys = list(RESUME_KEYS)
     if cfg.data == "builtin":  # the number of generated examples is the data; it means nothing for a file
         keys.append("builtin_examples")
     for key in keys:
         if key in saved and saved[key] != getattr(cfg, key):
             raise ValueError(
-                f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r}: "
-                "use a new --output-dir, or the same settings to resume"
+                f"{out} holds a run with {key}={saved[key]!r} but this run has {key}={getattr(cfg, key)!r} (per "
+                f"{record}): use the same settings to resume, or {RESTART_FIX}"
             )
+
+
+def refuse_starting_over(out: Path) -> None:
+    """A run folder with logged steps but no checkpoint at all (stopped or killed before its first save): starting
+    at step 1 would overwrite that history, so only --restart may."""
+    rows = read_metrics_rows(out / METRICS_FILE)
+    if rows:
+        raise ValueError(f"{out} holds {METRICS_FILE} with {len(rows)} logged step(s) but no checkpoint to resume "
+                         f"from: {RESTART_FIX}")
 
 
 def safetensors_readable(path: Path) -> None:
@@ -208,21 +246,30 @@ def load_weights(path: str | Path) -> nn.Module:
 
 
 def read_checkpoint(ckpt: Path, cfg: TrainConfig) -> tuple[dict, nn.Module | None]:
-    """(trainer state, full fine-tuning weights) of one checkpoint; raises on any damage."""
+    """(trainer state, full fine-tuning weights) of one checkpoint; raises on any damage or missing part."""
+    missing = missing_files(ckpt)
+    if missing:
+        raise ValueError(f"it has no {', '.join(missing)}")
     state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise ValueError(f"{STATE_FILE} holds no step")
+    lacking = [key for key in (*STATE_KEYS, *(("lora",) if cfg.lora else ())) if state.get(key) is None]
+    if lacking:
+        raise ValueError(f"{STATE_FILE} has no {', '.join(map(repr, lacking))} entry")
     for weights_file in sorted(ckpt.glob("*.safetensors")):
         safetensors_readable(weights_file)
     return state, None if cfg.lora else load_weights(ckpt)  # LoRA: the base model + the state's adapter
 
 
-def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig) -> tuple[Path | None, dict | None, nn.Module | None]:
+def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig,
+                settings_checked: bool = True) -> tuple[Path, dict, nn.Module | None]:
     """(checkpoint, trainer state, full fine-tuning weights) of the newest intact checkpoint.
 
-    A damaged checkpoint (unreadable trainer_state.pt, truncated model.safetensors) is skipped with a warning
-    and the one before it is used; when every checkpoint is damaged the run refuses to start over silently.
-    """
+    A damaged or incomplete checkpoint (no trainer_state.pt, one without its optimizer, a truncated
+    model.safetensors) is skipped with a warning and the one before it is used; when none is intact the run
+    refuses, by name, rather than start over. The settings saved in its trainer state are checked too; with
+    ``settings_checked`` False (no train_config.json survives) they are the only record, and without them the
+    run is refused: a resume never writes into a folder whose history it could not verify."""
     skipped = []
     for ckpt in reversed(checkpoints):
         try:
@@ -232,11 +279,16 @@ def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig) -> tuple[P
             warn(f"{ckpt} is damaged ({reason}); skipping it")
             skipped.append(ckpt.name)
             continue
+        if isinstance(state.get("config"), dict):   # checkpoints written before it was saved there have none
+            check_same_settings(out, state["config"], cfg, ckpt / STATE_FILE)
+        elif not settings_checked:
+            raise ValueError(f"{out} has checkpoints but no record of the settings they were trained with "
+                             f"({CONFIG_FILE} is gone from the run and every checkpoint): restore it, or {RESTART_FIX}")
         if skipped:
             warn(f"resuming from the older intact {ckpt.name} instead of {', '.join(skipped)}")
         return ckpt, state, weights
-    raise ValueError(f"every checkpoint in {out} is damaged ({', '.join(skipped)}): delete them to start over, "
-                     "or use a new --output-dir")
+    raise ValueError(f"every checkpoint in {out} is damaged or incomplete ({', '.join(skipped)}, named above): "
+                     f"restore the missing files, or {RESTART_FIX}")
 
 
 def warn(message: str) -> None:

@@ -319,11 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices = {"stage": STAGES, "decay": DECAYS, "overlong": OVERLONG, "mixed_precision": MIXED_PRECISION,
                    "attention": ATTENTION}
         parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name), help=docs[f.name] + shown)
+    # Not a TrainConfig field: an act on the folder, not a setting of the run (a --config copied from a run's
+    # train_config.json must never restart anything).
+    parser.add_argument("--restart", action="store_true",
+                        help="--output-dir holds an earlier run (checkpoints or logged steps): move it aside to "
+                             "<dir>.old-<time> and start over, instead of resuming it")
     return parser
 
 
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults < --config JSON < explicit flags."""
+    return parse_train_args(argv)[0]
+
+
+def parse_train_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
+    """(the TrainConfig, whether --restart was given)."""
     args = build_parser().parse_args(argv)
     values: dict = {}
     if args.config:
@@ -349,7 +359,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
         given = getattr(args, f.name)
         if given is not None:
             values[f.name] = given
-    return TrainConfig.from_dict(values, where=args.config or "config")
+    return TrainConfig.from_dict(values, where=args.config or "config"), args.restart
 
 
 def run_main(main) -> None:

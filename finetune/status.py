@@ -19,6 +19,7 @@ STOP_REQUEST = "stop-requested"
 
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = "train.lock"
 
 
 def process_start(pid: int) -> int | None:
@@ -143,6 +144,65 @@ class StatusWriter:
         self.record = replace(self.record, **changes, updated_at=utc_now())
         if self.write:
             write_status(self.out, self.record)
+
+
+# ----------------------------------------------------------------------------- the run folder's claim
+
+
+class RunClaim:
+    """One trainer per run folder: an flock on <out>/train.lock, holding the trainer's pid, for the run's life.
+
+    Taking it is one atomic call, so two trainers started together cannot both pass (a look at status.json
+    followed by a write left a gap of a whole model load). The kernel drops the lock when its process ends,
+    however it ends, so a lock file left by a dead trainer is simply taken over."""
+
+    def __init__(self, out: Path):
+        self.out, self.fd = Path(out), None
+
+    @property
+    def path(self) -> Path:
+        return self.out / LOCK_FILE
+
+    def acquire(self) -> RunClaim:
+        import fcntl
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ValueError(f"--output-dir {str(self.out)!r} is in use by the training process with pid {holder} "
+                                 f"(it holds {LOCK_FILE}): stop it first (SIGTERM saves a checkpoint), or use another "
+                                 "--output-dir") from None
+            try:   # its last holder may have removed the file between our open and our lock: lock the new one
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def moved_to(self, out: Path) -> None:
+        """The folder was renamed (--restart moves a run aside): the claim goes with it."""
+        self.out = Path(out)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:   # removed while still locked, so nobody can lock the old file after we let go
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
+                self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl

@@ -22,13 +22,19 @@ Run directory (``--output-dir``; the app reads it while training runs):
   tokenizer, train_config.json, metrics.jsonl and trainer_state.pt (optimizer state, step, RNG,
   LoRA adapter weights when --lora, the mask row when --train-mask-row); see ``finetune.checkpoint``
 
+- ``train.lock``: held (flock, with the trainer's pid) while a trainer runs here: a second one is refused
+
 Re-running with the same ``--output-dir`` resumes from its newest complete
-checkpoint: step count, optimizer state, data position and RNG continue.
+checkpoint: step count, optimizer state, data position and RNG continue. A checkpoint missing a file the resume
+needs is skipped by name for an older one; a folder with checkpoints or logged steps is never started over, and
+its settings are checked against every record that survives (train_config.json, each checkpoint's copy, the
+trainer state's). ``--restart`` moves such a run aside (``<dir>.old-<time>``) and starts afresh.
 A new run can instead warm-start from an exported adapter (``--init-adapter assets/smollm2-mars``: its LoRA
 weights and mask row, with a fresh optimizer and schedule) and train only on examples that adapter's data
 manifest does not list (``--skip-seen``); see docs/smollm2-mars.md, "Continuing the shipped adapter".
-SIGINT/SIGTERM: the current optimizer step finishes, a checkpoint is saved,
-status becomes "stopped" and the process exits with code 0.
+SIGINT/SIGTERM: the current optimizer step finishes, a checkpoint is saved, status becomes "stopped" and the
+process exits with 130/143, or 0 when the app's Stop asked for it (``stop-requested``); before step 1 there is
+nothing to save, and the run ends "stopped" at once.
 
 Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
 (status bookkeeping around) ``setup`` (model, data, optimizer, resume) and
@@ -44,23 +50,35 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
+
+STARTED_AT = time.time()
+EARLY_SIGNALS: list[int] = []
+if __name__ == "__main__":
+    # The app's Stop may come during the seconds of `import torch` below: remember it for main's StopFlag instead
+    # of dying of it, which accelerate's launcher would report as a failed run with a traceback.
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(_sig) is not signal.SIG_IGN:
+            signal.signal(_sig, lambda signum, frame: EARLY_SIGNALS.append(signum))
 
 import torch
 from torch import nn
 
 from finetune.checkpoint import (
-    CONFIG_FILE, check_resumable, keep_metrics, list_checkpoints, load_resume, save_checkpoint, set_rng_state, warn,
+    CONFIG_FILE, RESTART_FIX, all_checkpoints, check_resumable, keep_metrics, list_checkpoints, load_resume,
+    refuse_starting_over, save_checkpoint, set_rng_state, warn,
 )
-from finetune.config import TrainConfig, config_from_args, native_bf16_cpu, refuse_file_above
+from finetune.config import TrainConfig, native_bf16_cpu, parse_train_args, refuse_file_above
 from finetune.data import (
     MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
     pad_id_of, prompt_key, read_manifest, write_manifest,
 )
 from finetune.status import (
-    METRICS_FILE, STOP_REQUEST, RunStatus, StatusWriter, failed_status, read_status, write_json, write_status,
+    METRICS_FILE, STOP_REQUEST, RunClaim, RunStatus, StatusWriter, failed_status, read_metrics_rows,
+    read_status, write_json, write_status,
 )
 from finetune.train_model import Run, StopFlag, WarmStart, load_base, make_optimizer, prepare_model, wrap_model
 from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
@@ -146,14 +164,48 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
     return out
 
 
-def setup(cfg: TrainConfig) -> Run:
+def uses_cpu() -> bool:
     # cpu=True is what turns a torchrun-style launch without GPUs into gloo data parallelism
     # (accelerate's MULTI_CPU); `accelerate launch --cpu` alone starts a single process.
-    use_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    out = preflight(cfg, use_cpu)
-    checkpoints = list_checkpoints(out)
-    if checkpoints:
-        check_resumable(out, cfg)
+    return not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+
+
+def has_history(out: Path) -> bool:
+    """Whether --output-dir holds an earlier run: a checkpoint folder (complete or not) or a logged step."""
+    return bool(all_checkpoints(out) or read_metrics_rows(out / METRICS_FILE))
+
+
+def claim_run_dir(out: Path, restart: bool) -> RunClaim | None:
+    """Take the run folder (the main process; the others follow it); with --restart, move an earlier run aside
+    first, by rename: nothing of it is deleted."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    claim = RunClaim(out).acquire()
+    if not (restart and has_history(out)):
+        return claim
+    try:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+        while aside.exists():
+            n += 1
+            aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
+        os.rename(out, aside)   # the claim's lock file goes with it, so no one enters the old run meanwhile
+        claim.moved_to(aside)
+        fresh = RunClaim(out).acquire()
+    finally:
+        claim.release()
+    print(f"[finetune.train] --restart: moved the earlier run to {aside}", file=sys.stderr)
+    return fresh
+
+
+def setup(cfg: TrainConfig, out: Path, use_cpu: bool, fresh: bool = False) -> Run:
+    """Model, data, optimizer and resume state; nothing is written to ``out`` here (``start_run_dir`` does).
+    ``fresh`` (--restart): the main process has moved the earlier run aside; the others must not read it either."""
+    # complete or not: a checkpoint folder without trainer_state.pt is damaged, not absent
+    checkpoints = [] if fresh else all_checkpoints(out)
+    settings_checked = check_resumable(out, cfg, checkpoints) if checkpoints else True
+    if not checkpoints and not fresh:
+        refuse_starting_over(out)
     accelerator = start_accelerator(cfg, use_cpu)
 
     # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
@@ -161,7 +213,7 @@ def setup(cfg: TrainConfig) -> Run:
     conversations, manifest = select_data(cfg, conversations)
     # The adapter's settings are checked before the slow load; its shapes when it is copied in, before step 1.
     init = WarmStart.read(cfg) if cfg.init_adapter else None
-    resume, state, trained = load_resume(out, checkpoints, cfg) if checkpoints else (None, None, None)
+    resume, state, trained = load_resume(out, checkpoints, cfg, settings_checked) if checkpoints else (None, None, None)
     base = load_base(cfg.base_model)
     model = prepare_model(trained if trained is not None else base.model, cfg, state, init)
     examples = build_examples(
@@ -175,7 +227,7 @@ def setup(cfg: TrainConfig) -> Run:
     micro_per_epoch, total_steps = schedule(cfg, len(examples), accelerator.num_processes)
     if state is not None and state["step"] > total_steps:
         raise ValueError(f"{resume} is at step {state['step']}, past this run's {total_steps} steps: raise "
-                         "--max-steps (or --epochs) to continue it, or use a new --output-dir")
+                         f"--max-steps (or --epochs) to continue it, or {RESTART_FIX}")
     pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
     module = wrap_model(model, cfg, base.mask_id, state, init)
@@ -418,17 +470,13 @@ def end_fit(run: Run, status: StatusWriter, step: int, state: str, elapsed: floa
 # ----------------------------------------------------------------------------- entry points
 
 
-def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
-    """Setup failed before a Run existed: still tell the app why (main process only)."""
+def write_failed_status(cfg: TrainConfig, out: Path, exc: BaseException) -> None:
+    """Setup failed before a Run existed: still tell the app why (main process only; called only while this
+    process holds the run folder, so it never overwrites another trainer's status.json)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    out = Path(cfg.output_dir).resolve()
     try:
-        if not out.is_dir():  # never create a directory for a run that could not start
-            return
         before = read_status(out)   # a refused resume keeps the run's real step and checkpoint
-        if before and before.held_by_another_process():
-            return   # refusing to join another live trainer's run must not overwrite its status.json
         checkpoints = list_checkpoints(out)
         last = str(checkpoints[-1]) if checkpoints else None
         write_status(out, failed_status(before, cfg.max_steps, last, f"{type(exc).__name__}: {exc}"))
@@ -436,27 +484,52 @@ def write_failed_status(cfg: TrainConfig, exc: BaseException) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_args(argv)
-    try:   # a request left by an earlier run in this folder is not this run's
-        (Path(cfg.output_dir).expanduser() / STOP_REQUEST).unlink(missing_ok=True)
+def drop_stale_stop_request(out: Path) -> None:
+    """A Stop request older than this command was left by an earlier run in this folder (one that died before
+    reading it): not this run's. A newer one is: the app's Stop can come while this process still imports torch."""
+    request = out / STOP_REQUEST
+    try:
+        if request.stat().st_mtime < STARTED_AT - 60:   # the launcher's own start-up comes before ours
+            request.unlink()
     except OSError:
         pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, restart = parse_train_args(argv)
     stop = StopFlag()
     stop.install()  # before setup: a stop during a slow model load is honoured once it finishes
+    if EARLY_SIGNALS:   # a stop that came while this module was still importing
+        stop.handle(EARLY_SIGNALS[0], None)
+        EARLY_SIGNALS.clear()
     try:
-        return train(cfg, stop)
+        return train(cfg, stop, restart)
     finally:
         stop.uninstall()
 
 
-def train(cfg: TrainConfig, stop: StopFlag) -> int:
+def train(cfg: TrainConfig, stop: StopFlag, restart: bool = False) -> int:
+    use_cpu = uses_cpu()
+    out = preflight(cfg, use_cpu)
+    claim = claim_run_dir(out, restart)
     try:
-        run = setup(cfg)
-    except Exception as exc:
-        write_failed_status(cfg, exc)
-        raise
-    run.stop = stop
+        drop_stale_stop_request(out)
+        # Stopped while starting: no model is loaded for nothing. (Several processes first agree, in fit.)
+        if stop.requested and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return stopped_before_start(cfg, out, stop)
+        try:
+            run = setup(cfg, out, use_cpu, fresh=restart)
+        except Exception as exc:
+            write_failed_status(cfg, out, exc)
+            raise
+        run.stop = stop
+        return train_run(run)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def train_run(run: Run) -> int:
     acc = run.accelerator
     record = RunStatus.of_this_process("running", run.start_step, run.total_steps, run.resumed_from)
     status = StatusWriter(run.out, record, write=acc.is_main_process)
@@ -470,15 +543,43 @@ def train(cfg: TrainConfig, stop: StopFlag) -> int:
         raise
     status.update(state=state)
     acc.end_training()
-    if run.stop.requested:   # one line and 130 (SIGINT) / 143 (SIGTERM), as every command stopped by a signal
-        if (run.out / STOP_REQUEST).exists():   # the app's Stop asked for "save and end": a normal end, exit 0
-            return 0
-        if acc.is_main_process:
-            print(f"interrupted ({run.stop.signal_name}) after step {status.record.step} of {run.total_steps}; "
-                  f"last checkpoint: {status.record.last_checkpoint}: rerun the same command to resume",
-                  file=sys.stderr)  # fmt: skip
-        return 143 if run.stop.signal_name == "SIGTERM" else 130
+    if run.stop.requested:
+        return stop_exit(run.out, run.stop, status.record.step, run.start_step, run.total_steps,
+                         status.record.last_checkpoint, acc.is_main_process)
     return 0
+
+
+def stopped_before_start(cfg: TrainConfig, out: Path, stop: StopFlag) -> int:
+    """Signalled before setup: record "stopped" where the run stands (step 0, or a resumable checkpoint's)."""
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    before = read_status(out) or RunStatus()
+    step = before.step or 0
+    checkpoints = list_checkpoints(out)
+    last = str(checkpoints[-1]) if checkpoints else None
+    if main_process:
+        write_status(out, RunStatus.of_this_process("stopped", step, before.max_steps or cfg.max_steps, last))
+    return stop_exit(out, stop, step, step, before.max_steps or cfg.max_steps, last, main_process)
+
+
+def stop_exit(out: Path, stop: StopFlag, step: int, start_step: int, total_steps, last_checkpoint,
+              main_process: bool) -> int:
+    """One line and 130 (SIGINT) / 143 (SIGTERM), as every command stopped by a signal; 0 when the app's Stop
+    asked for it (a requested end is a normal end)."""
+    requested = (out / STOP_REQUEST).exists()
+    if requested and int(os.environ.get("WORLD_SIZE", "1")) == 1:   # (other processes may still have to read it)
+        (out / STOP_REQUEST).unlink(missing_ok=True)   # read: a later run in this folder must not take it as its own
+    if step == start_step:
+        where = f"before step {step + 1}: nothing to save" + (f"; {last_checkpoint} is as it was"
+                                                                if last_checkpoint else "")
+    else:
+        where = f"after step {step} of {total_steps}; last checkpoint: {last_checkpoint}"
+    if requested:
+        if main_process:
+            print(f"[finetune.train] stopped ({stop.signal_name}) {where}", file=sys.stderr)
+        return 0
+    if main_process:
+        print(f"interrupted ({stop.signal_name}) {where}: rerun the same command to resume", file=sys.stderr)
+    return 143 if stop.signal_name == "SIGTERM" else 130
 
 
 def start_run_dir(run: Run) -> None:
