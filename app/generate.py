@@ -633,19 +633,24 @@ PREPARE_POLL_S = 2.0  # how often the page asks about the background model (gr.T
 def poll_default_model(choice, free_text="", picked=False, resolver: models.Resolver = models.BUILTINS):
     """Timer tick / page load: the background model's status line, and the switch to it once it is ready.
 
-    Returns (status markdown, picker update, examples update, timer update). The picker moves to
-    smollm2-mars only when it is ready, the user has not picked a model (`picked`, set by the picker's
-    input event) and the free field is empty; the examples follow it. The timer stops once nothing is
-    left to wait for (ready, failed, not available, never started).
+    Returns (status markdown, picker update, examples update, timer update, switch-button update). The picker
+    moves to smollm2-mars only when it is ready and the user has touched nothing (`picked`: set by the picker's
+    input event, and by typing in or picking for the prompt, so a prompt typed meanwhile is never replaced) and
+    the free field is empty; the examples follow it. When the user has touched something, a button offers the
+    switch instead. The timer stops once nothing is left to wait for (ready, failed, not available, never
+    started).
     """
     st = models.prepare_status()
     target = models.PREPARER.name
     stop = gr.Timer(active=False)
+    hidden = gr.update(visible=False)
     if st["state"] == "preparing":
-        return st["text"], gr.skip(), gr.skip(), gr.skip()
+        return st["text"], gr.skip(), gr.skip(), gr.skip(), hidden
     if st["state"] != "ready":
-        return st["text"], gr.skip(), gr.skip(), stop
-    if picked or (free_text or "").strip() or choice == target or target not in models.builtin_names():
-        return st["text"], gr.skip(), gr.skip(), stop
+        return st["text"], gr.skip(), gr.skip(), stop, hidden
+    if (free_text or "").strip() or choice == target or target not in models.builtin_names():
+        return st["text"], gr.skip(), gr.skip(), stop, hidden
+    if picked:
+        return st["text"], gr.skip(), gr.skip(), stop, gr.update(visible=True, value=f"Switch to {target}")
     return (st["text"], gr.update(choices=resolver.choices(), value=target),
-            gr.update(choices=models.example_prompts(target), value=None), stop)
+            gr.update(choices=models.example_prompts(target), value=None), stop, hidden)

@@ -10,6 +10,7 @@ results, and `PREPARER` builds and loads smollm2-mars in a background thread at 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -71,6 +72,16 @@ TEACHING_PROMPTS = [
     "Use the word 'momentum' in a sentence.",
     "Name three indoor plants.",
 ]
+
+# The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
+DEFAULT_TAUS: dict[str, float] = {}
+DEFAULT_TAU = 0.9
+
+
+def default_tau(name: str) -> float:
+    """The τ the race starts at for `name` (DEFAULT_TAUS, else 0.9)."""
+    return DEFAULT_TAUS.get(name, DEFAULT_TAU)
+
 
 _cache: dict[str, object] = {}
 _lock = threading.Lock()                    # guards _name_locks
@@ -273,7 +284,37 @@ def example_prompts(name: str, n: int = 6) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- background preparation
-PREPARE_ESTIMATE = "about 40 s, first start only"
+PREPARE_ESTIMATE = "first start on this machine: the time is measured now and shown from the next start"
+TIMES_FILE = "app-start-times.json"   # in the model cache: what the background preparation took on this machine
+
+
+def _times_path() -> Path:
+    """mars_core.sources.cache_dir's rule without importing it (it imports torch): MARS_CACHE_DIR, else
+    ~/.cache/mars-playground (tests/test_app.py keeps the two equal)."""
+    value = os.environ.get("MARS_CACHE_DIR", "")
+    return (Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "mars-playground") / TIMES_FILE
+
+
+def measured_times() -> dict:
+    """{"build_s", "load_s"} as last measured on this machine ({} when never, or unreadable)."""
+    try:
+        data = json.loads(_times_path().read_text(encoding="utf-8"))
+        return {k: float(v) for k, v in data.items() if k in ("build_s", "load_s")}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _record_time(key: str, seconds: float) -> None:
+    """Keep what a stage took here, for the next start's promise (a failure to write only loses the promise)."""
+    try:
+        from mars_core.storage import atomic_write_text
+
+        times = measured_times()
+        times[key] = round(seconds, 1)
+        _times_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(_times_path(), json.dumps(times))
+    except Exception:
+        pass
 
 
 class BackgroundPreparer:
@@ -293,6 +334,7 @@ class BackgroundPreparer:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.thread: threading.Thread | None = None
+        self.stage = ""   # what the thread does now: waiting, building, loading
 
     def start(self, wait_for: threading.Event | None = None, log=None, wait_limit_s: float = 300.0) -> bool:
         """Start the thread (once); False when the model is not available. The thread waits for
@@ -313,14 +355,19 @@ class BackgroundPreparer:
     def _run(self, wait_for, log, wait_limit_s) -> None:
         try:
             if wait_for is not None:
+                self.stage = "waiting"
                 wait_for.wait(wait_limit_s)
             from mars_core import loading
             first = not loading.is_prepared(self.name)
             with self._lock:
                 self.first_start = first
             if first:
+                self.stage, t0 = "building", time.monotonic()
                 loading.prepare(self.name)   # the slow one-time build, cached on disk
+                _record_time("build_s", time.monotonic() - t0)
+            self.stage, t0 = "loading", time.monotonic()
             get_model(self.name)             # load and warm up: a race on it starts at once
+            _record_time("load_s", time.monotonic() - t0)
             with self._lock:
                 self.state, self.finished_at = "ready", time.monotonic()
             if log:
@@ -347,12 +394,7 @@ class BackgroundPreparer:
         elapsed = 0.0 if t0 is None else (t1 if t1 is not None else time.monotonic()) - t0
         name = self.name
         if state == "preparing":
-            if first is False:
-                text = (f"◷ loading {name} (prepared on an earlier start: a few seconds) — {elapsed:.0f} s so far; "
-                        "the page works meanwhile")
-            else:
-                text = (f"◷ preparing {name}, {PREPARE_ESTIMATE} — {elapsed:.0f} s so far; "
-                        "the page works meanwhile")
+            text = f"◷ {name}: {self._stage_text(first)} — {elapsed:.0f} s so far; the page works meanwhile"
         elif state == "ready":
             text = f"✓ {name} ready (took {elapsed:.0f} s): the default model for free text"
         elif state == "failed":
@@ -363,6 +405,21 @@ class BackgroundPreparer:
         else:
             text = ""
         return {"state": state, "elapsed_s": elapsed, "error": error, "text": text}
+
+
+    def _stage_text(self, first: bool | None) -> str:
+        """The stage, with a time only where this machine measured one before (never a promise it did not keep)."""
+        times = measured_times()
+        stage = self.stage or "waiting"
+        if stage == "waiting" or first is None:
+            return "waiting for the start-up model to load first"
+        if stage == "building":
+            took = times.get("build_s")
+            when = f"took {took:.0f} s here last time" if took else PREPARE_ESTIMATE
+            return f"preparing once: converting the GGUF and merging the adapter ({when})"
+        took = times.get("load_s")
+        when = f"took {took:.0f} s here last time" if took else "not measured on this machine yet"
+        return f"loading and warming up ({when})"
 
 
 PREPARER = BackgroundPreparer()

@@ -33,6 +33,35 @@ STAT_DEFINITIONS = (
 )
 
 
+# The page's words, defined once: the glossary panel lists them and the stats table's labels show them on hover.
+GLOSSARY = {
+    "token": "a piece of text the model reads and writes: a word, part of a word, a digit or a sign",
+    "forward pass": "one run of the model over the new positions; it gives a prediction at every position it reads",
+    "mask": "a placeholder token appended after the text; the model predicts the token that belongs in its place",
+    "τ (tau)": "the confidence threshold: a mask's guess is kept only while its confidence is at least τ; "
+               "τ off (1) keeps none, which is exactly ordinary greedy (AR) decoding",
+    "AR": "autoregressive decoding: one token per forward pass, always the model's most likely next token",
+    "draft": "lossless MARS: a mask's guess kept for checking; the next forward pass compares it with AR's own "
+             "token there and keeps it only if they are equal",
+    "lossless": "the answer is exactly AR's: every token is checked against AR's choice before it counts",
+    "tokens per forward": "tokens written ÷ forward passes (the prompt's pass included); AR's is 1, and it is "
+                          "the ceiling of any speedup",
+    "speedup": "AR's time ÷ this lane's time for the same answer, measured again after the race",
+    "time ratio": "the same division when the answers differ: a comparison of different work, not a speedup",
+}
+
+
+def glossary_html() -> str:
+    """The glossary panel: every word the page uses, one line each."""
+    rows = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in GLOSSARY.items())
+    return f'<dl class="glossary">{rows}</dl>'
+
+
+def gloss(word: str, text: str | None = None) -> str:
+    """`text` (default `word`) with the glossary's definition of `word` on hover."""
+    return f'<span class="gloss" title="{_esc(GLOSSARY[word])}">{_esc(text or word)}</span>'
+
+
 def comparison_html(c: Comparison | None, lane_label: str) -> str:
     if c is None:
         return ""
@@ -101,6 +130,7 @@ def _verify_chunk(side: SideRecord, k: int, s: StepRecord) -> str:
         tips.append(f"  new drafts{' copied from earlier text' if s.draft_source == 'prompt' else ''} (checked next "
                     "step): " + " ".join(_visible(t) for t in s.drafts))
     return (f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" data-n="{s.n_accepted}" '
+            f'data-ms="{s.step_time * 1000:.3f}" '
             f'data-confirmed="{c}" data-rejected="{0 if s.rejected is None else 1}" '
             f'style="background:{chunk_colour(max(1, s.n_accepted))}" '
             f'title="{_esc(chr(10).join(tips))}">{"".join(parts)}</span>')
@@ -128,7 +158,8 @@ def render_chunks(side: SideRecord, placeholder: str = "") -> str:
             conf = s.confidences[j] if j < len(s.confidences) else float("nan")
             tips.append(f"  {_visible(tok)}  conf {conf:.3f}")
         parts.append(f'<span class="chunk n{min(s.n_accepted, 6)}" data-step="{s.step}" '
-                     f'data-n="{s.n_accepted}" style="background:{chunk_colour(s.n_accepted)}" '
+                     f'data-n="{s.n_accepted}" data-ms="{s.step_time * 1000:.3f}" '
+                     f'style="background:{chunk_colour(s.n_accepted)}" '
                      f'title="{_esc(chr(10).join(tips))}">{_esc(s.text)}</span>')
     if side.note and not side.steps:
         body = f'<span class="placeholder lane-note">{_esc(side.note)}</span>'
@@ -143,7 +174,21 @@ def render_chunks(side: SideRecord, placeholder: str = "") -> str:
     if side.mode == "verify" and any(s.draft_source == "prompt" for s in side.steps):
         key = ('<div class="lane-key"><span class="verified from-prompt">copied</span> = drafts copied from earlier '
                'text (prompt lookup), confirmed by the next forward</div>')
-    return f'<div class="race-text" data-side="{side.mode}">{body}{cursor}</div>{key}'
+    finished = "1" if side.finished or (side.note and not side.steps) else "0"
+    return (f'{lane_score_html(side)}<div class="race-text" data-side="{side.mode}" data-finished="{finished}" '
+            f'data-forwards="{side.forwards}">{body}{cursor}</div>{key}')
+
+
+def lane_score_html(side: SideRecord) -> str:
+    """One lane's two big numbers: tokens per forward (tokens ÷ forwards, the prompt pass included, as in the
+    stats table) and tokens per second of the lane's own compute (tokens ÷ the sum of its forward times). The
+    replay (app/replay.js) recomputes both from the chunks it shows, by the same definitions."""
+    tpf = f"{side.tokens_per_forward:.2f}" if side.steps else "–"
+    tps = f"{side.tokens_per_s:.0f}" if side.steps and side.compute_time > 0 else "–"
+    return (f'<div class="lane-score" data-side="{side.mode}"><span class="score"><b class="score-tpf">{tpf}</b> '
+            f'<small>tokens/forward</small></span><span class="score" title="tokens per second of this lane\'s own '
+            f'compute: its tokens ÷ the sum of its forward-pass times"><b class="score-tps">{tps}</b> '
+            f'<small>tokens/s</small></span></div>')
 
 
 # ----------------------------------------------------------------------------- stats
@@ -192,8 +237,9 @@ def render_stats(sides: dict, measured: dict | None = None, ar_label: str = "AR"
             return "yes" if compare(side.token_strings, ar.token_strings).identical else "no"
         return _status(side)
 
-    rows = [("forwards", "forwards"), ("tokens", "tokens"), ("tpf", "tokens/forward"), ("tps", "tokens/s"),
-            ("time", "time (s)"), ("drafts", "drafts confirmed"), ("same", "same answer as AR"),
+    rows = [("forwards", gloss("forward pass", "forwards")), ("tokens", gloss("token", "tokens")),
+            ("tpf", gloss("tokens per forward", "tokens/forward")), ("tps", "tokens/s"),
+            ("time", "time (s)"), ("drafts", gloss("draft", "drafts confirmed")), ("same", "same answer as AR"),
             ("status", "status")]
     head = "".join(f"<th>{_esc(ar_label if n == 'ar' else sides[n].label)}</th>" for n in lanes)
     body = "".join(f"<tr><th>{label}</th>" + "".join(f"<td class='stat-{key}-{n}'>{cell(sides[n], key)}</td>"

@@ -10,7 +10,7 @@ import gradio as gr
 from app import explorer, finetune_ui, generate, learn, models, notices
 from app.plots import empty_figure
 from app.race import LANE_LABELS, LANES, SideRecord
-from app.render import STAT_DEFINITIONS, legend_html, render_chunks, render_ledger, render_stats
+from app.render import STAT_DEFINITIONS, glossary_html, legend_html, render_chunks, render_ledger, render_stats
 from app.runs import JobManager
 
 CSS = """
@@ -82,17 +82,74 @@ del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; backgro
 .job .ckpt {font-size: 12px; color: #4b5563; margin-top: 4px;}
 """
 
+CSS += """
+/* the projector layout: prompt, Race and τ on top, the three lanes side by side from 1024 px, stacked on a phone */
+#race-controls {gap: 8px;}
+#intro p {margin: 0; font-size: 14px;}
+#model-status p, #prep-status p {margin: 0; font-size: 13px;}
+#model-status, #prep-status {min-height: 0 !important; padding: 0 !important;}
+#tau-row {align-items: center;}
+#tau-label {flex-grow: 0 !important; min-width: 28px !important;}
+.tau-label {font-size: 26px; font-weight: 700; color: #4338ca; cursor: help; padding: 0 4px;}
+#status-block, #status-after, #status-top {gap: 0 !important;}
+#status-block > div:not(:has(*:not(:empty))) {display: none;}
+#status-block p {margin: 2px 0;}
+#race-controls textarea {font-size: 16px;}
+#generate-btn {min-height: 44px; font-size: 18px;}
+#lanes {flex-wrap: nowrap; gap: 8px;}
+#lanes > .race-pane {min-width: 0 !important;}
+@media (max-width: 760px) {#lanes {flex-wrap: wrap;} #lanes > .race-pane {min-width: 100% !important;}}
+.race-pane h3 {font-size: 16px; min-height: 0; margin: 0; white-space: nowrap; overflow: hidden;
+               text-overflow: ellipsis;}
+.race-pane h3 small {font-weight: 400; color: #6b7280; font-size: 12px;}
+.race-pane {padding: 6px 10px !important; gap: 4px !important;}
+.lane-score {display: flex; gap: 14px; align-items: baseline; margin: 0 0 4px 0; flex-wrap: wrap;}
+.lane-score .score b {font-size: 20px; color: #111827;}
+.lane-score .score small {font-size: 12px; color: #4b5563;}
+.race-text {min-height: 90px;}
+#replay-bar {display: flex; gap: 6px; align-items: center; flex-wrap: wrap; font-size: 14px; margin: 2px 0;}
+#replay-bar button {padding: 2px 10px; border: 1px solid #d1d5db; border-radius: 6px; background: #f9fafb;
+                    cursor: pointer; font-size: 14px;}
+#replay-bar button:disabled {opacity: 0.45; cursor: default;}
+#replay-bar input[type=range] {width: 110px;}
+#replay-where {color: #374151; margin-left: 6px;}
+.gloss {border-bottom: 1px dotted #6b7280; cursor: help;}
+.glossary dt {font-weight: 700; margin-top: 6px;} .glossary dd {margin: 0 0 0 16px; font-size: 15px;}
+"""
+
+# The replay's controls (app/replay.js runs them in the browser; a race must have finished first).
+REPLAY_BAR = """<div id="replay-bar" title="Replays the finished race without the model: k forward passes in every lane">
+<b>Replay</b><button id="replay-start" disabled>|◀ start</button><button id="replay-back" disabled>◀ back</button>
+<button id="replay-play" disabled>▶ play</button><button id="replay-step" disabled>step ▶</button>
+<button id="replay-end" disabled>all ▶|</button>
+<input id="replay-delay" type="range" min="50" max="2000" step="50" value="400" aria-label="delay per forward pass">
+<span id="replay-delay-value">400 ms/forward</span><span id="replay-where">after a race</span></div>"""
+
+# Presentation mode keys on the page's <body>, which Gradio's scoped `css` cannot reach: it goes in the head.
+PRESENT_CSS = """/* presentation mode (the toggle, or ?present=1): big lane text and numbers, the rest out of the way */
+body.present .race-text {font-size: 22px !important; line-height: 1.7 !important; max-height: 60vh !important;}
+body.present .lane-score .score b {font-size: 34px !important;}
+body.present .lane-score .score small {font-size: 15px !important;}
+body.present #intro, body.present #status-top, body.present #advanced, body.present .defs,
+body.present #teach-note, body.present #glossary {display: none !important;}
+body.present .race-pane h3 {font-size: 18px !important;}
+"""
+HEAD = ("<style>" + PRESENT_CSS + "</style><script>"
+        + (Path(__file__).resolve().parent / "replay.js").read_text(encoding="utf-8") + "</script>")
+
 RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
 
-INTRO = """# MARS Playground
-**MARS** (Mask AutoRegression, arXiv 2604.07023) fine-tunes an ordinary causal LM so that one forward pass can
-emit several tokens: after the committed text come `B` mask tokens; the model predicts a candidate for each and
-keeps them left to right while their confidence is at least **τ**. Easy spans arrive several tokens at a time,
-hard tokens one by one — and with τ off it is exactly greedy AR decoding."""
+INTRO = """**MARS Playground** · several tokens in one forward pass: guesses behind
+<span class="gloss" title="mask: a placeholder token after the text; the model guesses the token behind it">masks</span>
+are kept while their confidence ≥
+<span class="gloss" title="τ: the confidence a guess needs to be kept; τ off (1) is exactly ordinary greedy decoding">τ</span>
+· words in the glossary below the race"""
 
-PANE_TITLES = {"ar": "AR baseline (one token per forward)",
-               "verify": "MARS lossless (drafts checked: exactly AR's answer)",
-               "mars": "MARS (multi-token, lossy below τ = 1)"}
+PANE_TITLES = {"ar": "AR baseline", "verify": "MARS lossless", "mars": "MARS"}
+# each lane's title says what it is on hover (the glossary panel says it at length)
+PANE_TIPS = {"ar": "ordinary greedy decoding: one token per forward pass",
+             "verify": "the masks' guesses become drafts that the next forward pass checks: exactly AR's answer",
+             "mars": "guesses kept while their confidence is at least τ: several tokens per pass, lossy below τ = 1"}
 
 # The API names what a user does (API_NAMES); every other event only keeps the page in step, so it stays out of
 # the API (private: not listed, not callable by gradio_client), else Gradio lists it as /partial_7, /lambda, …
@@ -111,7 +168,7 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
     resolver = models.Resolver(jobs)   # the page's one way from a model choice ("run:<name>" too) to a model
     start_model = models.DEFAULT_MODEL if default_model is None else default_model
     with gr.Blocks(title="MARS Playground", analytics_enabled=False) as demo:
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO, elem_id="intro")
         bar = _model_bar(jobs, start_model, picked=default_model is not None)
         with gr.Tabs():
             gen = _generate_tab(start_model)
@@ -148,92 +205,121 @@ def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
     with gr.Row(equal_height=True):
         # wide enough for the longest label in full (a cut "SmolLM2-135M taught MA…" hid what the model is)
         bar.model = gr.Dropdown(models.Resolver(jobs).choices(), value=start_model if listed else models.DEFAULT_MODEL,
-                                label="Model", scale=6, min_width=600, elem_id="model-picker")
-        bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=3,
-                              max_length=300, placeholder="/path/to/checkpoint or owner/model (overrides the list)")
+                                label="Model", scale=5, min_width=330, elem_id="model-picker")
+        bar.free = gr.Textbox(value="" if listed else start_model, label="…or a local path / hub id", scale=2,
+                              min_width=160, max_length=300, max_lines=1,
+                              placeholder="path or owner/model (overrides the list)")
         # names only: the model picker beside it describes them, and a narrow field cuts a description
         bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + [(n, n) for n in models.builtin_names()],
-                                    value=models.SAME_MODEL, label="AR baseline", scale=2, min_width=200,
+                                    value=models.SAME_MODEL, label="AR baseline", scale=2, min_width=160,
                                     elem_id="ar-picker")
-        bar.load_btn = gr.Button("Load model", scale=1, min_width=120)
-    bar.model_status = gr.Markdown("", elem_id="model-status")
-    # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
-    bar.prep_status = gr.Markdown("", elem_id="prep-status")
+        bar.load_btn = gr.Button("Load model", scale=1, min_width=100)
+    with gr.Column(elem_id="status-top"):   # two short lines, no gap: the race stays on a projector's screen
+        bar.model_status = gr.Markdown("", elem_id="model-status")
+        # the background model (smollm2-mars): "preparing … s so far" until ready, polled by prep_timer
+        with gr.Row(equal_height=True):
+            bar.prep_status = gr.Markdown("", elem_id="prep-status")
+            # shown when the background model is ready but the user has touched the page: the switch is theirs
+            bar.switch_btn = gr.Button("Switch", size="sm", visible=False, scale=0, min_width=200,
+                                       elem_id="switch-default")
     bar.prep_timer = gr.Timer(generate.PREPARE_POLL_S)
     bar.picked = gr.State(picked)  # True once the user chose a model: the page then never switches it
     return bar
 
 
 def _generate_tab(start_model: str) -> SimpleNamespace:
-    """The race's settings and buttons; its panes and results come from _race_view."""
+    """The race: prompt, examples, Race and τ first (they and the lanes' first lines fit a 1024×768 projector),
+    then the lanes, the replay bar and the numbers; everything else folds into "Advanced settings" below."""
     gen = SimpleNamespace()
     first_examples = models.example_prompts(start_model)
     first_prompt = first_examples[0] if first_examples else ""
-    first_notice = notices.notice(start_model, first_prompt, 0.9)[0]
+    first_notice = notices.notice(start_model, first_prompt, models.default_tau(start_model))[0]
     with gr.Tab("Generate", id="generate"):
-        with gr.Row():
+        with gr.Row(equal_height=True, elem_id="race-controls"):
             # no max_length: the browser would cut a long prompt silently; the handler cuts it with a note
-            gen.prompt = gr.Textbox(value=first_prompt, label="Prompt", lines=2, scale=4, elem_id="prompt",
-                                    info=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
+            gen.prompt = gr.Textbox(value=first_prompt, label="Prompt", lines=2, max_lines=4, scale=5,
+                                    elem_id="prompt",
+                                    placeholder=f"at most {generate.MAX_PROMPT_CHARS:,} characters are used")
             # it shows the example the prompt holds (an empty list looked like no examples at all)
-            gen.examples = gr.Dropdown(first_examples, value=first_prompt or None, scale=2, elem_id="examples",
-                                       label="Example prompts for this model (pick one to use it)")
-        with gr.Row(equal_height=True):
-            gen.tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX, value=0.9, step=0.01,
-                                                 label="τ (confidence threshold)", scale=3, elem_id="tau",
-                                                 info="lower = more tokens per forward, less fidelity (lossy MARS)"))
-            gen.tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, elem_id="tau-off")
-            gen.block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
-            gen.max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
-                                                     label="max new tokens", scale=2, elem_id="max-new"))
-            gen.temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05,
-                                                         label="temperature (0 = greedy)", scale=2,
-                                                         elem_id="temperature"))
-            gen.seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False, elem_id="seed",
-                                 info="same seed, same sample")
-            gen.criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
-                                        elem_id="criterion", info="what must reach τ (the paper: probability)")
-        with gr.Row():
-            gen.go_btn = gr.Button("▶ Race AR vs lossless MARS vs MARS", variant="primary", scale=3,
-                                   elem_id="generate-btn")
-            # string values: the API documents a dropdown's values as strings, and inputs.check_slow_motion
-            # turns them back into the factor
-            gen.slow_motion = gr.Dropdown([(label, str(v)) for label, v in generate.SLOW_MOTION], value="1",
-                                          show_label=False, scale=1,
-                                          elem_id="slow-motion", container=False)
-            gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
-                                            elem_id="measure-after", container=False)
-            gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value=generate.FASTEST,
-                                           label="lossless drafts", scale=2, min_width=330, elem_id="draft-layout",
-                                           info="fastest: all of B's masks, one mask, or one mask + runner-ups, "
-                                                "whichever a short timed decode of this model finds fastest here; "
-                                                "after every draft: a rejection no longer leaves the next pass "
-                                                "without drafts, at more positions per pass")
-            gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1, elem_id="copy-drafts",
-                                          info="prompt lookup: draft what followed the same tokens earlier")
-            gen.tau_status = gr.Markdown("", elem_id="tau-status")
-        first_note = notices.teaching_note(start_model)
-        gen.teach_note = gr.Markdown(first_note, elem_id="teach-note", visible=bool(first_note))
-        gen.notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
-        with gr.Row():
-            gen.notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
-            gen.notice_off_btn = gr.Button("Use one-token mode (τ off)", size="sm", visible=False,
-                                           elem_id="notice-off")
-        gen.race_status = gr.Markdown("", elem_id="race-status")
+            gen.examples = gr.Dropdown(first_examples, value=first_prompt or None, elem_id="examples", scale=3,
+                                       min_width=240, label="Example prompts for this model")
+        with gr.Row(equal_height=True, elem_id="tau-row"):
+            gr.HTML('<span class="tau-label" title="τ: the confidence a guess needs to be kept; lower = more '
+                    'tokens per forward, less fidelity; τ off = exactly greedy AR">τ</span>', min_height=0,
+                    padding=False, elem_id="tau-label")
+            gen.tau = generate.lenient(gr.Slider(generate.TAU_MIN, generate.TAU_MAX,
+                                                 value=models.default_tau(start_model), step=0.01,
+                                                 label="τ, the confidence threshold (lower: more tokens per "
+                                                       "forward, less fidelity)", scale=5, elem_id="tau",
+                                                 container=False))
+            gen.tau_off = gr.Checkbox(False, label="τ off (one-token mode)", scale=1, min_width=150,
+                                      elem_id="tau-off")
+            gen.present = gr.Checkbox(False, label="presentation mode", scale=1, min_width=150,
+                                      elem_id="present-toggle")
+            gen.go_btn = gr.Button("▶ Race", variant="primary", elem_id="generate-btn", size="lg", scale=2,
+                                   min_width=160)
+        with gr.Column(elem_id="status-block"):   # empty lines take no room (CSS): the lanes stay on screen
+            first_note = notices.teaching_note(start_model)
+            gen.teach_note = gr.Markdown(first_note, elem_id="teach-note", visible=bool(first_note))
+            gen.notice = gr.Markdown(first_notice, elem_id="notice", visible=bool(first_notice))
+            with gr.Row():
+                gen.notice_model_btn = gr.Button("Switch model", size="sm", visible=False, elem_id="notice-model")
+                gen.notice_off_btn = gr.Button("Use one-token mode (τ off)", size="sm", visible=False,
+                                               elem_id="notice-off")
         _race_view(gen)
+        with gr.Accordion("Glossary: the words of this page", open=False, elem_id="glossary"):
+            gr.HTML(glossary_html())
+        with gr.Accordion("Advanced settings: block size, tokens, sampling, confidence, lossless drafts, timing",
+                          open=False, elem_id="advanced"):
+            with gr.Row(equal_height=True):
+                gen.block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
+                gen.max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
+                                                         label="max new tokens", scale=2, elem_id="max-new"))
+                gen.temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05,
+                                                             label="temperature (0 = greedy)", scale=2,
+                                                             elem_id="temperature"))
+                gen.seed = gr.Number(0, label="seed (sampling)", precision=0, scale=1, visible=False,
+                                     elem_id="seed", info="same seed, same sample")
+                gen.criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence", scale=2,
+                                            elem_id="criterion", info="what must reach τ (the paper: probability)")
+            with gr.Row():
+                gen.draft_layout = gr.Dropdown(generate.LAYOUT_CHOICES, value=generate.FASTEST,
+                                               label="lossless drafts", scale=3, min_width=330,
+                                               elem_id="draft-layout",
+                                               info="fastest: all of B's masks, one mask, or one mask + runner-ups, "
+                                                    "whichever a short timed decode of this model finds fastest "
+                                                    "here; after every draft: a rejection no longer leaves the "
+                                                    "next pass without drafts, at more positions per pass")
+                gen.copy_drafts = gr.Checkbox(False, label="copy drafts from the prompt", scale=1,
+                                              elem_id="copy-drafts",
+                                              info="prompt lookup: draft what followed the same tokens earlier")
+                # string values: the API documents a dropdown's values as strings, and inputs.check_slow_motion
+                # turns them back into the factor
+                gen.slow_motion = gr.Dropdown([(label, str(v)) for label, v in generate.SLOW_MOTION], value="1",
+                                              label="live slow motion (slows the decoding itself; the replay "
+                                                    "above slows nothing)", scale=2, elem_id="slow-motion")
+                gen.measure_after = gr.Checkbox(True, label="then time again (the quotable speedup)", scale=1,
+                                                elem_id="measure-after")
     return gen
 
 
 def _race_view(gen: SimpleNamespace) -> None:
-    """The three lanes side by side, then the stats, the plots and the step ledger (added to `gen`)."""
-    gr.HTML(legend_html(8))
+    """The replay bar, the three lanes side by side, then the legend, the stats, the plots and the step ledger
+    (added to `gen`)."""
+    gr.HTML(REPLAY_BAR, elem_id="replay")
     gen.panes = {}
-    with gr.Row(equal_height=True):
+    with gr.Row(equal_height=True, elem_id="lanes"):
         for lane in LANES:
-            with gr.Column(elem_classes="race-pane"):
-                gr.Markdown(f"### {PANE_TITLES[lane]}")
+            with gr.Column(elem_classes="race-pane", min_width=200):
+                gr.HTML(f'<h3 class="pane-title" title="{PANE_TIPS[lane]}">{PANE_TITLES[lane]} '
+                        f'<small>{PANE_TIPS[lane].split(":")[0]}</small></h3>', padding=False)
                 gen.panes[lane] = gr.HTML(render_chunks(SideRecord(LANE_LABELS[lane], lane),
                                                         generate.PLACEHOLDERS[lane]), elem_id=f"{lane}-pane")
+    # below the lanes: a race's notes and the timing's progress must not push the lanes off a projector
+    with gr.Column(elem_id="status-after"):
+        gen.race_status = gr.Markdown("", elem_id="race-status")
+        gen.tau_status = gr.Markdown("", elem_id="tau-status")
+    gr.HTML(legend_html(8))
     with gr.Row():
         with gr.Column(scale=3):
             gen.stats = gr.HTML(render_stats(generate.empty_sides()), elem_id="stats")
@@ -243,7 +329,7 @@ def _race_view(gen: SimpleNamespace) -> None:
         gen.tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
         gen.acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
     gen.diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
-    with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
+    with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=False):
         with gr.Row():
             gen.ledger_side = gr.Radio(list(generate.LEDGER_LANES), value="MARS", label="lane", scale=1)
             gen.ledger_step = gr.Slider(0, 1, value=0, step=1, label="forward pass (step)", scale=4,
@@ -363,11 +449,19 @@ def _wire_model_bar(demo, bar, gen, resolver: models.Resolver) -> None:
             load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
     gen.examples.change(generate.use_example, [gen.examples, gen.prompt], gen.prompt, **PRIVATE)
     demo.load(load, model_inputs, bar.model_status, show_progress="hidden", **PRIVATE)
+    # ?present=1 opens the page in presentation mode (app/replay.js sets the look; this ticks the box to match)
+    demo.load(None, None, gen.present, js="() => new URLSearchParams(location.search).get('present') === '1'",
+              **QUICK)
     # A user's own choice (a picker event from the browser, not the poll's update) pins the model.
     bar.model.input(lambda: True, None, bar.picked, **QUICK)
+    # so does the user's own prompt (typed, or an example picked): the page then never replaces it by itself
+    for event in (gen.prompt.input, gen.examples.input):
+        event(lambda: True, None, bar.picked, **QUICK)
+    bar.switch_btn.click(lambda: (gr.update(value=models.PREPARER.name), gr.update(visible=False)), None,
+                         [bar.model, bar.switch_btn], **QUICK)
     poll = partial(generate.poll_default_model, resolver=resolver)
     prep_inputs = [bar.model, bar.free, bar.picked]
-    prep_outputs = [bar.prep_status, bar.model, gen.examples, bar.prep_timer]
+    prep_outputs = [bar.prep_status, bar.model, gen.examples, bar.prep_timer, bar.switch_btn]
     bar.prep_timer.tick(poll, prep_inputs, prep_outputs, **QUICK)
     demo.load(poll, prep_inputs, prep_outputs, show_progress="hidden", **PRIVATE)
 
@@ -387,6 +481,9 @@ def _wire_notices(bar, gen, resolver: models.Resolver) -> None:
 
 
 def _wire_race(bar, gen, resolver: models.Resolver) -> None:
+    # presentation mode is the page's look only: a body class, no server round trip
+    gen.present.change(None, gen.present, None, js="(on) => { document.body.classList.toggle('present', on); }",
+                       **QUICK)
     gen.temperature.change(generate.show_seed, gen.temperature, gen.seed, **QUICK)
     outputs = [gen.race_status, gen.tau_status, *(gen.panes[n] for n in LANES), gen.stats,
                gen.tpf_plot, gen.acc_plot, gen.diff_plot, gen.ledger_step, gen.ledger, gen.race_state]

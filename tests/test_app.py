@@ -625,9 +625,11 @@ def test_example_prompts_are_natural_for_smollm2_and_task_prompts_for_tiny():
 
 
 @pytest.fixture()
-def preparer(monkeypatch):
-    """A fresh background preparer for smollm2-mars with fake prepare / is_prepared / get_model."""
+def preparer(monkeypatch, tmp_path):
+    """A fresh background preparer for smollm2-mars with fake prepare / is_prepared / get_model; the times it
+    records go to a cache of its own (fake times in the real cache would be promised to the next real start)."""
     from mars_core import loading
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     calls = {"prepare": [], "get_model": []}
     gates = {"prepare": None, "get_model": None}
     state = {"prepared": False, "prepare_error": None}
@@ -675,7 +677,7 @@ def test_preparer_goes_from_preparing_to_ready(preparer):
     assert models.start_background_prepare(wait_for=waited)
     st = models.prepare_status()
     assert st["state"] == "preparing"
-    assert "preparing smollm2-mars, about 40 s, first start only" in st["text"] and "s so far" in st["text"]
+    assert "waiting for the start-up model" in st["text"] and "s so far" in st["text"]
     time.sleep(0.2)
     assert calls["prepare"] == []                    # it waits for the start-up model first
     waited.set()
@@ -683,9 +685,9 @@ def test_preparer_goes_from_preparing_to_ready(preparer):
     while not calls["prepare"] and time.time() < deadline:
         time.sleep(0.01)
     assert calls["prepare"] == ["smollm2-mars"] and calls["get_model"] == []
-    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
-    assert "preparing smollm2-mars" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
-    assert "preparing smollm2-mars" in models.loading_note("smollm2-mars") and models.loading_note("tiny-mars") == ""
+    text, picker, examples, timer, switch = generate.poll_default_model("tiny-mars", "", False)
+    assert "preparing once" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
+    assert "preparing once" in models.loading_note("smollm2-mars") and models.loading_note("tiny-mars") == ""
     gates["prepare"].set()
     assert prep.wait(10)
     assert calls["get_model"] == ["smollm2-mars"]    # loaded (and warmed) right after the build
@@ -704,7 +706,7 @@ def test_preparer_loads_a_model_built_on_an_earlier_start_in_the_background(prep
     while not calls["get_model"] and time.time() < deadline:
         time.sleep(0.01)
     st = prep.status()
-    assert st["state"] == "preparing" and "earlier start" in st["text"] and "about 40 s" not in st["text"]
+    assert st["state"] == "preparing" and "loading and warming up" in st["text"] and "preparing once" not in st["text"]
     gates["get_model"].set()
     assert prep.wait(10) and prep.status()["state"] == "ready"
     assert calls["prepare"] == []                    # nothing to build
@@ -729,7 +731,7 @@ def test_a_failing_prepare_says_why_in_one_line_and_the_app_stays_on_tiny_mars(p
     assert logged == [f"smollm2-mars unavailable: {line} (free text stays on tiny-mars)"]
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
-    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    text, picker, examples, timer, switch = generate.poll_default_model("tiny-mars", "", False)
     assert text == st["text"] and _is_skip(picker) and _is_skip(examples) and _stops(timer)
     assert models.task_model("tiny-mars", "", False) == "tiny-mars"
     assert models.resolve("tiny-mars") == "tiny-mars"
@@ -755,7 +757,7 @@ def _ready_preparer(monkeypatch, tmp_path):
 
 def test_poll_switches_the_default_to_smollm2_mars_only_when_the_user_has_not_picked(monkeypatch, tmp_path):
     _ready_preparer(monkeypatch, tmp_path)
-    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
+    text, picker, examples, timer, switch = generate.poll_default_model("tiny-mars", "", False)
     assert text == "✓ smollm2-mars ready (took 38 s): the default model for free text"
     assert picker["value"] == "smollm2-mars" and "smollm2-mars" in _values(picker["choices"])
     assert examples["choices"] == models.example_prompts("smollm2-mars") and examples["value"] is None
@@ -764,12 +766,14 @@ def test_poll_switches_the_default_to_smollm2_mars_only_when_the_user_has_not_pi
                                  ("tiny-ar-sft", "", True),
                                  ("tiny-mars", "owner/model", False),   # a typed model overrides the list
                                  ("smollm2-mars", "", False)):          # already there
-        text, picker, examples, timer = generate.poll_default_model(choice, free, picked)
+        text, picker, examples, timer, switch = generate.poll_default_model(choice, free, picked)
         assert "ready" in text and _is_skip(picker) and _is_skip(examples) and _stops(timer), (choice, free)
+        # touched (picked a model, typed a prompt): the switch is offered as a button, never made
+        assert switch["visible"] is (picked and choice != "smollm2-mars"), (choice, free, picked)
     # while it is still preparing nothing switches, and the timer keeps running
     models.PREPARER.state, models.PREPARER.finished_at = "preparing", None
-    text, picker, examples, timer = generate.poll_default_model("tiny-mars", "", False)
-    assert "preparing" in text and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
+    text, picker, examples, timer, switch = generate.poll_default_model("tiny-mars", "", False)
+    assert text.startswith("◷ smollm2-mars") and _is_skip(picker) and _is_skip(examples) and _is_skip(timer)
 
 
 def test_the_switch_to_smollm2_mars_keeps_the_pickers_labels(monkeypatch, tmp_path):
@@ -784,7 +788,7 @@ def test_the_switch_to_smollm2_mars_keeps_the_pickers_labels(monkeypatch, tmp_pa
     demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs")
     first = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-picker").choices
     poll = next(f for f in demo.fns.values() if getattr(f.fn, "func", None) is generate.poll_default_model)
-    text, picker, examples, timer = poll.fn("tiny-mars", "", False)   # the page's own poll, with its resolver
+    text, picker, examples, timer, switch = poll.fn("tiny-mars", "", False)   # the page's own poll, with its resolver
     assert picker["value"] == "smollm2-mars"
     run_label = ("run: 20261202-000000-mars (your finetune) ⚠ barely trained: 3 steps", "run:20261202-000000-mars")
     assert run_label in [tuple(c) for c in first]
@@ -949,3 +953,22 @@ def test_the_app_finds_the_assets_where_mars_core_does(monkeypatch, tmp_path, as
 def test_the_criteria_the_page_offers_are_the_decoder_s_in_its_order():
     from mars_core.config import CRITERIA
     assert [c for _, c in generate.CRITERION_CHOICES] == list(CRITERIA)
+
+
+def test_start_up_promises_only_times_measured_on_this_machine(monkeypatch, tmp_path):
+    """The background model's line names its stage and gives a time only when this machine measured one before;
+    the times file sits where mars_core puts its cache."""
+    from mars_core.sources import cache_dir
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    assert models._times_path().parent == cache_dir()
+    prep = models.BackgroundPreparer("smollm2-mars", available=lambda: True)
+    prep.state, prep.first_start, prep.started_at, prep.stage = "preparing", True, time.monotonic(), "building"
+    assert "not measured" not in prep.status()["text"] and "measured now" in prep.status()["text"]
+    assert "took" not in prep.status()["text"]
+    models._record_time("build_s", 37.4)
+    models._record_time("load_s", 12.0)
+    assert models.measured_times() == {"build_s": 37.4, "load_s": 12.0}
+    assert "took 37 s here last time" in prep.status()["text"]
+    prep.first_start, prep.stage = False, "loading"
+    assert "loading and warming up (took 12 s here last time)" in prep.status()["text"]

@@ -105,12 +105,16 @@ def app_server(tmp_path_factory):
     log.close()
 
 
-def open_page(browser, url: str):
-    """A page of the app in a context of its own (its own Gradio session), loaded; close with page.context.close()."""
-    pg = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+def open_page(browser, url: str, viewport: tuple[int, int] = (1440, 1000), advanced: bool = True):
+    """A page of the app in a context of its own (its own Gradio session), loaded; close with page.context.close().
+    `advanced`: the Generate tab's "Advanced settings" opened, so the tests can reach every control."""
+    pg = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}).new_page()
     pg.set_default_timeout(60_000)
     pg.goto(url)
     pg.wait_for_selector("#generate-btn")
+    if advanced:
+        pg.locator("#advanced").get_by_text("Advanced settings").first.click()
+        pg.wait_for_selector("#max-new", state="visible")
     return pg
 
 
