@@ -329,7 +329,7 @@ def _race_view(gen: SimpleNamespace) -> None:
         gen.tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
         gen.acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
     gen.diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
-    with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=False):
+    with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
         with gr.Row():
             gen.ledger_side = gr.Radio(list(generate.LEDGER_LANES), value="MARS", label="lane", scale=1)
             gen.ledger_step = gr.Slider(0, 1, value=0, step=1, label="forward pass (step)", scale=4,

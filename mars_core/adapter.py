@@ -10,7 +10,9 @@ A folder holds
   adapter.safetensors   "<module>.lora_A" [r, in] and "<module>.lora_B" [out, r] for each adapted nn.Linear
                         (module paths inside the CausalLM, e.g. "model.layers.0.self_attn.q_proj"), in the
                         config's dtype; optionally "mask_row" [hidden] in float32, the trained embedding
-                        row of the mask token
+                        row of the mask token, and "<module>.norm_weight" [hidden] in float32: the new weight
+                        of a normalisation layer (a full fine-tune changes those 1-D weights, which no low-rank
+                        delta can hold; finetune.export_delta writes them)
   adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id", "mask_token",
                          "block_size", "dtype", ...extra}
   README.md             (optional) how it was made
@@ -36,6 +38,7 @@ FORMATS = (FORMAT, GATED_FORMAT)
 WEIGHTS_FILE = "adapter.safetensors"
 CONFIG_FILE = "adapter_config.json"
 MASK_ROW_KEY = "mask_row"
+NORM_SUFFIX = "norm_weight"   # "<module>.norm_weight": a normalisation layer's new weight, replacing the base's
 REQUIRED_KEYS = ("format", "base", "r", "alpha", "mask_id", "mask_token", "block_size", "dtype")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEFT_PREFIX = "base_model.model."
@@ -200,8 +203,27 @@ def is_gated(cfg: dict) -> bool:
     return cfg["format"] == GATED_FORMAT
 
 
+def read_norms(adapter_dir) -> dict[str, torch.Tensor]:
+    """{module path: new weight} of the normalisation layers an adapter replaces ({} for a plain LoRA adapter)."""
+    from safetensors import safe_open
+
+    path = Path(adapter_dir) / WEIGHTS_FILE
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            module, _, part = key.rpartition(".")
+            if part == NORM_SUFFIX:
+                t = f.get_tensor(key)
+                if t.ndim != 1 or t.dtype != torch.float32 or not torch.isfinite(t).all():
+                    raise ValueError(f"{path}: {key} is {t.dtype} {tuple(t.shape)} or not finite, not a float32 "
+                                     f"row: {_restore_hint(path)}")
+                out[module] = t
+    return out
+
+
 def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
-    """(config, {module: (A, B)}, mask_row or None), every tensor checked against the config."""
+    """(config, {module: (A, B)}, mask_row or None), every tensor checked against the config; normalisation
+    weights (read_norms) are checked there and skipped here."""
     cfg = read_adapter_config(adapter_dir)
     path = Path(adapter_dir) / WEIGHTS_FILE
     if not path.is_file():
@@ -220,6 +242,8 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, _, part = key.rpartition(".")
+        if part == NORM_SUFFIX and _MODULE_PATH.fullmatch(module):
+            continue
         if part not in ("lora_A", "lora_B") or not _MODULE_PATH.fullmatch(module):
             raise ValueError(f"{path}: unknown tensor {key!r} (want '<module>.lora_A', '<module>.lora_B' or "
                              f"'mask_row'): {_restore_hint(path)}")
@@ -291,7 +315,18 @@ def merge_adapter(model: torch.nn.Module, adapter_dir) -> None:
         if mask_row.shape[0] != hidden:
             raise ValueError(f"{where}: mask_row has {mask_row.shape[0]} values but the embedding is {hidden} wide: "
                              f"the adapter was made for another base (its config says base={cfg['base']!r})")
+    norms = read_norms(adapter_dir)
+    norm_targets = []
+    for module, weight in norms.items():
+        layer = named.get(module)
+        if layer is None or getattr(layer, "weight", None) is None or tuple(layer.weight.shape) != tuple(weight.shape):
+            raise ValueError(f"{where} replaces the weight of {module!r}, which {type(model).__name__} does not have "
+                             f"in that shape: the adapter was made for another base (its config says "
+                             f"base={cfg['base']!r})")
+        norm_targets.append((layer, weight))
     scale = cfg["alpha"] / cfg["r"]
+    for layer, weight in norm_targets:
+        layer.weight.copy_(weight.to(layer.weight.dtype))
     for layer, a, b in targets:
         w = layer.weight
         merged = w.float() + scale * (b.float() @ a.float())
