@@ -96,6 +96,14 @@ def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criteri
                "timing_prompts": min(int(n), 8)}
 
 
+def same_as_ar(row: dict) -> dict:
+    """A lossy row at τ off is AR itself: its "speedup" would be two timings of one computation (once shown as
+    1.263×). It is 1 by definition, with AR's time on both sides, and says so."""
+    if row.get("mode") == "mars" and row["tau"] >= 1.0:
+        row = dict(row, speedup=1.0, mars_time_s=row.get("ar_time_s"), same_as_ar=True)
+    return row
+
+
 def sweep_builtin(lm, n: int, taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
                   lossless: bool = False) -> list[dict]:
     """builtin_rows as a list."""
@@ -210,7 +218,7 @@ def _sweep_values(spec: dict, source: str, lossless: bool, stop):
         with stop_at_forward([lm], stop):
             yield f"◔ sweeping: row 1 of {total} …", gr.skip(), gr.skip(), gr.skip()
             for row in _sweep_rows(lm, spec, source, lossless):
-                rows.append(row)
+                rows.append(same_as_ar(row))
                 more = f" · row {len(rows) + 1} of {total} …" if len(rows) < total else ""
                 yield (f"◔ {len(rows)} of {total} rows done{more}", pareto_figure(rows), table_rows(rows), gr.skip())
     except Exception as exc:
@@ -340,7 +348,8 @@ TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "AR ti
 
 
 def table_rows(rows: list[dict]) -> list[list]:
-    return [["lossless" if r.get("mode") == "verify" else "MARS", "off" if r["tau"] >= 1 else r["tau"],
+    return [["lossless" if r.get("mode") == "verify" else ("AR (τ off)" if r.get("same_as_ar") else "MARS"),
+             "off" if r["tau"] >= 1 else r["tau"],
              f"{100 * r['quality']:.1f}% {r.get('quality_name', '')}",
              round(r["tokens_per_forward"], 3), None if r.get("speedup") is None else round(r["speedup"], 3),
              None if r.get("ar_time_s") is None else round(r["ar_time_s"], 3),

@@ -492,11 +492,24 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
                 del _tau_controls[session]
 
 
+def biggest_chunk(side: SideRecord) -> tuple[str, int, int] | None:
+    """(text, tokens, step) of the forward pass that committed the most tokens (the first such), or None: the
+    answer to the page's "predict before you click" question."""
+    if not side.steps:
+        return None
+    best = max(side.steps, key=lambda s: (len(s.token_ids), -s.step))
+    return best.text, len(best.token_ids), best.step
+
+
 def _summary(sides: dict[str, SideRecord], lanes) -> str:
     mars, verify = sides["mars"], sides["verify"]
-    return (f"MARS {mars.tokens_per_forward:.2f} tokens/forward ({mars.forwards} forwards)"
+    line = (f"MARS {mars.tokens_per_forward:.2f} tokens/forward ({mars.forwards} forwards)"
             + (f", MARS lossless {verify.tokens_per_forward:.2f} ({verify.forwards})" if "verify" in lanes else "")
             + f", AR {sides['ar'].forwards} forwards")
+    big = biggest_chunk(mars)
+    if big is not None and big[1] > 1:
+        line += f". Most in one forward pass: «{big[0].strip() or big[0]}», {big[1]} tokens at step {big[2]}"
+    return line
 
 
 def _ran_tau_line(sides) -> str:

@@ -99,8 +99,15 @@ def _short(name: str) -> str:
     return Path(name).name if "/" in name and Path(name).exists() else name
 
 
+PREDICT = ("**Predict before you click:** which words of the answer will arrive together, several in one forward "
+           "pass? After the race, the status line names the biggest chunk; step through the replay to check.")
+
+
 def teaching_note(name: str) -> str:
-    """'What you are seeing' for a real-language MARS model ('' for the others, whose notices say enough)."""
+    """'What you are seeing' for a real-language MARS model, and the question to ask before the race for every MARS
+    model ('' for the others, whose notices say enough)."""
+    if name in models.TINY_MODELS and not never_mars_trained(name):
+        return PREDICT
     if name not in models.NATURAL_MODELS or never_mars_trained(name):
         return ""
     return (f"**What you are seeing.** {_short(name)} is a cautious MARS model: at τ 0.9 most of its guesses for "
@@ -108,4 +115,4 @@ def teaching_note(name: str) -> str:
             "in one forward on predictable stretches (code, lists, set phrases: try the examples). Lower τ for "
             "longer chunks in the MARS lane, which may then write another answer than AR. The lossless lane checks "
             "each draft against AR's own next token, so its text is AR's exactly; it gains only when drafts are "
-            "confirmed.")
+            "confirmed.\n\n" + PREDICT)

@@ -111,3 +111,26 @@ def test_a_tree_alternative_is_never_counted_as_a_draft(tiny_mars):
         alt_ok, alt_checked = side.alternatives_checked()
         assert alt_ok <= alt_checked
     assert seen_leaf, "no pass confirmed an alternative: pick settings that exercise the tree's leaves"
+
+
+def test_a_sweeps_tau_off_row_is_ar_itself_not_a_measured_speedup():
+    from app.explorer import same_as_ar, table_rows
+
+    timed = {"mode": "mars", "tau": 1.0, "speedup": 1.263, "ar_time_s": 0.5, "mars_time_s": 0.396,
+             "tokens_per_forward": 1.0, "quality": 1.0, "n": 4}
+    row = same_as_ar(timed)
+    assert row["speedup"] == 1.0 and row["mars_time_s"] == row["ar_time_s"] == 0.5
+    assert table_rows([row])[0][0] == "AR (τ off)" and table_rows([row])[0][4] == 1.0
+    lossy = dict(timed, tau=0.9)
+    assert same_as_ar(lossy) == lossy
+
+
+def test_the_biggest_chunk_named_after_the_race_is_the_pass_that_committed_most(tiny_mars):
+    from app.generate import biggest_chunk
+
+    events = _events(tiny_mars, SORT, DecodeConfig(mode="mars", tau=0.5, max_new_tokens=48))
+    side = _record(tiny_mars, "mars", events)
+    sizes = [len(ev.rows[0].accepted_ids) for ev in events]
+    k = sizes.index(max(sizes))
+    text, n, step = biggest_chunk(side)
+    assert (n, step) == (max(sizes), events[k].step) and text == events[k].rows[0].text
