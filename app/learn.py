@@ -131,6 +131,60 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
     yield ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)
 
 
+STEPS_MAX_NEW = 64   # "every step" decodes this many tokens at most: a lesson's answer, not an essay
+
+
+def decode_steps(lm, prompt: str, tau: float, block_size: int, criterion: str = "prob",
+                 max_new_tokens: int = STEPS_MAX_NEW) -> list:
+    """Every forward pass of MARS decoding on `prompt` (the StepEvents of mars_core.generate_stream)."""
+    from mars_core import DecodeConfig, generate_stream
+    cfg = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                       criterion=criterion)
+    return [ev for ev in generate_stream(lm, [prompt], cfg) if ev.rows[0].active]
+
+
+def step_view(state, k) -> tuple[str, object]:
+    """Pass k of a recorded decode (the Learn tab's slider): its HTML, with everything committed before it as the
+    input, and its confidence figure. The model is not run again."""
+    if not state:
+        return "<p>Press “Step through every forward pass” first.</p>", gr.skip()
+    lm, prompt, events = state["lm"], state["prompt"], state["events"]
+    k = max(0, min(int(k or 0), len(events) - 1))
+    context = lm.encode(prompt) + [t for ev in events[:k] for t in ev.rows[0].accepted_ids]
+    text = "".join(ev.rows[0].text for ev in events[:k + 1])
+    head = (f"<p class='defs'>forward pass {k + 1} of {len(events)} · answer so far: "
+            f"<b>{html.escape(text)}</b></p>")
+    return head + step_html(lm, prompt, events[k], context_ids=context), confidence_figure(lm, events[k])
+
+
+def all_steps(choice, free_text, prompt, tau, tau_off, block_size, criterion,
+              resolver: models.Resolver = models.BUILTINS, machine=MACHINE):
+    """The Learn tab's "every forward pass" button: decodes the prompt once (at most STEPS_MAX_NEW tokens) and
+    yields (first pass HTML, its figure, the slider over the passes, the recorded decode)."""
+    try:
+        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
+        block_size = inputs.whole(block_size, "block size B", 1, 8)
+        criterion = inputs.check_criterion(criterion)
+        name = resolver.resolve(choice, free_text)
+    except Exception as exc:
+        yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip(), gr.skip(), gr.skip()
+        return
+    ticket = yield from take_turn(machine, "a Learn decode",
+                                  lambda line: (f"<p>{html.escape(line)}</p>", gr.skip(), gr.skip(), gr.skip()))
+    try:
+        lm = models.get_model(name)
+        events = decode_steps(lm, prompt, tau, block_size, criterion)
+    except Exception as exc:
+        yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip(), gr.skip(), gr.skip()
+        return
+    finally:
+        machine.leave(ticket)
+    state = {"lm": lm, "prompt": prompt, "events": events}
+    view, fig = step_view(state, 0)
+    slider = gr.update(minimum=0, maximum=max(1, len(events) - 1), value=0, interactive=len(events) > 1)
+    yield view, fig, slider, state
+
+
 def model_label(choice, free_text, name: str) -> str:
     """What the page calls the model: the picker's value ("run:<name>", not its checkpoint path) unless a path or
     hub id was typed."""
@@ -156,10 +210,11 @@ def _tok(lm, t: int, eos_label: bool = True) -> str:
     return s.replace("\n", "⏎").replace(" ", "␣") or "∅"
 
 
-def step_html(lm, prompt: str, event, show_last: int = 10) -> str:
-    """Committed tokens, the masks, which output predicts which position, and the verdicts."""
+def step_html(lm, prompt: str, event, show_last: int = 10, context_ids: list[int] | None = None) -> str:
+    """Committed tokens, the masks, which output predicts which position, and the verdicts. `context_ids`: what
+    is committed before this pass (default: the prompt alone, i.e. the first pass)."""
     row = event.rows[0]
-    ids = lm.encode(prompt)
+    ids = lm.encode(prompt) if context_ids is None else list(context_ids)
     tau, B, n = event.tau, len(row.candidates), row.n_accepted
     shown = ids[-show_last:]
     e = html.escape

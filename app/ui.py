@@ -388,6 +388,10 @@ def _learn_tab() -> SimpleNamespace:
                 gr.Markdown("Runs on the model chosen above.", elem_classes="defs")
                 lesson.step_btn = gr.Button("Lay out the first step of the Generate tab's prompt with this B",
                                             variant="primary", elem_id="learn-step-btn")
+                lesson.all_btn = gr.Button("Step through every forward pass of its decode", elem_id="learn-all-btn")
+                lesson.step_k = gr.Slider(0, 1, value=0, step=1, label="forward pass (0 = the first)",
+                                          interactive=False, elem_id="learn-step-k")
+                lesson.steps_state = gr.State(None)
             with gr.Column(scale=3):
                 lesson.step_view = gr.HTML("", elem_id="learn-step")
                 lesson.conf_plot = gr.Plot(empty_figure("candidate confidences appear here"),
@@ -533,6 +537,11 @@ def _wire_learn(demo, bar, gen, lesson, resolver: models.Resolver) -> None:
     step_inputs = [bar.model, bar.free, gen.prompt, gen.tau, gen.tau_off, lesson.mask_b, gen.criterion, bar.picked]
     lesson.step_btn.click(partial(learn.one_step, resolver=resolver), step_inputs, [lesson.step_view, lesson.conf_plot],
                           concurrency_limit=None, show_progress="hidden", api_name="one_step")   # app.machine
+    lesson.all_btn.click(partial(learn.all_steps, resolver=resolver), step_inputs[:-1],
+                         [lesson.step_view, lesson.conf_plot, lesson.step_k, lesson.steps_state],
+                         concurrency_limit=None, show_progress="hidden", **PRIVATE)
+    lesson.step_k.change(learn.step_view, [lesson.steps_state, lesson.step_k], [lesson.step_view, lesson.conf_plot],
+                         **QUICK)
 
 
 def _clear_warnings_on_change(bar, gen, sweep, lesson, ft) -> None:

@@ -134,3 +134,21 @@ def test_the_biggest_chunk_named_after_the_race_is_the_pass_that_committed_most(
     k = sizes.index(max(sizes))
     text, n, step = biggest_chunk(side)
     assert (n, step) == (max(sizes), events[k].step) and text == events[k].rows[0].text
+
+
+def test_learn_steps_through_every_forward_pass_with_what_was_committed_before(tiny_mars):
+    from app import learn
+
+    events = learn.decode_steps(tiny_mars, SORT, 0.5, 4)
+    assert len(events) > 2
+    state = {"lm": tiny_mars, "prompt": SORT, "events": events}
+    for k in (0, 1, len(events) - 1):
+        view, _fig = learn.step_view(state, k)
+        assert f"forward pass {k + 1} of {len(events)}" in view
+        so_far = "".join(ev.rows[0].text for ev in events[: k + 1])
+        assert re.search(r"answer so far: <b>(.*?)</b>", view, re.S).group(1) == __import__("html").escape(so_far)
+        # the pass's committed tokens, as the table's "accepted" rows say
+        assert view.count("class='acc'") == events[k].rows[0].n_accepted
+    runs = list(learn.all_steps("tiny-mars", "", SORT, 0.5, False, 4, "prob"))
+    view, _fig, slider, rec = runs[-1]
+    assert len(rec["events"]) == len(events) and slider["maximum"] == len(events) - 1
