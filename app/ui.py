@@ -92,6 +92,7 @@ CSS += """
 #tau-label {flex-grow: 0 !important; min-width: 28px !important;}
 .tau-label {font-size: 26px; font-weight: 700; color: #4338ca; cursor: help; padding: 0 4px;}
 #status-block, #status-after, #status-top {gap: 0 !important;}
+#stats {overflow-x: auto;}   /* a phone scrolls the three lanes' numbers instead of cutting the last column */
 #status-block > div:not(:has(*:not(:empty))) {display: none;}
 #status-block p {margin: 2px 0;}
 #race-controls textarea {font-size: 16px;}
@@ -103,7 +104,8 @@ CSS += """
                text-overflow: ellipsis;}
 .race-pane h3 small {font-weight: 400; color: #6b7280; font-size: 12px;}
 .race-pane {padding: 6px 10px !important; gap: 4px !important;}
-.lane-score {display: flex; gap: 14px; align-items: baseline; margin: 0 0 4px 0; flex-wrap: wrap;}
+.lane-score {display: flex; gap: 14px; align-items: baseline; margin: 0; flex-wrap: wrap; line-height: 1.2;}
+#switch-default {min-height: 0; padding: 0 8px; font-size: 12px;}
 .lane-score .score b {font-size: 20px; color: #111827;}
 .lane-score .score small {font-size: 12px; color: #4b5563;}
 .race-text {min-height: 90px;}
@@ -139,11 +141,11 @@ HEAD = ("<style>" + PRESENT_CSS + "</style><script>"
 
 RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
 
-INTRO = """**MARS Playground** · several tokens in one forward pass: guesses behind
+INTRO = """**MARS Playground** · several tokens per forward pass: the guesses behind
 <span class="gloss" title="mask: a placeholder token after the text; the model guesses the token behind it">masks</span>
 are kept while their confidence ≥
 <span class="gloss" title="τ: the confidence a guess needs to be kept; τ off (1) is exactly ordinary greedy decoding">τ</span>
-· words in the glossary below the race"""
+(glossary below)"""
 
 PANE_TITLES = {"ar": "AR baseline", "verify": "MARS lossless", "mars": "MARS"}
 # each lane's title says what it is on hover (the glossary panel says it at length)

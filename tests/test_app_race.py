@@ -210,9 +210,12 @@ def test_examples_and_the_example_prompt_follow_the_model():
 # ----------------------------------------------------------------------------- state that is always current
 def test_the_teaching_examples_are_development_prompts_and_a_real_language_model_gets_a_note():
     from finetune.natural import natural_prompts
+    from finetune.structured import structured_prompts
     from app import pick_examples
-    dev = natural_prompts("heldout", 32, seed=pick_examples.DEV_SEED)
-    report = natural_prompts("heldout", 64, seed=pick_examples.REPORT_SEED)
+    dev = (natural_prompts("heldout", 32, seed=pick_examples.DEV_SEED)
+           + structured_prompts("heldout", 32, seed=pick_examples.DEV_SEED))
+    report = (natural_prompts("heldout", 64, seed=pick_examples.REPORT_SEED)
+              + structured_prompts("heldout", 64, seed=pick_examples.REPORT_SEED))
     assert all(p in dev and p not in report for p in models.TEACHING_PROMPTS)
     assert set(pick_examples.candidates(32)) <= set(dev) - set(report)
     assert models.example_prompts("smollm2-mars")[:5] == models.TEACHING_PROMPTS

@@ -31,6 +31,9 @@ def test_race_button_tau_and_every_lanes_first_line_fit_the_first_screen(browser
     url, _, _ = app_server
     page = open_page(browser, url, viewport=size, advanced=False)
     try:
+        # the background model's last word (ready, failed, not available) and its Switch button are on the page
+        page.wait_for_function("/[✓⚠]|not available/.test(document.querySelector('#prep-status')?.innerText ?? '')",
+                               timeout=300_000, polling=500)
         page.fill("#prompt textarea", prompt_for_model())
         click_and_wait_done(page, "#generate-btn", 120_000)
         page.evaluate("window.scrollTo(0, 0)")
