@@ -60,21 +60,24 @@ GENERAL_PROMPTS = [
     "What is 12 times 12?",
 ]
 
-# The real-language MARS model's first examples: development prompts (held-out natural prompts, seed 77, none in
-# the report set, seed 1) on which smollm2-mars commits the most tokens per forward at the page's τ 0.9, B 4
-# (`python -m app.pick_examples`: 1.17-1.43 tokens/forward, chunks of up to 3 tokens; most prompts give ~1.05).
-TEACHING_PROMPTS = [
-    "Farid has 26 pencils and buys 14 more. How many pencils does Farid have now?",
-    "Summarise this in a few words: The city council voted to build a new park near the river, and construction "
-    "starts in spring.",
-    "Rewrite this as a friendly message: The bakery on the corner sells fresh bread every morning and closes when "
-    "it runs out.",
-    "Use the word 'momentum' in a sentence.",
-    "Name three indoor plants.",
-]
+# The real-language MARS model's teaching prompts: development prompts (held-out natural and structured prompts,
+# seed 77, none in a report set) on which smollm2-mars v3's AR answer is correct, ends within the page's 112
+# tokens and does not loop (`python -m app.pick_examples`; most candidates failed that: a 135M model is often
+# wrong). Each maps to the facts its AR answer must hold (tests/test_teaching.py). The first shows MARS's gain
+# best: 2.1 tokens per forward at τ 0.95 with AR's answer.
+TEACHING_FACTS: dict[str, tuple[str, ...]] = {
+    "List the numbers from 8 to 28, separated by commas.": ("8, 9, 10, 11", "26, 27, 28"),
+    "Write a bullet list of three points about elections.": ("election", "vote"),
+    "Give three facts about sleep as a numbered list.": ("1.", "2.", "3.", "health"),
+    "Define recycling in one sentence.": ("recycling", "materials"),
+    "Give a one-sentence definition of inertia.": ("inertia", "resist", "motion"),
+}
+TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-DEFAULT_TAUS: dict[str, float] = {}
+# smollm2-mars: 0.95, the lowest τ at which its lossy answers to every teaching prompt are AR's (at 0.9 one of
+# the five differs; app.pick_examples).
+DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.95}
 DEFAULT_TAU = 0.9
 
 

@@ -450,6 +450,10 @@ def _wire_model_bar(demo, bar, gen, resolver: models.Resolver) -> None:
     # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
     bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
+    # τ starts at the model's measured default (models.DEFAULT_TAUS) whenever the model changes
+    for event in (bar.model.change, bar.free.submit):
+        event(lambda choice, free: gr.update(value=models.default_tau(resolver.resolve_or_typed(choice, free))),
+              model_inputs, gen.tau, **QUICK)
     for event in (bar.model.change, bar.free.submit):
         event(partial(generate.examples_and_prompt, resolver=resolver), model_inputs + [gen.prompt],
               [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(

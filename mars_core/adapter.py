@@ -269,7 +269,7 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
 
 
 def adapter_files_size(adapter_dir) -> int:
-    """Bytes of every file in the adapter folder: what shipping it costs (the budget is 20 MB)."""
+    """Bytes of every file in the adapter folder: what shipping it costs (smollm2-mars's budget: 48 MB)."""
     folder = Path(adapter_dir)
     if not folder.is_dir():
         raise ValueError(f"adapter folder {folder} does not exist: {RECIPE_HINT}")

@@ -212,8 +212,8 @@ def test_the_teaching_examples_are_development_prompts_and_a_real_language_model
     from finetune.natural import natural_prompts
     from finetune.structured import structured_prompts
     from app import pick_examples
-    dev = (natural_prompts("heldout", 32, seed=pick_examples.DEV_SEED)
-           + structured_prompts("heldout", 32, seed=pick_examples.DEV_SEED))
+    dev = (natural_prompts("heldout", 200, seed=pick_examples.DEV_SEED)
+           + structured_prompts("heldout", 200, seed=pick_examples.DEV_SEED))
     report = (natural_prompts("heldout", 64, seed=pick_examples.REPORT_SEED)
               + structured_prompts("heldout", 64, seed=pick_examples.REPORT_SEED))
     assert all(p in dev and p not in report for p in models.TEACHING_PROMPTS)
