@@ -101,6 +101,14 @@ def show_mask(n, block_size):
         return empty_figure(models.friendly_error(exc))
 
 
+def _checked(choice, free_text, prompt, tau, tau_off, block_size, criterion, resolver):
+    """The Learn tab's inputs checked (each bad one a ValueError naming it): (prompt, τ, notes, B, criterion,
+    model name)."""
+    prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
+    block_size = inputs.whole(block_size, "block size B", 1, 8)
+    return prompt, tau, notes, block_size, inputs.check_criterion(criterion), resolver.resolve(choice, free_text)
+
+
 def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, picked=True,
              resolver: models.Resolver = models.BUILTINS, machine=MACHINE):
     """The Learn tab's button: a generator of (step HTML, confidence figure) for the first forward pass on the
@@ -110,10 +118,8 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
     It runs the model the picker shows, like every other tab: one step needs no answer key, so any model will
     do. `picked` no longer changes the model; it stays so that the page's wiring and API keep their shape."""
     try:
-        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
-        block_size = inputs.whole(block_size, "block size B", 1, 8)
-        criterion = inputs.check_criterion(criterion)
-        name = resolver.resolve(choice, free_text)
+        prompt, tau, notes, block_size, criterion, name = _checked(choice, free_text, prompt, tau, tau_off,
+                                                                   block_size, criterion, resolver)
     except Exception as exc:
         yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip()
         return
@@ -162,10 +168,8 @@ def all_steps(choice, free_text, prompt, tau, tau_off, block_size, criterion,
     """The Learn tab's "every forward pass" button: decodes the prompt once (at most STEPS_MAX_NEW tokens) and
     yields (first pass HTML, its figure, the slider over the passes, the recorded decode)."""
     try:
-        prompt, tau, notes = inputs.check_prompt_and_tau(prompt, tau, inputs.check_flag(tau_off, "τ off"))
-        block_size = inputs.whole(block_size, "block size B", 1, 8)
-        criterion = inputs.check_criterion(criterion)
-        name = resolver.resolve(choice, free_text)
+        prompt, tau, _notes, block_size, criterion, name = _checked(choice, free_text, prompt, tau, tau_off,
+                                                                    block_size, criterion, resolver)
     except Exception as exc:
         yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip(), gr.skip(), gr.skip()
         return

@@ -416,8 +416,6 @@ def natural_prompts(split: str, n: int | None = None, seed: int = 0) -> list[str
 def main(argv: list[str] | None = None) -> int:
     """Write prompts of one split to a text file (one per line), e.g. for `finetune.distill`."""
     import argparse
-    import sys
-    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m finetune.natural", description=main.__doc__)
     ap.add_argument("--split", choices=SPLITS, default="train")
@@ -425,12 +423,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="text file to write")
     args = ap.parse_args(argv)
-    prompts = natural_prompts(args.split, args.n, args.seed)
-    out = Path(args.out)
+    write_prompt_file(natural_prompts(args.split, args.n, args.seed), args.out, f"{args.split} prompts")
+    return 0
+
+
+def write_prompt_file(prompts: list[str], out, what: str) -> None:
+    """One prompt per line (newlines inside a prompt written as \\n), as finetune.distill reads them."""
+    import sys
+    from pathlib import Path
+
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(p.replace("\n", "\\n") + "\n" for p in prompts), encoding="utf-8")
-    print(f"wrote {len(prompts)} {args.split} prompts to {out}", file=sys.stderr)
-    return 0
+    print(f"wrote {len(prompts)} {what} to {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

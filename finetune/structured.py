@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from finetune.natural import CATEGORIES as NATURAL_CATEGORIES
-from finetune.natural import PYTHON_TASKS, TOPICS, WORDS, prompt_table as natural_table, split_of
+from finetune.natural import PYTHON_TASKS, TOPICS, WORDS, prompt_table as natural_table, split_of, write_prompt_file
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
 SPLITS = ("train", "heldout")
@@ -182,8 +182,6 @@ ALL_CATEGORIES = NATURAL_CATEGORIES + CATEGORIES
 def main(argv: list[str] | None = None) -> int:
     """Write structured prompts of one split to a text file (one per line), e.g. for `finetune.distill`."""
     import argparse
-    import sys
-    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m finetune.structured", description=main.__doc__)
     ap.add_argument("--split", choices=SPLITS, default="train")
@@ -191,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="text file to write")
     args = ap.parse_args(argv)
-    prompts = structured_prompts(args.split, args.n, args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(p.replace("\n", "\\n") + "\n" for p in prompts), encoding="utf-8")
-    print(f"wrote {len(prompts)} structured {args.split} prompts to {out}", file=sys.stderr)
+    write_prompt_file(structured_prompts(args.split, args.n, args.seed), args.out, f"structured {args.split} prompts")
     return 0
 
 
