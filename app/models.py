@@ -63,10 +63,10 @@ GENERAL_PROMPTS = [
 # The real-language MARS model's teaching prompts: development prompts (held-out natural and structured prompts,
 # seed 77, none in a report set) on which smollm2-mars v3's AR answer is correct, ends within the page's 112
 # tokens and does not loop (`python -m app.pick_examples`; most candidates failed that: a 135M model is often
-# wrong). Each maps to the facts its AR answer must hold (tests/test_teaching.py). The first shows MARS's gain
-# best: 2.1 tokens per forward at τ 0.95 with AR's answer.
+# wrong). Each maps to the facts its AR answer must hold (tests/test_teaching.py), in every served format: "List
+# the numbers from 8 to 28" (2.1 tokens per forward at τ 0.95 in w8a8) was dropped because in fp32 and w8a16 AR
+# counts 8, 12, 14, … past 28.
 TEACHING_FACTS: dict[str, tuple[str, ...]] = {
-    "List the numbers from 8 to 28, separated by commas.": ("8, 9, 10, 11", "26, 27, 28"),
     "Write a bullet list of three points about elections.": ("election", "vote"),
     "Give three facts about sleep as a numbered list.": ("1.", "2.", "3.", "health"),
     "Define recycling in one sentence.": ("recycling", "materials"),
@@ -75,8 +75,8 @@ TEACHING_FACTS: dict[str, tuple[str, ...]] = {
 TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-# smollm2-mars: 0.95, the lowest τ at which its lossy answers to every teaching prompt are AR's (at 0.9 one of
-# the five differs; app.pick_examples).
+# smollm2-mars: 0.95, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.9
+# some differ; app.pick_examples).
 DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.95}
 DEFAULT_TAU = 0.9
 

@@ -111,8 +111,8 @@ def teaching_note(name: str) -> str:
     if name not in models.NATURAL_MODELS or never_mars_trained(name):
         return ""
     return (f"**What you are seeing.** {_short(name)} starts at τ 0.95, where its lossy answers to the examples are "
-            "AR's. Lists and counting arrive several tokens per forward (the first example: about 2 tokens per "
-            "forward); on ordinary sentences most chunks are one token, and one forward of MARS costs more than "
+            "AR's. Lists, counting and arithmetic arrive several tokens per forward more often; on ordinary "
+            "sentences most chunks are one token, and one forward of MARS costs more than "
             "one of AR, so there the MARS lane can be slower than AR. The lossless lane checks each draft against "
             "AR's own next token, so its text is AR's exactly; it gains wherever drafts are confirmed. For the "
             "clearest multi-token picture, use tiny-mars.\n\n" + PREDICT)

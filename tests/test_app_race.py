@@ -218,7 +218,7 @@ def test_the_teaching_examples_are_development_prompts_and_a_real_language_model
               + structured_prompts("heldout", 64, seed=pick_examples.REPORT_SEED))
     assert all(p in dev and p not in report for p in models.TEACHING_PROMPTS)
     assert set(pick_examples.candidates(32)) <= set(dev) - set(report)
-    assert models.example_prompts("smollm2-mars")[:5] == models.TEACHING_PROMPTS
+    assert models.example_prompts("smollm2-mars")[:len(models.TEACHING_PROMPTS)] == models.TEACHING_PROMPTS
     assert not set(models.example_prompts("smollm2")) & set(models.TEACHING_PROMPTS)
     note = notices.teaching_note("smollm2-mars")
     assert "What you are seeing" in note and "AR's exactly" in note
