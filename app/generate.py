@@ -347,6 +347,11 @@ def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max
     yield from race_models(settings, name, ar_name, session)
 
 
+REPLACED = "■ Replaced: this page started a newer race, so this one stopped at its next forward pass"
+GAVE_WAY = ("not timed again: another job was waiting for the machine, so the timing gave way "
+            "(race again when the machine is free for a speedup you can quote)")
+
+
 class _Superseded(Exception):
     """The page pressed Race again: this race stops quietly and the newer one takes its panes."""
 
@@ -361,7 +366,7 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
     turn = Turn(machine, (yield from take_turn(machine, "a race", _status_only)))
     try:
         if _newest.get(session) is not mine:
-            return
+            raise _Superseded
         _take_tau_moved_while_waiting(settings, session, asked)
 
         def superseded() -> bool:
@@ -370,6 +375,9 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
         yield from _race_on_machine(settings, name, ar_name, session, superseded,
                                     lambda: superseded() or machine.others_waiting(turn.ticket) > 0, turn)
     except _Superseded:
+        # the last word of this race, for an API client that keeps reading it; on the page the newer race,
+        # which waits for this one to leave the machine, writes over it at once
+        yield _status_only(REPLACED)
         return
     finally:   # also when Gradio closes this generator because its page went away
         turn.end()
@@ -424,8 +432,9 @@ def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: s
         return
     if superseded():
         raise _Superseded
-    yield page.show(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else ""),
-                    measured=measured, tau_line=tau_line, with_state=True)
+    yield page.show(f"✓ Done: {summary}." + (" Measured speedups below the table." if measured else
+                                              " Not timed again: another job was waiting for the machine."),
+                    measured=measured, tau_line=tau_line, with_state=True, measuring="" if measured else GAVE_WAY)
 
 
 def _status_only(status: str) -> tuple:

@@ -113,7 +113,9 @@ def test_a_newer_race_of_the_same_page_stops_the_older_one(tiny_mars):
     new = generate.race_models(_settings(max_new=16), "tiny-mars", "tiny-mars", "page-1", machine=m)
     assert "position 1" in next(new)[0]          # the new race waits for the old one's next forward
     rest = list(old)
-    assert not any(o[0].startswith("✓") for o in rest)   # stopped quietly: its panes are the new race's now
+    assert not any(o[0].startswith("✓") for o in rest)   # it does not finish: its panes are the new race's now
+    # its last word says why it stopped (an API client reads it), and touches the status line only
+    assert rest[-1][0] == generate.REPLACED and all(v == gr.skip() for v in rest[-1][1:])
     last = list(new)[-1]
     assert last[0].startswith("✓ Done") and last[-1]["ar"].forwards == 16
     assert not m.busy()
@@ -167,6 +169,8 @@ def test_a_job_already_waiting_skips_the_timing(tiny_mars):
     last = list(generate.race_models(_settings(max_new=16, measure_after=True), "tiny-mars", "tiny-mars", "page-4",
                                      machine=Busy()))[-1]
     assert last[0].startswith("✓ Done") and "Measured" not in last[0] and "data-repeats" not in last[5]
+    # the true reason, not advice to tick the box that is ticked
+    assert "another job was waiting" in last[0] and "gave way" in last[5] and "tick" not in last[5]
 
 
 def test_a_race_whose_page_closed_during_the_timing_frees_the_machine_within_its_repeat(tiny_mars):

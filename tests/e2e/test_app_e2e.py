@@ -321,6 +321,10 @@ def test_a_queued_race_shows_its_place_and_starts_with_the_tau_moved_meanwhile(b
     assert "while the race waited" in other.inner_text("#race-status")
     page.wait_for_function("document.querySelector('#race-status')?.innerText.includes('Done')",
                            timeout=RACE_TIMEOUT_MS)
+    # the first race's timing gave way to the waiting one, and its page says so (not "tick the box", ticked)
+    assert "another job was waiting" in page.inner_text("#race-status")
+    stats = page.inner_text("#stats")
+    assert "gave way" in stats and "tick" not in stats, stats[-400:]
     # the first race never waited, so it never said so; neither page showed Gradio's timer text
     assert not any("Waiting" in t for t in seen(page, "race-status")), seen(page, "race-status")
     for texts in (seen(page, "race-status"), seen(other, "race-status")):
