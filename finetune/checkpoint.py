@@ -38,7 +38,9 @@ STATE_KEYS = ("step", "optimizer", "rng")
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
 RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers", "train_mask_row", "freeze_embeddings", "block_size",
                "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
-               "batch_size", "grad_accum", "max_length", "overlong")
+               "batch_size", "grad_accum", "max_length", "overlong", "group_by_length",
+               # sharded and unsharded checkpoints hold the optimizer state differently (finetune.sharding)
+               "sharding")
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -98,13 +100,25 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
     acc = run.accelerator
     final = run.out / f"{CHECKPOINT_PREFIX}{step}"
     acc.wait_for_everyone()
-    if acc.num_processes > 1:
+    tmp = run.out / f".{final.name}.tmp"  # renamed into place once complete: a kill leaves no half checkpoint
+    export = None
+    if run.cfg.sharding != "no":   # every process writes its shard into tmp, and the main one gathers the model
+        from finetune.sharding import gather_full_state, save_sharded, unsharded_copy
+
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        save_sharded(run.module, run.optimizer, tmp)
+        full_state = gather_full_state(run.module)
+        export = unsharded_copy(run.module, full_state, run.cfg) if acc.is_main_process else None
+    elif acc.num_processes > 1:
         check_replicas_agree(run)
     if acc.is_main_process:
-        tmp = run.out / f".{final.name}.tmp"  # renamed into place once complete: a kill leaves no half checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
+        if export is None:
+            shutil.rmtree(tmp, ignore_errors=True)
         try:
-            write_checkpoint(run, tmp, step, elapsed)
+            write_checkpoint(run, tmp, step, elapsed, export)
             replace_folder(tmp, final)   # a damaged checkpoint-<step> of an earlier session goes only once this is in
         except BaseException as exc:   # no half checkpoint left behind (a full disk would stay full)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -128,8 +142,9 @@ def check_replicas_agree(run: Run) -> None:
     assert torch.allclose(sums, sums[0]), f"replicas diverged: {sums.tolist()}"
 
 
-def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float) -> None:
-    train_module = run.accelerator.unwrap_model(run.module)
+def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float, train_module: TrainModule | None = None) -> None:
+    """The checkpoint's files; ``train_module`` is a sharded run's gathered, unsharded copy."""
+    train_module = train_module or run.accelerator.unwrap_model(run.module)
     plain_model(train_module, run.cfg.lora).save_pretrained(directory, safe_serialization=True)
     run.tokenizer.save_pretrained(directory)
     write_json(directory / CONFIG_FILE, run.cfg.to_dict())
@@ -167,7 +182,7 @@ def trainer_state(run: Run, train_module: TrainModule, step: int, elapsed: float
     mask_row = train_module.mask_row
     return {
         "step": step,
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": sharded_optimizer() if run.cfg.sharding != "no" else run.optimizer.state_dict(),
         "rng": rng_state(),
         "elapsed": elapsed,
         "lora": lora_weights(train_module.model) if run.cfg.lora else None,  # the base model + these = the model
@@ -175,6 +190,12 @@ def trainer_state(run: Run, train_module: TrainModule, step: int, elapsed: float
         "num_processes": run.accelerator.num_processes,
         "config": run.cfg.to_dict(),   # the settings record that survives a deleted train_config.json
     }
+
+
+def sharded_optimizer() -> dict:
+    from finetune.sharding import SHARDED_OPTIMIZER
+
+    return dict(SHARDED_OPTIMIZER)
 
 
 def lora_weights(peft_model: nn.Module) -> dict[str, torch.Tensor]:
@@ -248,6 +269,10 @@ def load_weights(path: str | Path) -> nn.Module:
 def read_checkpoint(ckpt: Path, cfg: TrainConfig) -> tuple[dict, nn.Module | None]:
     """(trainer state, full fine-tuning weights) of one checkpoint; raises on any damage or missing part."""
     missing = missing_files(ckpt)
+    if cfg.sharding != "no":
+        from finetune.sharding import missing_sharded
+
+        missing += missing_sharded(ckpt)
     if missing:
         raise ValueError(f"it has no {', '.join(missing)}")
     state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
@@ -258,7 +283,8 @@ def read_checkpoint(ckpt: Path, cfg: TrainConfig) -> tuple[dict, nn.Module | Non
         raise ValueError(f"{STATE_FILE} has no {', '.join(map(repr, lacking))} entry")
     for weights_file in sorted(ckpt.glob("*.safetensors")):
         safetensors_readable(weights_file)
-    return state, None if cfg.lora else load_weights(ckpt)  # LoRA: the base model + the state's adapter
+    # LoRA: the base model + the state's adapter; sharded: the base model + sharded/ (loaded once sharded)
+    return state, None if cfg.lora or cfg.sharding != "no" else load_weights(ckpt)
 
 
 def load_resume(out: Path, checkpoints: list[Path], cfg: TrainConfig,

@@ -25,6 +25,7 @@ DECAYS = ("cosine", "linear", "constant")
 OVERLONG = ("drop", "truncate")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 ATTENTION = ("sdpa", "eager")
+SHARDING = ("no", "full")
 
 
 @dataclass
@@ -136,6 +137,16 @@ class TrainConfig:
     eager steps are ~1.7x faster than fp32 sdpa (sdpa's bf16 CPU backward is slow). Not saved with the model."""
     compile: bool = False
     """torch.compile the decoder (dynamic shapes): ~1.5x faster steps on CPU after 1-2 min of compiling."""
+    sharding: str = "no"
+    """'no': every process holds the whole model, its gradients and Adam state (data parallel through accelerate);
+    'full': PyTorch FSDP2 shards them over the processes (one unit per decoder layer, then the rest), launched by
+    torchrun or accelerate launch with 2 or more processes; see docs/scaling.md and finetune.sharding."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory, about
+    a third more compute per step. The same numbers either way."""
+    group_by_length: bool = True
+    """Batch examples of similar length together (sorted inside windows of 50 global batches, the batches then
+    shuffled) so less compute goes to padding; false: a plain shuffle."""
 
     def __post_init__(self):
         def need(ok: bool, message: str):
@@ -193,6 +204,12 @@ class TrainConfig:
         need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")
         need(self.log_every >= 1, f"log_every={self.log_every}; use 1 or more")
         need(self.threads is None or self.threads >= 1, f"threads={self.threads}; use 1 or more (or unset)")
+        need(self.sharding in SHARDING, f"sharding={self.sharding!r}; use one of {', '.join(SHARDING)}")
+        need(self.sharding == "no" or self.mixed_precision != "fp16",
+             "sharding='full' with mixed_precision='fp16' is not supported (FSDP2 here casts to bf16, no loss scaler): "
+             "use --mixed-precision bf16")
+        need(self.sharding == "no" or not self.compile,
+             "sharding='full' with compile=true was never tested here: drop --compile")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -317,13 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
         # default=None marks "not given", so a --config file value is not overridden by a default
         shown = "" if default is None else f" (default: {default})"
         choices = {"stage": STAGES, "decay": DECAYS, "overlong": OVERLONG, "mixed_precision": MIXED_PRECISION,
-                   "attention": ATTENTION}
+                   "attention": ATTENTION, "sharding": SHARDING}
         parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name), help=docs[f.name] + shown)
     # Not a TrainConfig field: an act on the folder, not a setting of the run (a --config copied from a run's
     # train_config.json must never restart anything).
     parser.add_argument("--restart", action="store_true",
                         help="--output-dir holds an earlier run (checkpoints or logged steps): move it aside to "
                              "<dir>.old-<time> and start over, instead of resuming it")
+    # Not a setting either: print the plan (steps, tokens, memory per process, checkpoint size) and train nothing.
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the run's plan (optimizer steps, tokens, estimated memory per process for "
+                             "--sharding with and without --gradient-checkpointing, checkpoint size) and exit "
+                             "without loading weights or training; see finetune.plan")
+    parser.add_argument("--plan-examples", type=int, default=None,
+                        help="with --dry-run when --data is not on this machine: plan for this many examples "
+                             "(each counted at --max-length tokens)")
     return parser
 
 
@@ -334,6 +359,12 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 def parse_train_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     """(the TrainConfig, whether --restart was given)."""
+    cfg, args = parse_train_command(argv)
+    return cfg, args.restart
+
+
+def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """(the TrainConfig, the parsed flags: --restart, --dry-run and --plan-examples are not settings of the run)."""
     args = build_parser().parse_args(argv)
     values: dict = {}
     if args.config:
@@ -359,7 +390,9 @@ def parse_train_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
         given = getattr(args, f.name)
         if given is not None:
             values[f.name] = given
-    return TrainConfig.from_dict(values, where=args.config or "config"), args.restart
+    if args.plan_examples is not None and (not args.dry_run or args.plan_examples < 1):
+        raise ValueError(f"--plan-examples {args.plan_examples}: use a count of 1 or more, with --dry-run")
+    return TrainConfig.from_dict(values, where=args.config or "config"), args
 
 
 def run_main(main) -> None:

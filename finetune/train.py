@@ -4,7 +4,9 @@
         --block-size 4 --lr 5e-6 --epochs 5 --output-dir runs/mars
 
 The same command under ``accelerate launch --multi_gpu --num_processes N --num_machines 1`` runs
-data-parallel: each process takes its own slice of every global batch.
+data-parallel: each process takes its own slice of every global batch. Under ``torchrun --nproc_per_node N``
+with ``--sharding full`` the model, gradients and Adam state are sharded over the processes (FSDP2,
+``finetune.sharding``; docs/scaling.md). ``--dry-run`` prints the plan and trains nothing (``finetune.plan``).
 
 Run directory (``--output-dir``; the app reads it while training runs):
 - ``train_config.json``: the resolved TrainConfig
@@ -45,7 +47,6 @@ Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -71,7 +72,8 @@ from finetune.checkpoint import (
     CONFIG_FILE, RESTART_FIX, all_checkpoints, check_resumable, keep_metrics, list_checkpoints, load_resume,
     refuse_starting_over, save_checkpoint, set_rng_state, warn,
 )
-from finetune.config import TrainConfig, native_bf16_cpu, parse_train_args, refuse_file_above
+from finetune import sharding
+from finetune.config import TrainConfig, native_bf16_cpu, parse_train_command, refuse_file_above
 from finetune.data import (
     MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
     pad_id_of, prompt_key, read_manifest, write_manifest,
@@ -152,6 +154,7 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
         warn("--mixed-precision bf16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in "
              "/proc/cpuinfo): torch emulates it and a step runs several times slower than in fp32; "
              "use --mixed-precision no")
+    sharding.check_world(cfg)
     ignored = ignored_settings(cfg)
     if ignored:
         warn(f"--stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: drop them, or use --stage mars")
@@ -231,8 +234,7 @@ def setup(cfg: TrainConfig, out: Path, use_cpu: bool, fresh: bool = False) -> Ru
     pad_id = pad_id_of(base.tokenizer, base.eos_ids)
 
     module = wrap_model(model, cfg, base.mask_id, state, init)
-    optimizer = make_optimizer(module, cfg)
-    module, optimizer = accelerator.prepare(module, optimizer)
+    module, optimizer = sharding.prepare(accelerator, module, cfg, make_optimizer)
     run = Run(cfg, accelerator, module, optimizer, base.tokenizer, examples, pad_id, out, total_steps, micro_per_epoch,
               manifest=manifest)
     if state is not None:
@@ -292,7 +294,10 @@ def resume_from(run: Run, state: dict, checkpoint: Path) -> None:
         raise ValueError(f"{checkpoint} was written by {saved} training process(es), this run has "
                          f"{run.accelerator.num_processes}: resume with --num_processes {saved} "
                          "(accelerate launch), or use a new --output-dir")
-    run.optimizer.load_state_dict(state["optimizer"])
+    if sharding.is_sharded(run.cfg):
+        sharding.load_sharded(run.module, run.optimizer, checkpoint)
+    else:
+        run.optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     run.start_step = state["step"]
     run.elapsed_before = state.get("elapsed", 0.0)
@@ -310,7 +315,7 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
     cfg, acc = run.cfg, run.accelerator
     epoch, k = divmod(micro_index, run.micro_per_epoch)
     if cache.get("epoch") != epoch:
-        lengths = [len(e.input_ids) for e in run.examples]
+        lengths = [len(e.input_ids) for e in run.examples] if cfg.group_by_length else None
         cache["epoch"] = epoch
         cache["batches"] = epoch_batches(len(run.examples), cfg.batch_size * acc.num_processes, epoch, cfg.seed, lengths)
     global_batch = cache["batches"][k]
@@ -360,7 +365,7 @@ def accumulate(run: Run, step: int, cache: dict) -> tuple[torch.Tensor, int]:
         batch, n_tokens = get_batch(run, index, cache)
         tokens += n_tokens
         sync = micro == cfg.grad_accum - 1  # gradients are all-reduced once, on the last micro-batch
-        with contextlib.nullcontext() if sync else acc.no_sync(module):
+        with sharding.no_sync(acc, module, sync):
             out = module(**batch, block_offset=block_offset_at(cfg, index))
             acc.backward(out.loss / cfg.grad_accum)
         mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
@@ -377,6 +382,7 @@ def train_step(run: Run, step: int, params: list[nn.Parameter], cache: dict) -> 
     sums, tokens = accumulate(run, step, cache)
     # With --grad-clip 0 the norm is still measured (a max of inf scales the gradients by exactly 1).
     grad_norm = run.accelerator.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = sharding.full_value(grad_norm)   # sharded gradients give a DTensor norm
     check_finite(run, step + 1, sums[0] / cfg.grad_accum, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -496,7 +502,12 @@ def drop_stale_stop_request(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, restart = parse_train_args(argv)
+    cfg, flags = parse_train_command(argv)
+    if flags.dry_run:
+        from finetune.plan import print_plan
+
+        return print_plan(cfg, flags.plan_examples)
+    restart = flags.restart
     stop = StopFlag()
     stop.install()  # before setup: a stop during a slow model load is honoured once it finishes
     if EARLY_SIGNALS:   # a stop that came while this module was still importing

@@ -70,6 +70,11 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, state: dict | None, init: 
         model.config.use_cache = False
     if cfg.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant: it needs no input that requires a gradient (a LoRA run's embeddings are frozen), and it
+        # re-runs FSDP2's gather hooks when a layer is recomputed. The losses call model.model directly; its
+        # layers honour the flag in training mode.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora:
         model = add_lora(model, cfg)
         if state is not None:
