@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan-examples", type=int, default=None,
                         help="with --dry-run when --data is not on this machine: plan for this many examples "
                              "(each counted at --max-length tokens)")
+    parser.add_argument("--plan-processes", type=int, default=None,
+                        help="with --dry-run: plan for this many processes (GPUs) instead of the launcher's "
+                             "WORLD_SIZE, e.g. 8 from a machine without GPUs")
     return parser
 
 
@@ -390,8 +393,10 @@ def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, arg
         given = getattr(args, f.name)
         if given is not None:
             values[f.name] = given
-    if args.plan_examples is not None and (not args.dry_run or args.plan_examples < 1):
-        raise ValueError(f"--plan-examples {args.plan_examples}: use a count of 1 or more, with --dry-run")
+    for flag in ("plan_examples", "plan_processes"):
+        value = getattr(args, flag)
+        if value is not None and (not args.dry_run or value < 1):
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: use a count of 1 or more, with --dry-run")
     return TrainConfig.from_dict(values, where=args.config or "config"), args
 
 

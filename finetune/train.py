@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if flags.dry_run:
         from finetune.plan import print_plan
 
-        return print_plan(cfg, flags.plan_examples)
+        return print_plan(cfg, flags.plan_examples, flags.plan_processes)
     restart = flags.restart
     stop = StopFlag()
     stop.install()  # before setup: a stop during a slow model load is honoured once it finishes
