@@ -7,9 +7,8 @@ become a checked `RaceSettings`, then the models load, the lanes stream, and the
 from __future__ import annotations
 
 import re
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gradio as gr
@@ -23,6 +22,9 @@ from app.machine import MACHINE, Machine, Turn, stop_at_forward, take_turn
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
                         check_flag, check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
 from app.race import LANE_LABELS, LANES, SideRecord, race
+from app.race_settings import (FASTEST, LAYOUT_CHOICES, ONE_MASK, RaceInputs, RaceSettings,  # noqa: F401
+                               fastest_lossless, lossless_candidates)
+from app.session import PAGES
 from app.render import render_chunks, render_ledger, render_stats, tau_summary
 from app.timing import ReplayTau
 
@@ -35,32 +37,6 @@ TIMING_STARTS = "◔ timing the decoders again for a speedup you can quote …" 
 # so they are named here; tests/test_app.py checks they are the same, in the same order), labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
-# The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
-# The "one mask" choices append a single mask per group, whatever B the MARS lane uses: on a CPU, where every
-# position a forward feeds costs, what made smollm2-mars's lossless lane fastest (docs/experiments.md, "One mask per
-# group"): alone on an AVX2 CPU, with two runner-ups per slot where extra positions are cheap (AMX). A model whose
-# masks all draft well (tiny-mars) does better with B.
-FASTEST = "fastest"   # the lossless layout a short timed decode finds fastest for this model here (fastest_lossless)
-LAYOUT_CHOICES = [("fastest on this machine (timed)", FASTEST),
-                  ("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
-                  ("a tree: also runner-up tokens", "tree"), ("one mask (CPU)", "one-mask"),
-                  ("one mask + runner-ups (AMX)", "one-mask-tree")]
-ONE_MASK = {"one-mask": ("linear", 2), "one-mask-tree": ("tree", 3)}   # choice -> (layout, tree width)
-CALIBRATE_TOKENS = 32   # the timed decodes behind "fastest": long enough to draft, short enough to wait for
-LOOKUP_N = 3
-
-# The τ controls of each session's running race (both MARS lanes): the τ slider writes here, the decoders read.
-_tau_controls: dict[str, list[TauControl]] = {}
-_tau_lock = threading.Lock()
-# The last clamp note of the τ field, by session: the page may hand the race the clamped value only, so the
-# race repeats the note when it runs at that value.
-_tau_notes: dict[str, tuple[float, str] | None] = {}
-# The τ each session's page last set, and when: a race that waited for the machine starts with a τ set after it
-# was asked for.
-_tau_latest: dict[str, tuple[float, float]] = {}
-# Each session's newest race: an older race of the same page (Race pressed again) stops at its next forward.
-_newest: dict[str, object] = {}
-
 
 def token_texts(lm):
     """id -> display string for one token (end-of-turn shown as ⟨eos⟩)."""
@@ -100,23 +76,10 @@ def set_tau(tau, tau_off, request: gr.Request | None = None):
         value = effective_tau(tau, tau_off, notes)
     except ValueError as exc:
         return f"⚠ {exc}"
-    key = _session(request)
-    with _tau_lock:
-        _tau_latest[key] = (value, time.monotonic())
-        kept = _tau_notes.get(key)
-        if notes:
-            _tau_notes[key] = (value, notes[0])
-        elif kept and abs(kept[0] - value) < 1e-9:   # the page clamping the field to that value: same cause
-            notes = [kept[1]]
-        else:
-            _tau_notes[key] = None
+    notes, controls = PAGES.set_tau(_session(request), value, notes)
     note = f" — {notes[0].replace('ran with', 'runs with')}" if notes else ""
-    with _tau_lock:
-        controls = _tau_controls.get(key)
     if controls is None:
         return f"τ = {_tau_text(value)} (applies to the next run, and to a race waiting for the machine){note}"
-    for control in controls:
-        control.value = value
     return f"τ → {_tau_text(value)} from the next forward pass{note}"
 
 
@@ -174,133 +137,6 @@ def clear_warning(message):
     return "" if stripped.startswith("⚠") else gr.skip()
 
 
-def _repeat_tau_note(session: str, tau: float, notes: list[str]) -> None:
-    """Put the τ field's last clamp note first when the race runs at the value it was clamped to."""
-    with _tau_lock:
-        typed = _tau_notes.get(session)
-    if typed and abs(typed[0] - tau) < 1e-9 and not any(n.startswith("τ ") for n in notes):
-        notes.insert(0, typed[1])
-
-
-@dataclass
-class RaceSettings:
-    """A race's settings as the decoders run them; `notes` says what was clamped or cut on the way."""
-    prompt: str
-    tau: float
-    block_size: int
-    max_new_tokens: int
-    temperature: float
-    seed: int | None = None
-    criterion: str = "prob"
-    slow_motion: int = 1
-    measure_after: bool = True
-    notes: list[str] = field(default_factory=list)
-    draft_layout: str = "linear"     # the lossless lane's (mars_core.drafts)
-    prompt_lookup: int = 0
-    one_mask: bool = False           # the lossless lane appends one mask per group (B = 2), whatever block_size
-    tree_width: int = 2
-    fastest: bool = False            # the lossless layout is picked once the model has loaded (pick_fastest)
-
-    @classmethod
-    def from_inputs(cls, prompt, tau, tau_off, block_size, max_new_tokens, temperature, slow_motion=1,
-                    criterion="prob", seed=0, measure_after=True, session: str = "default",
-                    draft_layout="linear", copy_drafts=False) -> RaceSettings:
-        """The Generate tab's values, made runnable (see check_inputs); ValueError for what cannot run."""
-        tau_off, measure_after = check_flag(tau_off, "τ off"), check_flag(measure_after, "then time again")
-        copy_drafts = check_flag(copy_drafts, "copy drafts from the prompt")
-        prompt, tau, block_size, max_new_tokens, temperature, notes = check_inputs(
-            prompt, tau, tau_off, block_size, max_new_tokens, temperature)
-        seed = check_seed(seed, temperature, notes)
-        if not tau_off:
-            _repeat_tau_note(session, tau, notes)
-        from mars_core.drafts import LAYOUTS
-        if not isinstance(draft_layout, str) or draft_layout not in (FASTEST, *LAYOUTS, *ONE_MASK):
-            raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of "
-                             f"{', '.join((FASTEST, *LAYOUTS, *ONE_MASK))}")
-        fastest = draft_layout == FASTEST
-        if fastest:
-            draft_layout = "one-mask"   # until pick_fastest has timed the loaded model
-        layout, width = ONE_MASK.get(draft_layout, (draft_layout, 2))
-        return cls(prompt, tau, block_size, max_new_tokens, temperature, seed,
-                   slow_motion=check_slow_motion(slow_motion), criterion=check_criterion(criterion),
-                   measure_after=bool(measure_after), notes=notes, draft_layout=layout,
-                   prompt_lookup=LOOKUP_N if copy_drafts else 0, one_mask=draft_layout in ONE_MASK,
-                   tree_width=width, fastest=fastest)
-
-    def pick_fastest(self, lm, name: str) -> str | None:
-        """For the "fastest" choice: the layout fastest_lossless finds for `lm` at this race's B and τ; returns
-        the line that says which and why (None where there is nothing to choose)."""
-        if not self.fastest or self.tau >= 1.0:
-            return None
-        (layout, block, width), why = fastest_lossless(lm, name, self.tau, self.block_size, self.criterion,
-                                                       self.prompt_lookup)
-        self.draft_layout, self.tree_width, self.one_mask = layout, width, block == 2
-        return why
-
-    @property
-    def lanes(self) -> list[str]:
-        """The lanes that race, in the page's order: lossless MARS reproduces greedy AR, so not when sampling."""
-        return [n for n in LANES if n != "verify" or self.temperature <= 0]
-
-    def config(self, lane: str) -> DecodeConfig:
-        common = dict(block_size=self.block_size, max_new_tokens=self.max_new_tokens)
-        if lane == "ar":
-            return mars_core.DecodeConfig(mode="ar", tau=1.0, temperature=self.temperature, seed=self.seed, **common)
-        if lane == "verify":
-            if self.one_mask:
-                common["block_size"] = 2
-            return mars_core.DecodeConfig(mode="verify", tau=self.tau, criterion=self.criterion,
-                                          draft_layout=self.draft_layout, tree_width=self.tree_width,
-                                          prompt_lookup=self.prompt_lookup, **common)
-        return mars_core.DecodeConfig(mode="mars", tau=self.tau, temperature=self.temperature, seed=self.seed,
-                                      criterion=self.criterion, **common)
-
-
-_fastest_lock = threading.Lock()
-_fastest: dict[tuple, tuple[object, tuple, str]] = {}   # (id(lm), B, τ, ...) -> (lm, (layout, B, width), why)
-LAYOUT_NAMES = {("linear", 2): "one mask a group", ("tree", 2): "one mask + runner-ups"}
-
-
-def lossless_candidates(block_size: int) -> list[tuple[str, int, int]]:
-    """(layout, B, tree width) of the lossless lanes "fastest" times: all of B's masks where B > 2, one mask,
-    and one mask with runner-up leaves (W = 3)."""
-    return ([("linear", block_size, 2)] if block_size > 2 else []) + [("linear", 2, 2), ("tree", 2, 3)]
-
-
-def fastest_lossless(lm, name: str, tau: float, block_size: int, criterion: str = "prob",
-                     prompt_lookup: int = 0) -> tuple[tuple[str, int, int], str]:
-    """The lossless layout that decodes the model's first example prompt fastest here: each candidate decodes
-    CALIBRATE_TOKENS tokens twice, alternating (app.timing.time_lanes, on the race's clock); the best of each
-    one's two runs decides. Once per model and setting (about 2 s for smollm2-mars on a CPU). Every candidate writes
-    AR's tokens, so only its speed differs: which wins depends on the model (how many masks draft well) and on the
-    machine (what a forward over more positions costs)."""
-    key = (id(lm), block_size, round(tau, 3), criterion, prompt_lookup)
-    with _fastest_lock:
-        hit = _fastest.get(key)
-        if hit is not None and hit[0] is lm:
-            return hit[1], hit[2]
-    prompt = models.example_prompts(name, 1)[0]
-    candidates = lossless_candidates(block_size)
-
-    def decode(layout, block, width):
-        cfg = mars_core.DecodeConfig(mode="verify", tau=tau, criterion=criterion, block_size=block,
-                                     draft_layout=layout, tree_width=width, prompt_lookup=prompt_lookup,
-                                     max_new_tokens=CALIBRATE_TOKENS)
-        return lambda: mars_core.generate(lm, [prompt], cfg)
-    *_, (_, times, _) = timing.time_lanes({c: decode(*c) for c in candidates}, 2, timing.clock_for(lm)[0])
-    best = {c: min(t) for c, t in times.items()}
-    pick = min(candidates, key=lambda c: best[c])
-
-    def label(c):
-        return LAYOUT_NAMES.get(c[:2], f"all {c[1]} masks a group")
-    timed = ", ".join(f"{label(c)} {best[c] * 1000:.0f} ms" for c in candidates)
-    why = (f"lossless drafts: {label(pick)}, the fastest here for this model in a timed decode of "
-           f"{CALIBRATE_TOKENS} tokens ({timed})")
-    with _fastest_lock:
-        _fastest[key] = (lm, pick, why)
-    return pick, why
-
-
 @dataclass
 class _Lane:
     """One decoder of the race; `control` is the τ the slider moves (the MARS lanes only)."""
@@ -330,17 +166,13 @@ def choose_models(choice, free_text, ar_choice, resolver: models.Resolver = mode
     return name, ar_name
 
 
-def run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-             slow_motion=1, criterion="prob", seed=0, measure_after=True, request: gr.Request | None = None,
-             resolver: models.Resolver = models.BUILTINS, draft_layout="linear", copy_drafts=False):
-    """The Race button, its inputs in the page's order: stream AR, lossless MARS and MARS side by side, then time
-    the decoders again for a speedup you can quote. A generator of `_outputs` tuples."""
+def run_race(given: RaceInputs, request: gr.Request | None = None, resolver: models.Resolver = models.BUILTINS):
+    """The Race button: stream AR, lossless MARS and MARS side by side, then time the decoders again for a
+    speedup you can quote. A generator of `_outputs` tuples."""
     session = _session(request)
     try:
-        settings = RaceSettings.from_inputs(prompt, tau, tau_off, block_size, max_new_tokens, temperature,
-                                            slow_motion, criterion, seed, measure_after, session, draft_layout,
-                                            copy_drafts)
-        name, ar_name = choose_models(choice, free_text, ar_choice, resolver)
+        settings = RaceSettings.from_inputs(given, session)
+        name, ar_name = choose_models(given.model, given.free_text, given.ar_choice, resolver)
     except Exception as exc:
         yield _Page(empty_sides()).show(f"⚠ {models.friendly_error(exc)}")
         return
@@ -360,17 +192,15 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
     """The race once its inputs are checked: wait for the machine (saying where it stands), then load the
     models, stream the lanes, show the answers, and time the decoders again within a budget."""
     asked = time.monotonic()
-    mine = object()
-    with _tau_lock:
-        _newest[session] = mine   # an older race of this page stops at its next forward
+    mine = PAGES.start_race(session)   # an older race of this page stops at its next forward
     turn = Turn(machine, (yield from take_turn(machine, "a race", _status_only)))
     try:
-        if _newest.get(session) is not mine:
+        if not PAGES.is_newest(session, mine):
             raise _Superseded
         _take_tau_moved_while_waiting(settings, session, asked)
 
         def superseded() -> bool:
-            return _newest.get(session) is not mine
+            return not PAGES.is_newest(session, mine)
 
         yield from _race_on_machine(settings, name, ar_name, session, superseded,
                                     lambda: superseded() or machine.others_waiting(turn.ticket) > 0, turn)
@@ -381,9 +211,7 @@ def race_models(settings: RaceSettings, name: str, ar_name: str, session: str = 
         return
     finally:   # also when Gradio closes this generator because its page went away
         turn.end()
-        with _tau_lock:
-            if _newest.get(session) is mine:   # no newer race of this page: nothing left to stop
-                del _newest[session]
+        PAGES.end_race(session, mine)
 
 
 def _race_on_machine(settings: RaceSettings, name: str, ar_name: str, session: str, superseded, give_way,
@@ -444,11 +272,10 @@ def _status_only(status: str) -> tuple:
 
 def _take_tau_moved_while_waiting(settings: RaceSettings, session: str, asked: float) -> None:
     """A τ set on the page after the race was asked for (it waited for the machine) is the τ it starts with."""
-    with _tau_lock:
-        moved = _tau_latest.get(session)
-    if moved is None or moved[1] <= asked or abs(moved[0] - settings.tau) < 1e-9:
+    moved = PAGES.tau_set_after(session, asked)
+    if moved is None or abs(moved - settings.tau) < 1e-9:
         return
-    before, settings.tau = settings.tau, moved[0]
+    before, settings.tau = settings.tau, moved
     settings.notes.append(f"τ moved from {_tau_text(before)} to {_tau_text(settings.tau)} while the race waited: "
                           f"it ran at {_tau_text(settings.tau)}")
 
@@ -474,8 +301,7 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
     gets at most one update per YIELD_EVERY_S, and the τ slider steers the MARS lanes meanwhile. Raises
     _Superseded after the forward during which the page asked for a newer race."""
     controls = [lane.control for lane in lanes.values() if lane.control is not None]
-    with _tau_lock:
-        _tau_controls[session] = controls
+    PAGES.steer(session, controls)
     try:
         words = {n: (token_texts(lane.lm), _decoder(lane.lm)) for n, lane in lanes.items()}
         racing = race(lanes={n: mars_core.generate_stream(lane.lm, [settings.prompt], lane.cfg,
@@ -496,9 +322,7 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
         for n in lanes:
             page.sides[n].finished = True
     finally:
-        with _tau_lock:
-            if _tau_controls.get(session) is controls:   # a newer race of this session keeps its own
-                del _tau_controls[session]
+        PAGES.release(session, controls)
 
 
 def biggest_chunk(side: SideRecord) -> tuple[str, int, int] | None:

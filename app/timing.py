@@ -3,7 +3,7 @@
 The streaming race runs each decoder once, interleaved with the others and with page updates, so a few
 milliseconds of noise decide a short race. `measure()` therefore times the same decoders again on the
 same prompt (the race was their warm-up), by the CPU time of the decoding thread where that is the decoder's
-own compute (one torch thread on a CPU; see clock_for), else by the wall clock: alternating (the order rotates every repeat, so drift on a
+own compute (one torch thread on a CPU; see mars_core.timing), else by the wall clock: alternating (the order rotates every repeat, so drift on a
 shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
 whichever is more, but only as many as fit in `budget_s` (a long answer gets fewer repeats, at least one), and
 a job waiting for the machine ends them early. Each repeat gives AR time ÷ lane time; the page shows the median
@@ -31,7 +31,9 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
+
+from mars_core.timing import alternate, clock_for  # noqa: F401  (clock_for: the race's lanes and tests)
 
 TARGET_S = 1.0       # about a second of compute ...
 MIN_REPEATS = 5      # ... or five repeats, whichever is more
@@ -89,34 +91,6 @@ def repeats_for(round_s: float, target_s: float = TARGET_S, min_repeats: int = M
     if not round_s > 0 or not math.isfinite(round_s):
         return min_repeats
     return max(min_repeats, min(max_repeats, math.ceil(target_s / round_s)))
-
-
-def clock_for(lm) -> tuple[Callable[[], float], str]:
-    """(clock, what it measures). On a CPU with one torch thread the decoder runs in the calling thread, so its
-    CPU time is the decoder's own compute: unlike the wall clock it does not count the turns other processes get
-    on a shared machine (which made one race's ratio swing from 1.2x to 7x). Otherwise the wall clock."""
-    import torch
-    if getattr(lm, "device", None) is not None and lm.device.type == "cpu" and torch.get_num_threads() == 1:
-        return time.thread_time, "CPU time of the decoding thread"
-    return time.perf_counter, "wall clock"
-
-
-def time_lanes(runs: dict[str, Callable[[], object]], repeats: int,
-               clock: Callable[[], float] = time.perf_counter) -> Iterator[tuple[int, dict, dict]]:
-    """Wall-clock seconds of each run, `repeats` times, the order rotating every repeat; yields
-    (repeats done, {lane: seconds so far}, {lane: what each run returned}) after each repeat, so a caller can report progress between repeats
-    (nothing else runs while a repeat is timed)."""
-    names = list(runs)
-    times = {n: [] for n in names}
-    results = {n: [] for n in names}
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for n in order:
-            t0 = clock()
-            out = runs[n]()
-            times[n].append(clock() - t0)
-            results[n].append(out)
-        yield r + 1, times, results
 
 
 def row_cost_table(lm, prompt_ids: list[int], max_rows: int, block_size: int, est_forward_s: float) -> dict[int, float]:
@@ -177,7 +151,7 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
     clock, clock_name = clock_for(lane_lm)
     if ar_lm is not lane_lm and clock_for(ar_lm)[1] != clock_name:
         clock, clock_name = time.perf_counter, "wall clock"
-    for done, times, results in time_lanes(runs, repeats, clock):
+    for done, times, results in alternate(runs, repeats, clock):
         partial = _so_far(runs, times, clock_name)
         if stop is not None and stop():
             cut = f"timed {done} of {repeats} times only" if done < repeats else "the bound was not measured"

@@ -502,11 +502,14 @@ def _wire_race(bar, gen, resolver: models.Resolver) -> None:
 
     def race_fn(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,
                 slow_motion, criterion, seed, measure_after, draft_layout, copy_drafts, request: gr.Request):
-        # a plain function, not functools.partial: Gradio passes the session (τ is steered per session) only to
-        # a parameter it can see typed as gr.Request
-        yield from generate.run_race(choice, free_text, ar_choice, prompt, tau, tau_off, block_size,
-                                     max_new_tokens, temperature, slow_motion, criterion, seed, measure_after,
-                                     request, resolver, draft_layout, copy_drafts)
+        # The one place the race's inputs are spelled out one by one: Gradio hands them over positionally (and
+        # names the API's parameters after these); below this they travel as one named RaceInputs. A plain
+        # function, not functools.partial: Gradio passes the session (τ is steered per session) only to a
+        # parameter it can see typed as gr.Request.
+        given = generate.RaceInputs(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens,
+                                    temperature, slow_motion, criterion, seed, measure_after, draft_layout,
+                                    copy_drafts)
+        yield from generate.run_race(given, request, resolver)
 
     inputs = [bar.model, bar.free, bar.ar_choice, gen.prompt, gen.tau, gen.tau_off, gen.block_size, gen.max_new,
               gen.temperature, gen.slow_motion, gen.criterion, gen.seed, gen.measure_after, gen.draft_layout,

@@ -83,28 +83,20 @@ def score(examples: list[dict], texts: list[str]) -> tuple[float, dict[str, floa
 
 
 def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tuple[float, float]:
-    """Seconds for AR (KV cache) and for `cfg` on `prompts`, batch 1.
-
-    Each prompt runs AR and `cfg` alternately `repeats` times (which goes first alternates too) and
-    keeps each one's fastest time: on a CPU shared with other work the minimum is the run that was
-    not interrupted, so the ratio reflects the decoders rather than the neighbours.
-    """
+    """Seconds for AR (KV cache) and for `cfg` on `prompts`, batch 1, each the sum over the prompts of the
+    median of `repeats` alternating runs (mars_core.timing: both warmed up, the order rotating), on the decoding
+    thread's CPU time where the model runs on one CPU thread, else the wall clock."""
     from mars_core import DecodeConfig, generate
+    from mars_core.timing import Spread, clock_for, time_all
 
     ar_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens)
-    generate(lm, prompts[:1], ar_cfg)            # warm-up both paths
-    generate(lm, prompts[:1], cfg)
+    clock = clock_for(lm)[0]
     ar_time = mars_time = 0.0
     for i, p in enumerate(prompts):
-        best = {"ar": float("inf"), "mars": float("inf")}
-        for r in range(repeats):
-            order = [("ar", ar_cfg), ("mars", cfg)] if (i + r) % 2 == 0 else [("mars", cfg), ("ar", ar_cfg)]
-            for kind, c in order:
-                t0 = time.perf_counter()
-                generate(lm, [p], c)
-                best[kind] = min(best[kind], time.perf_counter() - t0)
-        ar_time += best["ar"]
-        mars_time += best["mars"]
+        runs = {"ar": lambda p=p: generate(lm, [p], ar_cfg), "mars": lambda p=p: generate(lm, [p], cfg)}
+        times, _ = time_all(runs, repeats, clock, warmup=i == 0)
+        ar_time += Spread.of(times["ar"]).median
+        mars_time += Spread.of(times["mars"]).median
     return ar_time, mars_time
 
 

@@ -26,6 +26,7 @@ from mars_core.config import DecodeConfig
 from mars_core.decoding import draft_acceptance, generate, reference_generate
 from mars_core.sources import ASSETS
 from mars_core.textfile import read_prompts
+from mars_core.timing import NOW, alternate, pick_clock
 
 GENERAL_PROMPTS = [
     "What is the capital of France?",
@@ -116,31 +117,9 @@ class ExternalGreedy:
     max_new_tokens: int
 
 
-CLOCKS = ("auto", "wall", "thread")
-
-
-def pick_clock(clock: str, device) -> str:
-    """"thread" (this thread's CPU time) when the model runs on one CPU thread, else "wall".
-
-    With one torch thread every operation runs on the calling thread, so its CPU time is the decoding's own
-    work; on a machine shared with other processes it leaves out the turns the OS gave them, which the wall
-    clock counts (spreads of several x here). On an otherwise idle machine the two agree."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock={clock!r} is unknown: use auto, wall or thread")
-    if clock == "auto":
-        return "thread" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
-    if clock == "thread" and (device.type != "cpu" or torch.get_num_threads() != 1):
-        raise ValueError("clock='thread' needs the model on the CPU with one torch thread (--threads 1): "
-                         "use --clock wall")
-    return clock
-
-
-_NOW = {"wall": time.perf_counter, "thread": time.thread_time}
-
-
 def _timed_run(lm, batches, cfg, clock: str = "wall") -> tuple[float, int, list]:
     """Seconds, batched forwards and results for all batches (HFGreedy: token lists, forwards not counted)."""
-    now = _NOW[clock]
+    now = NOW[clock]
     _sync(lm.device)
     t0 = now()
     results, forwards = [], 0
@@ -177,7 +156,7 @@ def hf_generate(lm, batch: list[list[int]], max_new_tokens: int) -> list[list[in
 def decoder_overhead(lm, batches, cfg, clock: str = "wall") -> tuple[float, float]:
     """One extra, instrumented run: ms per forward spent outside the model's forward, and its share of a step."""
     spent = [0.0]
-    forward, now = lm.net.forward, _NOW[clock]
+    forward, now = lm.net.forward, NOW[clock]
 
     def timed(*args, **kwargs):
         _sync(lm.device)
@@ -240,22 +219,20 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
         if bs == 1:   # other runtimes decode one prompt at a time
             for name, runtime in (externals or {}).items():
                 sides[name], models[name] = ExternalGreedy(max_new_tokens), runtime
-        for side, cfg in sides.items():                 # warm-up, every side
+        for side, cfg in sides.items():                 # warm-up on one batch, every side
             _timed_run(models[side], batches[:1], cfg, clock)
-        times = {side: [] for side in sides}
-        runs = {}
-        for _ in range(repeats):                       # alternate so drift hits every side alike
-            for side, cfg in sides.items():
-                t, forwards, res = _timed_run(models[side], batches, cfg, clock)
-                times[side].append(t)
-                runs[side] = (forwards, res)
+        timed = {side: (lambda m=models[side], c=cfg: _timed_run(m, batches, c, clock)) for side, cfg in sides.items()}
+        for _, _, out in alternate(timed, repeats, NOW[clock]):   # mars_core.timing: rotating order
             if progress:
-                progress(f"batch {bs}: " + ", ".join(f"{side} {times[side][-1]:.2f}s" for side in sides))
+                progress(f"batch {bs}: " + ", ".join(f"{side} {out[side][-1][0]:.2f}s" for side in sides))
+        # each run's own time (it syncs a GPU before it stops its clock), its forwards and answers
+        times = {side: [t for t, _, _ in out[side]] for side in sides}
+        runs = {side: out[side][-1][1:] for side in sides}
         med = {side: statistics.median(t) for side, t in times.items()}
         if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
-            t0 = _NOW[clock]()
+            t0 = NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
-            ref_time = _NOW[clock]() - t0
+            ref_time = NOW[clock]() - t0
         other = None if other_ar is None else f"ours, {weight_format(other_ar)}"
         row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other)
         _per_token(row, med, runs, {n: r.label for n, r in (externals or {}).items() if n in sides})
@@ -409,7 +386,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
     if len(ids) + max_rows > lm.context_length:
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
     model, device = lm.net, lm.device
-    now = _NOW[pick_clock("auto", device)]   # one CPU thread: its CPU time, immune to other processes
+    now = NOW[pick_clock("auto", device)]   # one CPU thread: its CPU time, immune to other processes
     cache = new_cache(lm)
     model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     past = len(ids)

@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from app import explorer, finetune_ui, generate, inputs, learn, models, plots  # noqa: E402
+from app import explorer, finetune_ui, generate, inputs, learn, models, plots, race_settings  # noqa: E402
 from app.race import SideRecord, compare, race  # noqa: E402
 from app.render import render_chunks, render_ledger, render_stats, stop_reason  # noqa: E402
 from app.runs import FinetuneRequest, JobManager, build_command  # noqa: E402
@@ -276,8 +276,9 @@ def _final(outputs):
 
 def test_race_outputs_equal_mars_core_generate(tiny_dir):
     from mars_core import DecodeConfig, generate as core_generate
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "What is 12 + 30?", 0.6, False, 4, 20, 0.0,
-                                  measure_after=False))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir,
+                                                      prompt="What is 12 + 30?", tau=0.6, block_size=4,
+                                                      max_new_tokens=20, measure_after=False)))
     status, tau_line, ar_html, verify_html, mars_html, stats, *_rest, state = _final(outs)
     assert status.startswith("✓"), status
     mars, ar = state["mars"], state["ar"]
@@ -297,30 +298,32 @@ def test_the_lossless_lane_races_in_the_chosen_draft_layout_and_marks_copied_dra
     from app.render import render_ledger
     from mars_core import DecodeConfig, generate as core_generate
     prompt = "Hello there, tell me a long story about cats."
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.9, False, 8, 48, 0.0,
-                                  measure_after=False, draft_layout="quadratic", copy_drafts=True))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir, prompt=prompt, tau=0.9,
+                                                      block_size=8, max_new_tokens=48, measure_after=False,
+                                                      draft_layout="quadratic", copy_drafts=True)))
     status, _, _, verify_html, *_rest, state = _final(outs)
     assert status.startswith("✓"), status
     verify, ar = state["verify"], state["ar"]
     assert verify.token_ids == ar.token_ids and verify.layout == "quadratic"
     lm = models.get_model(tiny_dir)
     want = core_generate(lm, [prompt], DecodeConfig(mode="verify", tau=0.9, block_size=8, max_new_tokens=48,
-                                                    draft_layout="quadratic", prompt_lookup=generate.LOOKUP_N))[0]
+                                                    draft_layout="quadratic", prompt_lookup=race_settings.LOOKUP_N))[0]
     assert verify.forwards == want.forwards < ar.forwards
     copied = [k for k, s in enumerate(verify.steps) if s.draft_source == "prompt"]
     assert copied and 'class="verified from-prompt"' in verify_html and "prompt lookup" in verify_html
     assert "Prompt lookup: the last tokens occurred earlier" in render_ledger(verify, copied[0])
     assert verify.positions_fed() == [s.positions for s in verify.steps[1:]]
     with pytest.raises(ValueError, match="draft layout 'star' is unknown"):
-        generate.RaceSettings.from_inputs(prompt, 0.9, False, 4, 8, 0.0, draft_layout="star")
+        generate.RaceSettings.from_inputs(generate.RaceInputs(prompt=prompt, tau=0.9, block_size=4,
+                                                              max_new_tokens=8, draft_layout="star"))
 
 
 def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tiny_dir):
     from app.render import render_ledger
     # the embedded tiny-mars (its masks are trained, so some runner-up tokens are likely enough to be tried)
     prompt = "Sort these numbers: 42, 7, 19, 3"
-    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 60, 0.0,
-                                  measure_after=False, draft_layout="tree"))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=prompt, tau=0.3, block_size=4,
+                                                      max_new_tokens=60, measure_after=False, draft_layout="tree")))
     verify, ar = _final(outs)[-1]["verify"], _final(outs)[-1]["ar"]
     assert verify.token_ids == ar.token_ids and verify.layout == "tree"
     offered = [k for k, s in enumerate(verify.steps) if s.leaves]
@@ -332,12 +335,13 @@ def test_the_tree_layout_races_exactly_and_its_ledger_shows_the_alternatives(tin
 def test_the_one_mask_choices_race_lossless_with_one_mask_a_group_while_mars_keeps_b(choice, layout, width):
     from mars_core import generate as core_generate
     prompt = "Sort these numbers: 42, 7, 19, 3"
-    settings = generate.RaceSettings.from_inputs(prompt, 0.3, False, 4, 40, 0.0, draft_layout=choice)
+    settings = generate.RaceSettings.from_inputs(generate.RaceInputs(prompt=prompt, tau=0.3, block_size=4,
+                                                                     max_new_tokens=40, draft_layout=choice))
     verify_cfg, mars_cfg = settings.config("verify"), settings.config("mars")
     assert (verify_cfg.block_size, verify_cfg.draft_layout, verify_cfg.tree_width) == (2, layout, width)
     assert mars_cfg.block_size == 4
-    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.3, False, 4, 40, 0.0,
-                                  measure_after=False, draft_layout=choice))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=prompt, tau=0.3, block_size=4,
+                                                      max_new_tokens=40, measure_after=False, draft_layout=choice)))
     state = _final(outs)[-1]
     verify, ar, mars = state["verify"], state["ar"], state["mars"]
     assert verify.token_ids == ar.token_ids and verify.layout == layout
@@ -355,7 +359,7 @@ def test_the_fastest_choice_times_all_of_b_one_mask_and_runner_ups():
 def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_once(tiny_dir, monkeypatch, slow):
     # a fake clock: every candidate's decode takes 1 s, except that `slow`'s takes 3 s and the first of the others
     # takes 2 s, so the pick is the last of the fast ones (the best of two runs decides)
-    import mars_core
+    import mars_core.fastest
     lm = models.get_model("tiny-mars")   # loaded (and warmed up) before the decoder is faked
     now, runs = [0.0], []
 
@@ -365,9 +369,9 @@ def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_o
         now[0] += 3.0 if (cfg.draft_layout, cfg.block_size) == slow else (
             2.0 if (cfg.draft_layout, cfg.block_size) == fast[0][:2] else 1.0)
         return []
-    monkeypatch.setattr(mars_core, "generate", fake_generate)
+    monkeypatch.setattr(mars_core.fastest, "generate", fake_generate)
     monkeypatch.setattr(generate.timing, "clock_for", lambda lm: (lambda: now[0], "fake"))
-    monkeypatch.setattr(generate, "_fastest", {})
+    monkeypatch.setattr(race_settings, "_fastest", {})
     pick, why = generate.fastest_lossless(lm, "tiny-mars", 0.7, 4)
     fast = [c for c in generate.lossless_candidates(4) if c[:2] != slow]
     assert pick == fast[1]
@@ -380,17 +384,20 @@ def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_o
 
 
 def test_a_fastest_race_is_lossless_and_says_which_layout_it_took(tiny_dir, monkeypatch):
-    monkeypatch.setattr(generate, "_fastest", {})
+    monkeypatch.setattr(race_settings, "_fastest", {})
     prompt = "Sort these numbers: 42, 7, 19, 3"
-    outs = list(generate.run_race("tiny-mars", "", "same", prompt, 0.7, False, 4, 40, 0.0, measure_after=False,
-                                  draft_layout=generate.FASTEST))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=prompt, tau=0.7, block_size=4,
+                                                      max_new_tokens=40, measure_after=False,
+                                                      draft_layout=generate.FASTEST)))
     state = _final(outs)[-1]
     verify, ar = state["verify"], state["ar"]
     assert verify.token_ids == ar.token_ids
     assert any("Timing the lossless layouts" in o[0] for o in outs)
     (layout, block, width), why = generate.fastest_lossless(models.get_model("tiny-mars"), "tiny-mars", 0.7, 4)
     assert verify.layout == layout and why in outs[-1][0]
-    settings = generate.RaceSettings.from_inputs(prompt, 0.7, False, 4, 40, 0.0, draft_layout=generate.FASTEST)
+    settings = generate.RaceSettings.from_inputs(generate.RaceInputs(prompt=prompt, tau=0.7, block_size=4,
+                                                                     max_new_tokens=40,
+                                                                     draft_layout=generate.FASTEST))
     assert settings.pick_fastest(models.get_model("tiny-mars"), "tiny-mars") == why
     cfg = settings.config("verify")
     assert (cfg.draft_layout, cfg.block_size, cfg.tree_width) == (layout, block, width)
@@ -411,8 +418,9 @@ def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     prompt = "What is 12 + 30?"
     first = {}
     for crit in ("prob", "entropy"):
-        outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion=crit,
-                                      measure_after=False))
+        outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir, prompt=prompt,
+                                                          tau=0.6, block_size=4, max_new_tokens=8, criterion=crit,
+                                                          measure_after=False)))
         mars = _final(outs)[-1]["mars"]
         want = next(generate_stream(lm, [prompt], DecodeConfig(tau=0.6, max_new_tokens=8, criterion=crit)))
         assert mars.steps[0].confidences == pytest.approx(want.rows[0].confidences)
@@ -422,8 +430,9 @@ def test_confidence_criterion_reaches_the_mars_decoder(tiny_dir):
     assert first["prob"] != pytest.approx(first["entropy"])
     rows = explorer.sweep_free(lm, [prompt], [0.6], 4, 8, criterion="margin")
     assert rows[0]["criterion"] == "margin"
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", prompt, 0.6, False, 4, 8, 0.0, criterion="nope",
-                                  measure_after=False))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir, prompt=prompt, tau=0.6,
+                                                      block_size=4, max_new_tokens=8, criterion="nope",
+                                                      measure_after=False)))
     assert outs[-1][0].startswith("⚠") and "'nope'" in outs[-1][0] and "entropy" in outs[-1][0]
 
 
@@ -432,8 +441,9 @@ def test_moving_tau_mid_race_changes_the_next_forward(tiny_dir, monkeypatch):
 
     class Req:
         session_hash = "test-session"
-    gen = generate.run_race("tiny-mars", tiny_dir, "same", "Sort the list: 3, 1, 2.", 0.9, False, 4, 24, 0.0,
-                            request=Req(), measure_after=False)
+    gen = generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir,
+                                                prompt="Sort the list: 3, 1, 2.", tau=0.9, block_size=4,
+                                                max_new_tokens=24, measure_after=False), request=Req())
     outs = [next(gen) for _ in range(4)]
     msg = generate.set_tau(0.55, False, Req())
     assert "next forward pass" in msg
@@ -448,7 +458,8 @@ def test_moving_tau_mid_race_changes_the_next_forward(tiny_dir, monkeypatch):
 
 
 def test_bad_inputs_give_a_message_not_an_exception(tiny_dir):
-    outs = list(generate.run_race("tiny-mars", tiny_dir, "same", "", 0.9, False, 4, 20, 0.0))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", free_text=tiny_dir, prompt="", tau=0.9,
+                                                      block_size=4, max_new_tokens=20)))
     assert outs[-1][0].startswith("⚠") and "the prompt is empty" in outs[-1][0]
     outs = list(generate.load_model_ui("tiny-mars", "/definitely/not/here"))
     assert outs[-1].startswith("⚠") and "does not exist" in outs[-1]

@@ -28,7 +28,9 @@ def tiny_mars():
 
 
 def _settings(tau=0.9, max_new=16, measure_after=False):
-    return generate.RaceSettings.from_inputs(PROMPT, tau, False, 4, max_new, 0.0, measure_after=measure_after)
+    return generate.RaceSettings.from_inputs(generate.RaceInputs(prompt=PROMPT, tau=tau, block_size=4,
+                                                                 max_new_tokens=max_new,
+                                                                 measure_after=measure_after))
 
 
 def test_the_line_runs_jobs_in_order_and_tells_each_its_place():

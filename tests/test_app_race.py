@@ -90,7 +90,8 @@ def tiny_mars():
 def test_verify_lane_writes_exactly_the_ar_lanes_tokens(tiny_mars):
     from mars_core import DecodeConfig, generate as core_generate
     for prompt, tau in ((SORT_PROMPT, 0.5), (models.example_prompts("tiny-mars")[0], 0.9)):
-        outs, last = _race("tiny-mars", "", "same", prompt, tau, False, 4, 64, 0.0, measure_after=False)
+        outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=prompt, tau=tau, block_size=4,
+                                               max_new_tokens=64, measure_after=False))
         state = last[-1]
         assert state["verify"].token_ids == state["ar"].token_ids
         want = core_generate(tiny_mars, [prompt], DecodeConfig(mode="verify", tau=tau, max_new_tokens=64))[0]
@@ -98,13 +99,15 @@ def test_verify_lane_writes_exactly_the_ar_lanes_tokens(tiny_mars):
         assert state["verify"].forwards < state["ar"].forwards
         assert last[3].count('class="chunk') == state["verify"].forwards
     # the sort prompt at τ 0.5: a draft is rejected, struck through in the lane, and still the answer is AR's
-    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.5, False, 4, 64, 0.0, measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.5, block_size=4,
+                                           max_new_tokens=64, measure_after=False))
     assert any(s.rejected is not None for s in last[-1]["verify"].steps)
     assert '<del class="rejected"' in last[3] and 'data-rejected="1"' in last[3]
 
 
 def test_different_answers_are_never_called_a_speedup(tiny_mars):
-    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.5, False, 4, 64, 0.0, measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.5, block_size=4,
+                                           max_new_tokens=64, measure_after=False))
     state, stats = last[-1], last[5]
     assert state["mars"].token_ids != state["ar"].token_ids
     mars_line = re.search(r'data-lane="mars">(.*?)</div></div>', stats, re.S).group(0)
@@ -117,15 +120,19 @@ def test_different_answers_are_never_called_a_speedup(tiny_mars):
 
 
 def test_temperature_runs_without_the_lossless_lane_and_says_why(tiny_mars):
-    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 16, 1.0, measure_after=False, seed=3)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                           max_new_tokens=16, temperature=1.0, measure_after=False, seed=3))
     assert last[0].startswith("✓") and not last[-1]["verify"].steps
     assert "temperature 0 only" in last[3] and "temperature 0 only" in last[5]
-    again = _race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 16, 1.0, measure_after=False, seed=3)[1]
+    again = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                      max_new_tokens=16, temperature=1.0, measure_after=False, seed=3))[1]
     assert again[-1]["mars"].token_ids == last[-1]["mars"].token_ids      # the seed decides the sample
     free = "Tell me a story about a cat."   # not a suite task: flat enough for samples to differ
-    runs = {s: _race("tiny-mars", "", "same", free, 0.9, False, 4, 16, 2.0, measure_after=False, seed=s)[1][-1]
+    runs = {s: _race(generate.RaceInputs(model="tiny-mars", prompt=free, tau=0.9, block_size=4, max_new_tokens=16,
+                                         temperature=2.0, measure_after=False, seed=s))[1][-1]
             for s in (1, 1, 2, 3)}
-    first = _race("tiny-mars", "", "same", free, 0.9, False, 4, 16, 2.0, measure_after=False, seed=1)[1][-1]
+    first = _race(generate.RaceInputs(model="tiny-mars", prompt=free, tau=0.9, block_size=4, max_new_tokens=16,
+                                      temperature=2.0, measure_after=False, seed=1))[1][-1]
     assert first["ar"].token_ids == runs[1]["ar"].token_ids
     assert any(runs[s]["ar"].token_ids != first["ar"].token_ids for s in (2, 3))
 
@@ -154,7 +161,8 @@ def test_bound_is_tokens_per_forward_times_the_forward_cost_ratio():
 
 
 def test_the_race_ends_with_a_measured_median_and_spread_next_to_its_bound(tiny_mars):
-    outs, last = _race("tiny-mars", "", "same", models.example_prompts("tiny-mars")[0], 0.9, False, 4, 64, 0.0)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=models.example_prompts("tiny-mars")[0],
+                                           tau=0.9, block_size=4, max_new_tokens=64))
     assert any("timing again: repeat 1 of" in o[0] for o in outs)
     # the answers and tokens/forward went out when the race ended, before the first repeat
     ended = next(k for k, o in enumerate(outs) if o[0].startswith("✓ Race finished"))
@@ -192,8 +200,8 @@ def test_a_never_mars_trained_model_in_mars_mode_is_offered_one_token_mode():
     text, offer, off = notices.notice("tiny-ar-sft", models.example_prompts("tiny-mars")[0], 0.9)
     assert "never MARS-trained" in text and offer == "tiny-mars" and off
     assert notices.notice("smollm2-mars", "What is the capital of France?", 0.9)[0] == ""
-    outs, last = _race("tiny-mars", "", "same", "Tell me a story about a cat.", 0.9, False, 4, 8, 0.0,
-                       measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt="Tell me a story about a cat.", tau=0.9,
+                                           block_size=4, max_new_tokens=8, measure_after=False))
     assert "ℹ" in last[0] and "task suite" in last[0]
 
 
@@ -234,17 +242,18 @@ def test_tau_typed_out_of_range_is_clamped_with_a_note_and_the_race_repeats_it(t
     assert line.startswith("τ = off (applies to the next run") and "τ 1.50 is above the range" in line
     assert "None" not in line
     # the page may hand the race the clamped value: the race still says what happened, and what ran
-    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 1.0, False, 4, 8, 0.0, request=Req(),
-                       measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=1.0, block_size=4,
+                                           max_new_tokens=8, measure_after=False), request=Req())
     assert "✂ τ 1.50 is above the range" in last[0] and last[1] == "ran at MARS τ = off · MARS lossless τ = off"
-    outs, last = _race("tiny-mars", "", "same", SORT_PROMPT, 0.0, False, 4, 8, 0.0, measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.0, block_size=4,
+                                           max_new_tokens=8, measure_after=False))
     assert "✂ τ 0.00 is below the range 0.50..1.00: ran with 0.50" in last[0]
     assert last[1] == "ran at MARS τ = 0.50 · MARS lossless τ = 0.50"
 
 
 def test_a_long_prompt_is_cut_with_a_note(tiny_mars):
-    outs, last = _race("tiny-mars", "", "same", "Sort in descending order: 1, 2" + " " * 19970, 0.9, False, 4, 8,
-                       0.0, measure_after=False)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt="Sort in descending order: 1, 2" + " " * 19970,
+                                           tau=0.9, block_size=4, max_new_tokens=8, measure_after=False))
     assert "✂ the prompt has 20,000 characters: cut to the first 4,000 (the limit)" in last[0]
 
 
@@ -419,7 +428,8 @@ def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_m
 
     class Req:
         session_hash = "replay-session"
-    gen = generate.run_race("tiny-mars", "", "same", SORT_PROMPT, 0.95, False, 4, 64, 0.0, request=Req())
+    gen = generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.95, block_size=4,
+                                                max_new_tokens=64), request=Req())
     outs = [next(gen) for _ in range(4)]
     assert "next forward pass" in generate.set_tau(0.5, False, Req())
     outs += list(gen)
@@ -445,8 +455,8 @@ def test_empty_fields_are_named_not_shown_as_none(tmp_path):
         with pytest.raises(ValueError) as err:
             inputs.check_criterion(crit)
         messages.append(str(err.value))
-    outs = list(generate.run_race("tiny-mars", "", "same", SORT_PROMPT, 0.9, False, 4, 8, 0.0, slow_motion=None,
-                                  measure_after=False))
+    outs = list(generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                                      max_new_tokens=8, slow_motion=None, measure_after=False)))
     messages.append(outs[-1][0])
     jobs = JobManager(tmp_path / "runs")
     messages.append(finetune_ui.command_preview(jobs, None, "builtin", None, "mars", 4, 1.0, 600, 1e-3, False))
