@@ -75,7 +75,7 @@ from finetune.checkpoint import (
 from finetune import sharding
 from finetune.config import TrainConfig, native_bf16_cpu, parse_train_command, refuse_file_above
 from finetune.data import (
-    MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
+    IGNORE_INDEX, MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
     pad_id_of, prompt_key, read_manifest, write_manifest,
 )
 from finetune.status import (
@@ -325,6 +325,28 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
     return {name: t.to(acc.device, non_blocking=True) for name, t in batch.items()}, n_tokens
 
 
+def n_targets(example) -> int:
+    """An example's labelled targets as the losses count them (labels shifted by one)."""
+    return sum(1 for t in example.labels[1:] if t != IGNORE_INDEX)
+
+
+def process_weight(run: Run, micro_index: int, cache: dict) -> float:
+    """This process's loss weight for global micro-batch ``micro_index`` (after ``get_batch`` drew it): the process
+    count times its share of the micro-batch's labelled targets.
+
+    Each process's loss is a mean over its own targets and the processes' gradients are then averaged; weighted so,
+    that average is the mean over every target of the global micro-batch, which is what one process computes for
+    the same batch. Unweighted, a process with fewer targets would count as much as one with more. Every process
+    computes it from the global batch's indices: no communication."""
+    acc, b = run.accelerator, run.cfg.batch_size
+    if acc.num_processes == 1:
+        return 1.0
+    global_batch = cache["batches"][micro_index % run.micro_per_epoch]
+    counts = [n_targets(run.examples[i]) for i in global_batch]
+    mine = sum(counts[acc.process_index * b : (acc.process_index + 1) * b])
+    return acc.num_processes * mine / sum(counts)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -356,20 +378,22 @@ def check_finite(run: Run, step: int, loss: torch.Tensor, grad_norm) -> None:
 def accumulate(run: Run, step: int, cache: dict) -> tuple[torch.Tensor, int]:
     """Forward and backward over optimizer step ``step``'s grad_accum micro-batches.
 
-    Returns (loss, loss_mask, loss_ar) summed over the micro-batches and this process's real tokens."""
+    Returns (loss, loss_mask, loss_ar) summed over the micro-batches (each weighted by ``process_weight``, so
+    their mean over processes is the global micro-batch's) and this process's real tokens."""
     cfg, acc, module = run.cfg, run.accelerator, run.module
     sums = torch.zeros(3, device=acc.device)
     tokens = 0
     for micro in range(cfg.grad_accum):
         index = step * cfg.grad_accum + micro
         batch, n_tokens = get_batch(run, index, cache)
+        weight = process_weight(run, index, cache)
         tokens += n_tokens
         sync = micro == cfg.grad_accum - 1  # gradients are all-reduced once, on the last micro-batch
         with sharding.no_sync(acc, module, sync):
             out = module(**batch, block_offset=block_offset_at(cfg, index))
-            acc.backward(out.loss / cfg.grad_accum)
+            acc.backward(out.loss * weight / cfg.grad_accum)   # (x 1.0 in one process: the same numbers)
         mask_part = out.loss_mask if out.loss_mask is not None else torch.zeros((), device=acc.device)
-        sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float()
+        sums += torch.stack([out.loss.detach(), mask_part, out.loss_ar]).float() * weight
     return sums, tokens
 
 

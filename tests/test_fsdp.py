@@ -1,9 +1,8 @@
 """--sharding full (FSDP2, finetune.sharding) on two CPU processes over gloo, against the one-process run.
 
 The model is a random Qwen2 of Qwen2.5's shape family (tied embeddings, grouped KV heads, q/k/v biases), 3 layers,
-built here. Every example has the same length and the same number of labelled tokens: each process averages the
-loss over its own tokens and the gradients are then averaged over the processes, which equals the one-process
-mean over the whole global batch only when the processes' token counts are equal (as in any data-parallel run).
+built here. The examples differ in length, so the two processes' slices of a batch hold different numbers of
+labelled tokens: finetune.train.process_weight makes their average the one-process mean all the same.
 """
 
 import json
@@ -30,7 +29,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    """(model folder, chat JSONL): a 3-layer random Qwen2 with the character tokenizer; 48 same-length chats."""
+    """(model folder, chat JSONL): a 3-layer random Qwen2 with the character tokenizer; 48 chats of 8 lengths."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     root = tmp_path_factory.mktemp("qwen2")
@@ -43,10 +42,9 @@ def qwen2(tmp_path_factory):
     model_dir = save_model_dir(root / "model", tok, Qwen2ForCausalLM(config))
     data = root / "data.jsonl"
     with data.open("w") as f:
-        for a in range(48):   # one character a token: every prompt and every answer has the same length
-            b = (a * 7) % 10
-            chat = [{"role": "user", "content": f"What is {a:02d}+{b}?"},
-                    {"role": "assistant", "content": f"{a:02d}+{b}={a + b:03d}"}]
+        for a in range(48):   # one character a token: prompts of 2 lengths, answers of 4
+            b = (a * 7) % 10 * (1 + a % 4) ** 2
+            chat = [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
             f.write(json.dumps({"messages": chat}) + "\n")
     return model_dir, data
 
