@@ -85,6 +85,7 @@ from finetune.status import (
 from finetune.train_model import Run, StopFlag, WarmStart, load_base, make_optimizer, prepare_model, wrap_model
 from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
 from mars_core.storage import check_writable
+from mars_core.threads import check_thread_count
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -155,6 +156,8 @@ def preflight(cfg: TrainConfig, use_cpu: bool) -> Path:
              "/proc/cpuinfo): torch emulates it and a step runs several times slower than in fp32; "
              "use --mixed-precision no")
     sharding.check_world(cfg)
+    if cfg.threads:
+        check_thread_count(cfg.threads)
     ignored = ignored_settings(cfg)
     if ignored:
         warn(f"--stage ar-sft ignores the MARS-only setting(s) {', '.join(ignored)}: drop them, or use --stage mars")

@@ -15,20 +15,37 @@ not part of the first line.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 PROMPTS_FIX = "give a text file with one prompt per line (or a .jsonl file of prompt rows)"
 
 
+def not_a_file(path: str | Path) -> str:
+    """What ``path`` is when it is not a regular file, as the rest of a sentence ("is a directory", "is a FIFO
+    (named pipe), not a regular file", "does not exist"). A FIFO or a device must not be read as a file: a FIFO
+    blocks until a writer comes, /dev/zero never ends, /dev/null looks like an empty file."""
+    try:
+        mode = Path(path).stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror or exc})"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((word for test, word in kinds if test(mode)), "not a regular file")
+    return f"is {kind}, not a regular file" if kind != "not a regular file" else "is not a regular file"
+
+
 def read_lines(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, str]]:
     """(line number, line without its newline) of a UTF-8 text file; ``what`` names the file in errors
     ("prompts file") and ``fix`` says what to pass instead of a directory, a missing or a binary file."""
     name, path = str(path), Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} {name!r} is a directory: {fix}")
     if not path.is_file():
-        raise ValueError(f"{what} {name!r} does not exist: {fix}")
+        raise ValueError(f"{what} {name!r} {not_a_file(path)}: {fix}")
     try:
         fh = path.open("rb")
     except OSError as exc:

@@ -18,6 +18,21 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def machine_cpus() -> int:
+    """Logical CPUs of the whole machine (not only those this process may use): no thread count above it helps."""
+    return os.cpu_count() or usable_cores()
+
+
+def check_thread_count(n: int, flag: str = "--threads") -> int:
+    """Refuse a count above the machine's CPUs before anything is loaded: torch would try to start that many
+    threads and fail far away (a MemoryError blamed on the model's config.json, or a crash)."""
+    cpus = machine_cpus()
+    if n > cpus:
+        raise ValueError(f"{flag} {n} is more than the {cpus} CPUs of this machine (a thread beyond a core only "
+                         f"waits): use at most {cpus}, or auto")
+    return n
+
+
 def idle_cores() -> float:
     """Cores not busy with other work, from the 1-minute load average (all cores where it is unknown)."""
     cores = usable_cores()
@@ -45,7 +60,7 @@ def parse_threads(value) -> int:
         raise ValueError(f"--threads {value!r} is not a number: use auto or an integer such as 1") from None
     if n < 1 or str(n) != str(value).strip():
         raise ValueError(f"--threads {value!r} must be an integer >= 1, or auto")
-    return n
+    return check_thread_count(n)
 
 
 def set_threads(value="auto") -> int:
