@@ -1,9 +1,10 @@
 """The decoder's equivalences on every device present, in the dtypes each holds: τ >= 1 == AR == transformers
 `generate`, cached == uncached, a batch == each row alone, lossless == AR, custom_generate == our decoder.
 
-Devices: the CPU in fp32 always; a CUDA GPU in fp32 and bf16 when `torch.cuda.is_available()` (else those cases
-are skipped with the reason "no CUDA device"). The models run through the transformers backend (`backend="hf"`),
-the one a GPU decodes with; tests/test_decoding.py and friends hold the CPU's lean backend to the same rules.
+Devices: the CPU in fp32 always; a CUDA GPU in fp32 and bf16 when `torch.cuda.is_available()`, else those cases
+are skipped with the reason "no CUDA device" (with MARS_REQUIRE_CUDA=1, which benchmarks/gpu.sh sets, they fail).
+The models run through the transformers backend (`backend="hf"`), the one a GPU decodes with;
+tests/test_decoding.py and friends hold the CPU's lean backend to the same rules.
 
 Tolerance rule. On the CPU every comparison is exact, as in the rest of the suite. Two runs of one computation
 (τ = 1 and AR, custom_generate and our decoder) are exact on every device and dtype. Two different computations
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -31,7 +33,9 @@ from tests.conftest import PROMPTS
 from tests.tiny_fixtures import make_model
 
 REPO = Path(__file__).resolve().parent.parent
-NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# benchmarks/gpu.sh sets MARS_REQUIRE_CUDA=1: on the GPU machine a missing GPU fails these cases instead of skipping
+REQUIRE_CUDA = os.environ.get("MARS_REQUIRE_CUDA") == "1"
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available() and not REQUIRE_CUDA, reason="no CUDA device")
 TARGETS = [
     pytest.param(("cpu", torch.float32), id="cpu-fp32"),
     pytest.param(("cuda", torch.float32), id="cuda-fp32", marks=NO_CUDA),
@@ -56,6 +60,8 @@ def target(request):
 def lm(request, target, tokenizer, built):
     """One model on the target device and dtype, through the transformers backend."""
     device, dtype = target
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("MARS_REQUIRE_CUDA=1 but torch.cuda.is_available() is False: no CUDA device for the CUDA cases")
     key = (request.param, device, dtype)
     if key not in built:
         if request.param == "tiny-mars":
