@@ -24,6 +24,7 @@ from mars_core.batch import step_attention
 from mars_core.catalogue import NATURAL, TASKS, find
 from mars_core.config import DecodeConfig
 from mars_core.decoding import draft_acceptance, generate, reference_generate
+from mars_core.fastest import fastest_lossless
 from mars_core.sources import ASSETS
 from mars_core.textfile import read_prompts
 from mars_core.timing import NOW, alternate, pick_clock
@@ -193,7 +194,8 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     the row says by how much. `externals` ({side: another runtime's AR}, e.g. "llamacpp":
     mars_core.llamacpp.LlamaCppAR, "onnxruntime": mars_core.ortgenai.OrtGenAIAR) join at batch size 1 as speed
     references and AR baselines: their weight formats and answers differ, so they are compared by time per token.
-    `draft_layout`, `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig)."""
+    `draft_layout`, `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig); `draft_layout="fastest"`
+    times the candidate layouts first (mars_core.fastest) and races the fastest, with its own block size."""
     clock = pick_clock(clock, lm.device)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
@@ -204,8 +206,16 @@ def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_s
     if max(batch_sizes) > len(ids):
         raise ValueError(f"batch size {max(batch_sizes)} is larger than the {len(ids)} prompts: pass more prompts "
                          f"(--n-prompts, --prompts) or a batch size <= {len(ids)}")
+    verify_block = block_size
+    if verify and draft_layout == "fastest":   # mars_core.fastest: timed here, on the first prompt
+        choice = fastest_lossless(lm, ids[0], tau, block_size, criterion, prompt_lookup, clock=NOW[clock])
+        if progress:
+            progress(choice.why)
+        draft_layout, tree_width, verify_block = choice.pick.layout, choice.pick.tree_width, choice.pick.block_size
     cfgs = _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout, prompt_lookup,
                          tree_width)
+    if verify:
+        cfgs["verify"].block_size = verify_block
     models = {side: lm for side in cfgs}
     if other_ar is not None:
         cfgs["other_ar"], models["other_ar"] = cfgs["ar"], other_ar
@@ -313,7 +323,7 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
         row.verify_time, row.verify_speedup = med["verify"], base / med["verify"]
         row.verify_tokens_per_forward = statistics.mean(r.tokens_per_forward for r in v_res)
         row.verify_equals_ar = [r.token_ids for r in v_res] == ar_tokens
-        row.draft_acceptance = draft_acceptance(v_res, block_size)
+        row.draft_acceptance = draft_acceptance(v_res, cfgs["verify"].block_size)
     return row
 
 

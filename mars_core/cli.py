@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import dataclasses
 from dataclasses import asdict
 
 import torch
@@ -20,6 +21,7 @@ from mars_core.config import CRITERIA, DecodeConfig, interrupt_exit, sigterm_as_
 from mars_core.decoding import collect, generate_stream
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.drafts import LAYOUTS
+from mars_core.fastest import fastest_lossless
 from mars_core.threads import parse_threads, set_threads
 from mars_core.loading import DEFAULT_MODEL, load_model, pick_device, pick_dtype
 from mars_core.storage import storage_error
@@ -39,9 +41,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
                    help="what the decoder runs: lean (mars_core/lean.py, the Llama family: fewer ops per layer, its "
                         "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
-    p.add_argument("--draft-layout", choices=LAYOUTS, default="linear",
+    p.add_argument("--draft-layout", choices=(*LAYOUTS, "fastest"), default="linear",
                    help="lossless MARS (--mode verify; bench: its lane): linear = masks after the last draft, "
-                        "quadratic = a mask group after every draft, so a rejection still leaves drafts")
+                        "quadratic = a mask group after every draft, so a rejection still leaves drafts; fastest = "
+                        "time all of B's masks, one mask, and one mask + runner-ups on this prompt first and use the "
+                        "fastest here (mars_core.fastest)")
     p.add_argument("--tree-width", type=int, default=2, metavar="W",
                    help="lossless MARS, --draft-layout tree or auto: tokens tried per draft slot (the draft and up to "
                         "W - 1 likeliest others, each with its own masks behind it); 1 = no alternatives")
@@ -140,12 +144,15 @@ def cmd_generate(args) -> int:
     _check_device(args)
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
-                       max_accept=args.max_accept, stop_strings=tuple(args.stop), draft_layout=args.draft_layout,
+                       max_accept=args.max_accept, stop_strings=tuple(args.stop),
+                       draft_layout="linear" if args.draft_layout == "fastest" else args.draft_layout,
                        tree_width=args.tree_width, prompt_lookup=args.prompt_lookup)
     set_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     _check_block_size(lm, args.block_size)
     prompt_ids = lm.encode(args.prompt, chat=not args.no_chat)
+    if args.draft_layout == "fastest" and cfg.mode == "verify" and cfg.tau < 1.0:
+        cfg = _fastest_layout(lm, prompt_ids, cfg, say=None if args.json else _stderr)
     if cfg.mode == "verify" and cfg.draft_layout == "auto":
         measure_row_costs(lm, prompt_ids, args.block_size, say=None if args.json else _stderr)
     events = _stream(lm, prompt_ids, cfg, args)
@@ -263,6 +270,15 @@ def _model_meta(lm) -> dict:
         dtype, layout = act, "row-major" if row_major else "stock"
     return {"model": lm.path, "device": str(lm.device), "dtype": dtype, "backend": lm.backend,
             "threads": torch.get_num_threads(), "layout": layout}
+
+
+def _fastest_layout(lm, prompt_ids: list[int], cfg: DecodeConfig, say=None) -> DecodeConfig:
+    """--draft-layout fastest: the lossless layout that decodes this prompt fastest here (mars_core.fastest)."""
+    choice = fastest_lossless(lm, prompt_ids, cfg.tau, cfg.block_size, cfg.criterion, cfg.prompt_lookup)
+    if say is not None:
+        say(choice.why)
+    return dataclasses.replace(cfg, draft_layout=choice.pick.layout, block_size=choice.pick.block_size,
+                               tree_width=choice.pick.tree_width)
 
 
 def _stderr(msg: str) -> None:

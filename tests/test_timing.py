@@ -79,3 +79,45 @@ def test_every_fastest_candidate_decodes_exactly_ar():
     ar = generate(lm, [ids], DecodeConfig(mode="ar", max_new_tokens=24))[0].token_ids
     for c in fastest.candidates(4):
         assert generate(lm, [ids], c.config(0.6, 24))[0].token_ids == ar, c
+
+
+def test_bench_races_the_fastest_lossless_layout_with_its_own_block_size(monkeypatch):
+    from app import models
+    from mars_core.bench import bench
+    lm = models.get_model("tiny-mars")
+    # make one mask + runner-ups the fastest whatever the machine: the others' decodes cost 1 s more on the clock
+    real = fastest.generate
+    extra = [0.0]
+
+    def slowed(lm_, prompts, cfg):
+        if (cfg.draft_layout, cfg.block_size) != ("tree", 2):
+            extra[0] += 1.0
+        return real(lm_, prompts, cfg)
+    monkeypatch.setattr(fastest, "generate", slowed)
+    monkeypatch.setattr("mars_core.bench.fastest_lossless",
+                        lambda *a, **k: fastest.fastest_lossless(*a, **{**k, "clock": lambda: extra[0]}))
+    said = []
+    rows = bench(lm, ["Sort in descending order: 91, 57, 59, 87"], batch_sizes=(1,), tau=0.6, block_size=4,
+                 max_new_tokens=24, repeats=1, reference=False, transformers=False, draft_layout="fastest",
+                 progress=said.append)
+    assert any("one mask + runner-ups" in s and s.startswith("lossless drafts: one mask + runner-ups") for s in said)
+    assert rows[0].verify_equals_ar is True
+    assert len(rows[0].draft_acceptance) == 1   # one mask a group: one draft slot
+
+
+def test_cli_fastest_layout_says_which_and_writes_ars_answer():
+    import subprocess
+    import sys
+    prompt = "Sort in descending order: 91, 57, 59, 87"
+    common = ["-m", "mars_core", "generate", "--model", "tiny-mars", "--prompt", prompt, "--max-new-tokens", "24",
+              "--threads", "1", "--json"]
+    fast = subprocess.run([sys.executable, *common, "--mode", "verify", "--tau", "0.7", "--draft-layout", "fastest"],
+                          capture_output=True, text=True, timeout=300)
+    ar = subprocess.run([sys.executable, *common, "--mode", "ar"], capture_output=True, text=True, timeout=300)
+    assert fast.returncode == 0 and ar.returncode == 0, fast.stderr[-500:] + ar.stderr[-500:]
+    import json
+    f, a = json.loads(fast.stdout.splitlines()[-1]), json.loads(ar.stdout.splitlines()[-1])
+    assert f["token_ids"] == a["token_ids"] and f["forwards"] < a["forwards"]
+    plain = subprocess.run([sys.executable, *common[:-1], "--mode", "verify", "--tau", "0.7", "--draft-layout",
+                            "fastest"], capture_output=True, text=True, timeout=300)
+    assert "lossless drafts:" in plain.stderr and "the fastest here for this model" in plain.stderr
