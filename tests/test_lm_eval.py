@@ -153,3 +153,18 @@ def test_an_unsupported_generation_kwarg_is_named_with_the_fix():
         lm._config({"until": ["\n"], "top_k": 5})
     cfg, until = lm._config({"until": "\n\n", "max_gen_toks": 7})
     assert until == ["\n\n"] and cfg.max_new_tokens == 7 and cfg.stop_strings == ("\n\n",) and cfg.temperature == 0
+
+
+def test_the_eval_extra_pins_the_lm_eval_that_requirements_dev_installs():
+    import re   # (tomllib is 3.11+; the project supports 3.10)
+
+    from packaging.requirements import Requirement
+
+    line = re.search(r"^eval = \[(.*)\]", (REPO / "pyproject.toml").read_text(), re.M)
+    extra = json.loads(f"[{line.group(1)}]")
+    dev = [line.split(" #")[0].strip() for line in (REPO / "requirements-dev.txt").read_text().splitlines()]
+    pins = {Requirement(r).name: str(Requirement(r).specifier) for r in extra + [d for d in dev if d and d[0] != "-"]}
+    assert [Requirement(r).name for r in extra] == ["lm-eval"] and pins["lm-eval"].startswith("==")
+    assert str(Requirement(extra[0]).specifier) == pins["lm-eval"]
+    from importlib.metadata import version
+    assert "==" + version("lm_eval") == pins["lm-eval"]   # the version these tests ran against
