@@ -22,8 +22,9 @@ from app.machine import MACHINE, Turn, stop_at_forward, take_turn
 MAX_FREE_PROMPTS = 20
 MAX_BUILTIN = 200
 BATCH = 16               # prompts decoded together in a lossless sweep
-# A pasted-prompt row times MARS against AR on the first few prompts, each twice (the faster run kept): a row
-# then takes seconds on a real-language model instead of minutes, so the rows arrive while a class watches.
+# A pasted-prompt row times MARS against AR on the first few prompts, each twice (the median of the two, and both
+# as the spread): a row then takes seconds on a real-language model instead of minutes, so the rows arrive while a
+# class watches.
 TIMING_PROMPTS, TIMING_REPEATS = 4, 2
 
 
@@ -69,7 +70,7 @@ def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criteri
     """A generator of sweep rows, one per τ as each finishes: lossy MARS through the task-suite evaluator
     (`finetune.evaluate.sweep`); with `lossless`, verify mode per τ < 1 too, scored the same way (its accuracy is
     AR's by construction, and is measured, not assumed)."""
-    from finetune.evaluate import score, sweep, time_against_ar
+    from finetune.evaluate import score, speedup_fields, sweep, timed_against_ar
     from finetune.evaluate_common import decode_batches
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
@@ -87,20 +88,20 @@ def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criteri
         cfg = _verify_cfg(tau, block_size, max_new_tokens, criterion)
         out = decode_batches(lm, ids, cfg, BATCH)
         accuracy, per_family = score(examples, [r.text for r in out])
-        ar_t, v_t = time_against_ar(lm, ids[:min(int(n), 8)], cfg)
+        timed = speedup_fields(timed_against_ar(lm, ids[:min(int(n), 8)], cfg))
         yield {"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
                "n": len(examples), "mode": "verify", "accuracy": accuracy, "per_family": per_family,
                "quality": accuracy, "quality_name": "accuracy",
                "tokens_per_forward": sum(r.tokens_per_forward for r in out) / len(out),
-               "speedup": ar_t / v_t if v_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": v_t,
-               "timing_prompts": min(int(n), 8)}
+               **timed, "timing_prompts": min(int(n), 8)}
 
 
 def same_as_ar(row: dict) -> dict:
     """A lossy row at τ off is AR itself: its "speedup" would be two timings of one computation (once shown as
     1.263×). It is 1 by definition, with AR's time on both sides, and says so."""
     if row.get("mode") == "mars" and row["tau"] >= 1.0:
-        row = dict(row, speedup=1.0, mars_time_s=row.get("ar_time_s"), same_as_ar=True)
+        row = dict(row, speedup=1.0, speedup_min=None, speedup_max=None, mars_time_s=row.get("ar_time_s"),
+                   same_as_ar=True)
     return row
 
 
@@ -116,7 +117,7 @@ def free_rows(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int
     tokens/forward and speedup; with `lossless`, the same for verify mode at each τ < 1 (its agreement is 100% by
     construction, and is measured)."""
     from mars_core import DecodeConfig, generate
-    from finetune.evaluate import time_against_ar
+    from finetune.evaluate import speedup_fields, timed_against_ar
     ids = [lm.encode(p) for p in prompts]
     ar = generate(lm, ids, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
     timed = ids[:TIMING_PROMPTS]
@@ -128,14 +129,13 @@ def free_rows(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int
         exact = sum(a.token_ids == m.token_ids for a, m in zip(ar, out)) / len(out)
         token_agree = sum(difflib.SequenceMatcher(a=a.token_ids, b=m.token_ids, autojunk=False).ratio()
                           for a, m in zip(ar, out)) / len(out)
-        ar_t, mars_t = time_against_ar(lm, timed, cfg, repeats=TIMING_REPEATS)
+        timing = speedup_fields(timed_against_ar(lm, timed, cfg, repeats=TIMING_REPEATS))
         yield {"model": lm.name, "tau": tau, "criterion": criterion, "block_size": block_size,
                "n": len(prompts), "mode": mode,
                "quality": exact, "quality_name": "agreement with AR", "exact_agreement": exact,
                "token_agreement": token_agree,
                "tokens_per_forward": sum(m.tokens_per_forward for m in out) / len(out),
-               "speedup": ar_t / mars_t if mars_t > 0 else None, "ar_time_s": ar_t, "mars_time_s": mars_t,
-               "timing_prompts": len(timed), "outputs": [m.text for m in out]}
+               **timing, "timing_prompts": len(timed), "outputs": [m.text for m in out]}
 
 
 def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
@@ -207,20 +207,48 @@ def _sweep_rows(lm, spec: dict, source: str, lossless: bool):
     return builtin_rows(lm, spec["n"], spec["taus"], spec["block_size"], spec["max_new"], **kw)
 
 
+# Seconds per row of the last sweep of each kind (model, source, prompts, B, max tokens) in this process: the
+# only basis for a time before a sweep's first row ends. Nothing is promised for a kind never swept here.
+_PACE: dict[tuple, float] = {}
+
+
+def first_row_estimate(pace_key: tuple, total: int) -> str:
+    pace = _PACE.get(pace_key)
+    if pace is None:
+        return " (a time estimate follows the first row)"
+    return f" (about {_duration(pace * total)} in all: the last sweep like this one here took {_duration(pace)} a row)"
+
+
+def time_left(spent: float, done: int, total: int) -> str:
+    """' · 12 s so far, about 30 s left at this pace' after `done` of `total` rows took `spent` seconds."""
+    if done >= total:
+        return f" · {_duration(spent)}"
+    return f" · {_duration(spent)} so far, about {_duration(spent / done * (total - done))} left at this pace"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
 def _sweep_values(spec: dict, source: str, lossless: bool, stop):
     """The page's values as the rows arrive (in the sweep's thread; `stop` ends the row at its next forward)."""
     name, taus, criterion = spec["name"], spec["taus"], spec["criterion"]
     total = len(taus) + (sum(t < 1.0 for t in taus) if lossless else 0)
     rows: list[dict] = []
+    pace_key = (name, source, spec.get("n"), len(spec.get("prompts") or ()), spec["block_size"], spec["max_new"])
     try:
         yield f"◔ loading **{name}** …", gr.skip(), gr.skip(), gr.skip()
         lm = models.get_model(name)   # a load is not cut short: it is cached for the next job
         with stop_at_forward([lm], stop):
-            yield f"◔ sweeping: row 1 of {total} …", gr.skip(), gr.skip(), gr.skip()
+            yield f"◔ sweeping: row 1 of {total} …{first_row_estimate(pace_key, total)}", gr.skip(), gr.skip(), gr.skip()
+            started = time.perf_counter()
             for row in _sweep_rows(lm, spec, source, lossless):
                 rows.append(same_as_ar(row))
+                spent = time.perf_counter() - started
+                _PACE[pace_key] = spent / len(rows)
                 more = f" · row {len(rows) + 1} of {total} …" if len(rows) < total else ""
-                yield (f"◔ {len(rows)} of {total} rows done{more}", pareto_figure(rows), table_rows(rows), gr.skip())
+                yield (f"◔ {len(rows)} of {total} rows done{more}{time_left(spent, len(rows), total)}",
+                       pareto_figure(rows), table_rows(rows), gr.skip())
     except Exception as exc:
         yield f"⚠ {models.friendly_error(exc)}", gr.skip(), gr.skip(), gr.skip()
         return
@@ -344,7 +372,17 @@ def pareto_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "AR time (s)", "MARS time (s)", "prompts"]
+TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "speedup min–max (repeats)", "AR time (s)",
+                 "MARS time (s)", "prompts"]
+
+
+def _spread_text(r: dict) -> str:
+    """The per-repeat speedups' range: the same computation twice (τ off) has none to show."""
+    if r.get("same_as_ar"):
+        return "same computation as AR"
+    if r.get("speedup_min") is None:
+        return ""
+    return f"{r['speedup_min']:.2f}–{r['speedup_max']:.2f} ({r.get('timing_repeats', '?')})"
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -352,6 +390,7 @@ def table_rows(rows: list[dict]) -> list[list]:
              "off" if r["tau"] >= 1 else r["tau"],
              f"{100 * r['quality']:.1f}% {r.get('quality_name', '')}",
              round(r["tokens_per_forward"], 3), None if r.get("speedup") is None else round(r["speedup"], 3),
+             _spread_text(r),
              None if r.get("ar_time_s") is None else round(r["ar_time_s"], 3),
              None if r.get("mars_time_s") is None else round(r["mars_time_s"], 3), r["n"]] for r in rows]
 

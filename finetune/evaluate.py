@@ -82,22 +82,42 @@ def score(examples: list[dict], texts: list[str]) -> tuple[float, dict[str, floa
     return overall, per_family
 
 
-def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tuple[float, float]:
-    """Seconds for AR (KV cache) and for `cfg` on `prompts`, batch 1, each the sum over the prompts of the
-    median of `repeats` alternating runs (mars_core.timing: both warmed up, the order rotating), on the decoding
-    thread's CPU time where the model runs on one CPU thread, else the wall clock."""
+def timed_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> dict:
+    """AR (KV cache) against `cfg` on `prompts`, batch 1, through mars_core.timing (both warmed up, alternating,
+    the order rotating; the decoding thread's CPU time where the model runs on one CPU thread, else the wall
+    clock). Returns {"ar_s", "mars_s": each the sum over the prompts of its median run, "ratios": AR ÷ `cfg` for
+    each repeat, summed over the prompts, whose min and max are the spread}."""
     from mars_core import DecodeConfig, generate
     from mars_core.timing import Spread, clock_for, time_all
 
     ar_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens)
     clock = clock_for(lm)[0]
-    ar_time = mars_time = 0.0
+    ar_s = mars_s = 0.0
+    per_repeat = [[0.0, 0.0] for _ in range(repeats)]
     for i, p in enumerate(prompts):
         runs = {"ar": lambda p=p: generate(lm, [p], ar_cfg), "mars": lambda p=p: generate(lm, [p], cfg)}
         times, _ = time_all(runs, repeats, clock, warmup=i == 0)
-        ar_time += Spread.of(times["ar"]).median
-        mars_time += Spread.of(times["mars"]).median
-    return ar_time, mars_time
+        ar_s += Spread.of(times["ar"]).median
+        mars_s += Spread.of(times["mars"]).median
+        for r in range(repeats):
+            per_repeat[r][0] += times["ar"][r]
+            per_repeat[r][1] += times["mars"][r]
+    return {"ar_s": ar_s, "mars_s": mars_s, "ratios": [a / m for a, m in per_repeat if m > 0]}
+
+
+def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tuple[float, float]:
+    """(AR seconds, `cfg` seconds) of timed_against_ar."""
+    t = timed_against_ar(lm, prompts, cfg, repeats)
+    return t["ar_s"], t["mars_s"]
+
+
+def speedup_fields(t: dict) -> dict:
+    """A sweep row's timing fields from timed_against_ar: the speedup (AR ÷ MARS of the median runs) with the
+    min–max of the per-repeat ratios."""
+    ratios = t["ratios"]
+    return {"speedup": t["ar_s"] / t["mars_s"] if t["mars_s"] > 0 else None, "ar_time_s": t["ar_s"],
+            "mars_time_s": t["mars_s"], "speedup_min": min(ratios) if ratios else None,
+            "speedup_max": max(ratios) if ratios else None, "timing_repeats": len(ratios)}
 
 
 def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_tokens: int = MAX_NEW_TOKENS,
@@ -141,8 +161,7 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
         if mode == "verify":
             row["draft_acceptance"] = draft_acceptance(results, block_size)
         if timing_prompts > 0:
-            ar_t, mars_t = time_against_ar(lm, prompts[:timing_prompts], cfg)
-            row.update(speedup=ar_t / mars_t, ar_time_s=ar_t, mars_time_s=mars_t,
+            row.update(speedup_fields(timed_against_ar(lm, prompts[:timing_prompts], cfg)),
                        timing_prompts=min(timing_prompts, len(prompts)))
         rows.append(row)
         if progress is not None:

@@ -152,3 +152,41 @@ def test_learn_steps_through_every_forward_pass_with_what_was_committed_before(t
     runs = list(learn.all_steps("tiny-mars", "", SORT, 0.5, False, 4, "prob"))
     view, _fig, slider, rec = runs[-1]
     assert len(rec["events"]) == len(events) and slider["maximum"] == len(events) - 1
+
+
+def test_a_sweeps_time_left_is_the_pace_of_its_rows_so_far():
+    from app.explorer import time_left
+    assert time_left(10.0, 2, 5) == " · 10 s so far, about 15 s left at this pace"
+    assert time_left(120.0, 1, 2) == " · 2.0 min so far, about 2.0 min left at this pace"
+    assert time_left(7.4, 3, 3) == " · 7 s"
+
+
+def test_a_sweep_promises_a_time_only_from_one_measured_here_and_shows_each_speedups_spread():
+    import json
+    import re
+
+    from app import explorer
+    from app.machine import Machine
+    explorer._PACE.clear()
+    args = ("tiny-mars", "", "free", 2, "1.0, 0.8, 0.7", "What is 12 + 30?\nSort in descending order: 3, 1, 2",
+            4, 8, "prob", False)
+    outs = list(explorer.run_sweep(*args, machine=Machine()))
+    statuses = [o[0] for o in outs if isinstance(o[0], str)]   # the rest: "no change" while a row computes
+    first = next(s for s in statuses if "sweeping: row 1 of 3" in s)
+    assert "a time estimate follows the first row" in first and "about" not in first   # nothing measured yet
+    assert any(re.search(r"1 of 3 rows done · row 2 of 3 … · \d+ s so far, about \d+ s left at this pace", s)
+               for s in statuses), statuses
+    rows = json.loads(open(outs[-1][3]).read())["rows"]
+    table = outs[-1][2]
+    for row, shown in zip(rows, table):
+        if row.get("same_as_ar"):
+            assert shown[5] == "same computation as AR"
+            continue
+        # the speedup is AR ÷ MARS of the median runs, inside the range of the per-repeat ratios it shows
+        assert row["speedup"] == row["ar_time_s"] / row["mars_time_s"]
+        assert shown[5] == f"{row['speedup_min']:.2f}–{row['speedup_max']:.2f} ({row['timing_repeats']})"
+        assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"] and row["timing_repeats"] == 2
+    again = next(o[0] for o in explorer.run_sweep(*args, machine=Machine())
+                 if isinstance(o[0], str) and "sweeping: row 1 of 3" in o[0])
+    pace = re.search(r"about (\d+) s in all: the last sweep like this one here took (\d+) s a row", again)
+    assert pace, again
