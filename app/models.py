@@ -232,12 +232,22 @@ def load_with_timing(name: str):
     return lm, time.perf_counter() - t0
 
 
+# The weight formats in words a class can read; the short name stays in brackets for whoever looks it up.
+FORMAT_WORDS = {"float32": "32-bit float numbers", "bfloat16": "16-bit float numbers (bf16)",
+                "float16": "16-bit float numbers (fp16)", "int8": "8-bit integer weights (int8)",
+                "w8a8": "8-bit integer weights and activations (w8a8)",
+                "w8a16": "8-bit integer weights, 16-bit activations (w8a16)"}
+
+
 def describe(lm) -> str:
+    """The model line of the page: what it is and how it computes here, in plain words."""
     n_params = getattr(lm, "n_params", 0) or sum(p.numel() for p in lm.model.parameters())
     fmt = getattr(lm, "weight_format", None)
-    runs = "" if fmt is None else f" · {fmt}, {'lean forward' if lm.backend == 'lean' else 'transformers forward'}"
-    return (f"**{lm.name}** · {n_params / 1e6:.1f} M parameters · device {lm.device}{runs} · "
-            f"mask token id {lm.mask_id} · `{lm.path}`")
+    device = "on the CPU" if lm.device.type == "cpu" else f"on {lm.device}"
+    runs = "" if fmt is None else (f" · computes in {FORMAT_WORDS.get(fmt, fmt)}, through "
+                                   f"{'this project’s own CPU forward' if lm.backend == 'lean' else 'transformers'}")
+    return (f"**{lm.name}** · {n_params / 1e6:.1f} M parameters · {device}{runs} · "
+            f"mask token id {lm.mask_id} · folder `{lm.path}`")
 
 
 def friendly_error(exc: BaseException) -> str:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 FASTEST = "fastest"   # the lossless layout a short timed decode finds fastest for this model here (fastest_lossless)
 LAYOUT_CHOICES = [("fastest on this machine (timed)", FASTEST),
                   ("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),
-                  ("a tree: also runner-up tokens", "tree"), ("one mask (CPU)", "one-mask"),
-                  ("one mask + runner-ups (AMX)", "one-mask-tree")]
+                  ("a tree: also runner-up tokens", "tree"), ("one mask a group (most CPUs)", "one-mask"),
+                  ("one mask + runner-up tokens (CPUs with AMX)", "one-mask-tree")]
 ONE_MASK = {"one-mask": ("linear", 2), "one-mask-tree": ("tree", 3)}   # choice -> (layout, tree width)
 LOOKUP_N = 3
 
