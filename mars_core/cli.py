@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import dataclasses
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from mars_core.cpu_layout import RowMajorLinear
 from mars_core.dtype_probe import slow_decoding_warning
 from mars_core.config import CRITERIA, DecodeConfig, interrupt_exit, sigterm_as_interrupt
 from mars_core.decoding import collect, generate_stream
+from mars_core.exits import StdoutFault, guarded_stdout, out_of_memory, out_of_memory_line, stdout_exit
 from mars_core.export import add_arguments as add_export_arguments, cmd_export
 from mars_core.drafts import LAYOUTS
 from mars_core.fastest import fastest_lossless
@@ -114,14 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _text_arg(flag: str, value: str) -> str:
-    """A command-line string that must be text: bytes that are not UTF-8 arrive as surrogates; name them."""
+    """A command-line string as text. Python decodes argv with the locale's encoding and keeps the bytes it cannot
+    decode as surrogates (PEP 383): under LC_ALL=C a UTF-8 prompt arrives so. Its bytes, as the OS passed them,
+    are decoded as UTF-8 again; only bytes that are not UTF-8 either are refused, by name."""
     try:
         value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = ord(value[e.start]) - 0xDC00 if 0xDC80 <= ord(value[e.start]) <= 0xDCFF else ord(value[e.start])
-        raise ValueError(f"{flag} is not valid UTF-8 text (byte 0x{bad:02x} at character {e.start}): "
+        return value
+    except UnicodeEncodeError:
+        pass
+    raw = os.fsencode(value)   # the surrogates back to the bytes they stand for
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start}): "
                          "pass UTF-8 text (check the terminal's or the file's encoding)") from None
-    return value
 
 
 def _check_device(args) -> None:
@@ -138,9 +146,8 @@ def _check_block_size(lm, block_size: int) -> None:
 
 def cmd_generate(args) -> int:
     parse_threads(args.threads)
-    _text_arg("--prompt", args.prompt)
-    for flag in args.stop:
-        _text_arg("--stop", flag)
+    args.prompt = _text_arg("--prompt", args.prompt)
+    args.stop = [_text_arg("--stop", text) for text in args.stop]
     _check_device(args)
     cfg = DecodeConfig(mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, criterion=args.criterion,
@@ -337,15 +344,25 @@ def _bench_row_costs(lm, prompt: str, args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with sigterm_as_interrupt():
+        with guarded_stdout(), sigterm_as_interrupt():
             if args.command == "export":
                 return cmd_export(args)
             return cmd_generate(args) if args.command == "generate" else cmd_bench(args)
-    except ValueError as exc:
+    except StdoutFault as fault:   # stdout itself: named as stdout, or a closed pipe ends quietly
+        return stdout_exit(fault)
+    except (ValueError, OSError, MemoryError, RuntimeError) as exc:
+        if out_of_memory(exc):   # also a loader's ValueError raised while handling one: not the config's fault
+            print(f"error: {out_of_memory_line(args.model)}", file=sys.stderr)
+            return 2
+        if isinstance(exc, ValueError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError):   # a full or read-only disk a writer did not word itself: one line
+            print(f"error: {storage_error(exc)}", file=sys.stderr)
+            return 2
+        raise
+    except FloatingPointError as exc:   # NaN/inf logits: the decoder's message names the model and the fix
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:   # a full or read-only disk a writer did not word itself: one line, not a traceback
-        print(f"error: {storage_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:   # 130 / 143 with one line, as finetune's run_main
         early = f"after 0 of at most {args.max_new_tokens} tokens" if args.command == "generate" else ""

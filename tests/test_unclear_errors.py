@@ -103,3 +103,105 @@ def test_read_prompts_names_each_kind_of_path(fifo, tmp_path):
                        (tmp_path, "is a directory"), (tmp_path / "gone.txt", "does not exist")):
         with pytest.raises(ValueError, match=re.escape(f"prompts file '{path}' {said}")):
             read_prompts(path)
+
+
+# ----------------------------------------------------------------------------- stdout
+
+
+GENERATE = ("generate", "--model", "tiny-mars", "--device", "cpu", "--dtype", "float32", "--threads", "1",
+            "--prompt", "What is 2 + 3?", "--max-new-tokens", "8")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_json_to_a_full_device_names_stdout_and_exits_2():
+    with open("/dev/full", "w") as full:
+        done = cli_run(*GENERATE, "--json", stdout=full)
+    assert done.returncode == 2
+    line = error_line(done.stderr)
+    assert line.startswith("error: stdout could not be written (no space left on the device it is redirected to)")
+    assert "?" not in line
+
+
+def test_a_closed_pipe_ends_quietly_like_a_unix_tool():
+    read_end, write_end = os.pipe()
+    os.close(read_end)   # the reader is gone before the first write, as `| head -c 1` after its byte
+    try:
+        done = cli_run(*GENERATE, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr.decode()[-2000:]   # 128 + SIGPIPE, what the shell shows for `yes | head`
+    err = done.stderr.decode()
+    assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_an_answer_the_ascii_locale_cannot_hold_is_escaped_not_an_error(monkeypatch):
+    import io
+
+    from mars_core.exits import guarded_stdout
+
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    with guarded_stdout():
+        print("café")
+    assert raw.getvalue() == b"caf\\xe9\n" and ascii_out.errors == "strict"
+
+
+# ----------------------------------------------------------------------------- command-line text
+
+
+def test_a_surrogate_escaped_utf8_prompt_is_decoded_again_and_bad_bytes_still_named():
+    assert cli._text_arg("--prompt", "caf\udcc3\udca9") == "café"   # b"caf\xc3\xa9" under an ASCII locale
+    with pytest.raises(ValueError, match=r"--prompt is not valid UTF-8 text \(byte 0xe9 at byte 3\)"):
+        cli._text_arg("--prompt", "caf\udce9 ok")   # b"caf\xe9": Latin-1, not UTF-8
+
+
+def test_a_utf8_prompt_under_the_c_locale_decodes_as_under_utf8(capsys):
+    args = [a for a in GENERATE if a not in ("--prompt", "What is 2 + 3?")]
+    args += ["--prompt", "Combien font 2 + 3 ? Réponds, s'il te plaît.", "--json"]
+    assert cli.main(args) == 0   # this process: the prompt as a str, never through a locale
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    c_locale = cli_run(*args, env=dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0"))
+    assert c_locale.returncode == 0, c_locale.stderr.decode()[-2000:]
+    assert json.loads(c_locale.stdout)["token_ids"] == expected
+
+
+# ----------------------------------------------------------------------------- NaN weights, out of memory
+
+
+def test_nan_weights_are_one_line_and_exit_2(tiny, tmp_path, capsys):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(tiny[0], model)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in weights.items()},
+              str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert cli.main(["generate", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                     "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "NaN/inf logits" in line and str(model) in line
+
+
+@pytest.mark.parametrize("failure", ["MemoryError", "torch", "loader"])
+def test_out_of_memory_is_one_line_naming_the_models_size(failure, monkeypatch, capsys):
+    def load_model(*args, **kwargs):
+        if failure == "MemoryError":
+            raise MemoryError()
+        if failure == "torch":
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 1048576 bytes. Error code 12 (Cannot allocate memory)")
+        try:   # a loader that words any failure reading config.json as that file's fault
+            raise MemoryError()
+        except MemoryError as exc:
+            raise ValueError(f"tiny-mars/config.json is not a usable model config ({type(exc).__name__}): fix or "
+                             "restore it") from None
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    assert cli.main(["generate", "--model", "tiny-mars", "--threads", "1", "--prompt", "hi"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith("error: out of memory loading or running tiny-mars (its weights take ")
+    assert "MB on disk" in line and "config.json" not in line
