@@ -372,7 +372,7 @@ def pareto_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "speedup min–max (repeats)", "AR time (s)",
+TABLE_HEADERS = ["mode", "τ", "quality", "tokens/forward", "speedup ×", "min–max (runs)", "AR time (s)",
                  "MARS time (s)", "prompts"]
 
 
