@@ -42,9 +42,9 @@ def tasks():
     return TaskManager(include_path=str(TASK_DIR))
 
 
-def evaluate(tasks, model: str, model_args: str, names=TASKS) -> dict:
+def evaluate(tasks, model: str, model_args: str, names=TASKS, batch_size: int = 1) -> dict:
     return simple_evaluate(model=model, model_args=model_args, tasks=list(names), task_manager=tasks,
-                           apply_chat_template=True, log_samples=True, device="cpu", batch_size=1,
+                           apply_chat_template=True, log_samples=True, device="cpu", batch_size=batch_size,
                            bootstrap_iters=0)
 
 
@@ -99,6 +99,18 @@ def test_tokens_per_forward_is_in_the_results_one_for_ar_and_above_one_for_mars(
     assert (info["mode"], info["tau"], info["block_size"], info["device"]) == ("mars", 0.95, 4, "cpu")
     # the multiple-choice and perplexity tasks never depend on the decoding mode
     assert scores(runs["mars"])["mars_tiny_mc"] == scores(runs["ar"])["mars_tiny_mc"]
+
+
+def test_batched_requests_get_exactly_their_answers_alone(runs, tasks):
+    """--batch_size 3: generations decode three rows at a time (8 requests: batches of 3, 3, 2) and scores run
+    three per forward, right-padded; every document's response is the one it got alone, in its own place."""
+    batched = evaluate(tasks, "mars", "model=tiny-mars,dtype=float32,block_size=4,mode=mars,tau=0.95", batch_size=3)
+    assert responses(batched, "mars_tiny_gen") == responses(runs["mars"], "mars_tiny_gen")
+    mine = [scored(r) for r in responses(batched, "mars_tiny_mc")]
+    alone = [scored(r) for r in responses(runs["mars"], "mars_tiny_mc")]
+    for a, b in zip(mine, alone):   # a padded batch may round differently in the last bits
+        assert [lp for lp, _ in a] == pytest.approx([lp for lp, _ in b], rel=1e-5, abs=1e-5)
+    assert batched["config"]["tokens_per_forward"] == runs["mars"]["config"]["tokens_per_forward"]
 
 
 def test_generation_and_log_likelihoods_equal_lm_evals_own_transformers_model(runs, tasks):
