@@ -30,21 +30,26 @@ def base_choices(jobs) -> list[tuple[str, str]]:
     return BASE_MODELS + [(f"run: {n}", f"run:{n}") for n, _ in jobs.finished_checkpoints()]
 
 
-def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
-    """(ok, markdown): every line checked with finetune.data.validate_conversation; preview of the first rows."""
+def check_upload(path: str | None) -> tuple[list, list[str], str | None]:
+    """(valid conversations, one error per bad line, or a refusal of the whole file) of an uploaded chat JSONL:
+    every line checked as finetune.train checks it (finetune.data.validate_conversation, its row size limit)."""
     if not path:
-        return False, "No file uploaded yet."
+        return [], [], "No file uploaded yet."
     p = Path(path)
     if p.suffix.lower() not in (".jsonl", ".json"):
-        return False, f"⚠ `{html.escape(p.name)}` is not a .jsonl file; upload chat JSONL (one {{\"messages\": [...]}} per line)."
+        return [], [], f"`{p.name}` is not a .jsonl file; upload chat JSONL (one {{\"messages\": [...]}} per line)."
     size = p.stat().st_size
     if size > MAX_UPLOAD_BYTES:
-        return False, f"⚠ the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
-    from finetune.data import validate_conversation
+        return [], [], f"the file is {size / 1e6:.1f} MB; the limit is {MAX_UPLOAD_BYTES / 1e6:.0f} MB."
+    from finetune.data import MAX_ROW_BYTES, validate_conversation
     errors, good = [], []
     with open(p, "rb") as f:   # bytes, so a non-UTF-8 line is reported as the trainer would refuse it
         for lineno, raw in enumerate(f, start=1):
             where = f"line {lineno}"
+            if len(raw.removesuffix(b"\n")) > MAX_ROW_BYTES:
+                errors.append(f"{where}: the row is {len(raw):,} bytes, over the limit of {MAX_ROW_BYTES:,} that "
+                              "training reads; split or shorten it")
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -61,6 +66,26 @@ def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
                 errors.append(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
             except ValueError as e:
                 errors.append(str(e))
+    return good, errors, None
+
+
+def upload_refusal(path: str | None) -> str | None:
+    """Why Start refuses the upload, in one line naming the first bad line and what is wrong with it; None if fine."""
+    good, errors, refusal = check_upload(path)
+    if refusal is not None:
+        return refusal
+    if errors:
+        more = f" (and {len(errors) - 1} more bad line(s))" if len(errors) > 1 else ""
+        return f"{errors[0]}{more}: fix the file and upload it again"
+    return None if good else "the file has no conversations"
+
+
+def validate_jsonl(path: str | None, max_errors: int = 20) -> tuple[bool, str]:
+    """(ok, markdown): every line checked (``check_upload``); preview of the first rows."""
+    good, errors, refusal = check_upload(path)
+    if refusal is not None:
+        return False, refusal if not path else f"⚠ {html.escape(refusal)}"
+    p = Path(path)
     parts = [f"**{len(good)} valid conversation(s), {len(errors)} bad line(s)** in `{html.escape(p.name)}`."]
     if errors:
         parts.append("Errors (fix these lines; training starts only from a clean file):\n" +
@@ -134,9 +159,9 @@ def make_request(jobs, base, data_source, upload, stage, block_size, ar_weight, 
     if stage not in ("ar-sft", "mars"):
         raise ValueError(f"stage {stage!r} is unknown: use 'ar-sft' (stage 1) or 'mars' (stage 2)")
     if data_source == "upload":
-        ok, report = validate_jsonl(upload)
-        if not ok:
-            raise ValueError("the uploaded dataset is not valid: " + report.splitlines()[0].replace("*", ""))
+        refusal = upload_refusal(upload)
+        if refusal is not None:
+            raise ValueError("the uploaded dataset is not valid: " + refusal)
         data = "<run dir>/data.jsonl"
     else:
         data = "builtin"

@@ -79,6 +79,8 @@ class TrainConfig:
     """Longest example in tokens (after block padding); see --overlong."""
     overlong: str = "drop"
     """Examples longer than --max-length: 'drop' them (counted warning) or 'truncate' the prompt from the left."""
+    max_row_bytes: int = 1_000_000
+    """Longest --data JSONL row in bytes; a longer one is refused by its line number before tokenizing."""
     seed: int = 0
     """Seed for data order, initialisation of LoRA weights and dropout."""
     weight_decay: float = 0.0
@@ -179,6 +181,7 @@ class TrainConfig:
         need(self.epochs > 0, f"epochs={self.epochs}; use a positive number")
         need(self.batch_size >= 1, f"batch_size={self.batch_size}; use 1 or more")
         need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}; use 1 or more")
+        need(self.max_row_bytes >= 1, f"max_row_bytes={self.max_row_bytes}; use at least 1 (the default is 1000000)")
         need(self.max_length >= 2, f"max_length={self.max_length}; use at least 2 tokens")
         need(self.stage != "mars" or self.block_size <= self.max_length,
              f"block_size={self.block_size} is larger than max_length={self.max_length}: MARS pads every example to a "

@@ -45,6 +45,9 @@ from mars_core.textfile import json_line, read_lines
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("drop", "truncate")
+# The longest JSONL row read by default (--max-row-bytes): 1 MB is ~250k tokens of text, hundreds of times any
+# --max-length trained here; a longer row is a pasted file or a missing newline.
+MAX_ROW_BYTES = 1_000_000
 
 
 @dataclass
@@ -75,10 +78,13 @@ def validate_conversation(row, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def read_chat_jsonl(path: str | Path) -> list[list[dict]]:
-    """Read a chat JSONL file into a list of message lists (validated)."""
+def read_chat_jsonl(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> list[list[dict]]:
+    """Read a chat JSONL file into a list of message lists (validated). A row over ``max_row_bytes`` is refused
+    by its line number before it is parsed: tokenizing one takes minutes or aborts the process."""
     conversations = []
-    for lineno, line in read_lines(path, "data file", "pass a .jsonl file or 'builtin'"):
+    too_long = (f"split or shorten that row, or raise --max-row-bytes (the default {MAX_ROW_BYTES:,} bytes is far "
+                "more than --max-length tokens of text)")
+    for lineno, line in read_lines(path, "data file", "pass a .jsonl file or 'builtin'", max_row_bytes, too_long):
         if line.strip():
             conversations.append(validate_conversation(json_line(line, path, lineno), f"{path}:{lineno}"))
     if not conversations:
@@ -103,8 +109,9 @@ def builtin_family_cycle(weights: str) -> list[str] | None:
     return cycle
 
 
-def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights: str = "") -> list[list[dict]]:
-    """``data`` is ``"builtin"`` (finetune.tasks' train split) or a chat JSONL path."""
+def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights: str = "",
+                       max_row_bytes: int = MAX_ROW_BYTES) -> list[list[dict]]:
+    """``data`` is ``"builtin"`` (finetune.tasks' train split) or a chat JSONL path (rows up to ``max_row_bytes``)."""
     if data == "builtin":
         from finetune import tasks  # imported only when asked for: a JSONL run does not need the suite
 
@@ -112,7 +119,7 @@ def load_conversations(data: str, n_builtin: int = 2000, seed: int = 0, weights:
         return [validate_conversation(r, f"builtin example {i}") for i, r in enumerate(rows)]
     if weights.strip():
         raise ValueError(f"--builtin-weights {weights!r} applies only to --data builtin, not to {data!r}: drop it")
-    return read_chat_jsonl(data)
+    return read_chat_jsonl(data, max_row_bytes)
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], eos_ids: list[int]) -> Example:

@@ -215,7 +215,8 @@ def setup(cfg: TrainConfig, out: Path, use_cpu: bool, fresh: bool = False) -> Ru
     accelerator = start_accelerator(cfg, use_cpu)
 
     # The data is read and validated before any model is loaded: a bad row fails in a second, naming its line.
-    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
+    conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights,
+                                       cfg.max_row_bytes)
     conversations, manifest = select_data(cfg, conversations)
     # The adapter's settings are checked before the slow load; its shapes when it is copied in, before step 1.
     init = WarmStart.read(cfg) if cfg.init_adapter else None

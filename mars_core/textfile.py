@@ -40,9 +40,11 @@ def not_a_file(path: str | Path) -> str:
     return f"is {kind}, not a regular file" if kind != "not a regular file" else "is not a regular file"
 
 
-def read_lines(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, str]]:
+def read_lines(path: str | Path, what: str, fix: str,
+               max_line_bytes: int | None = None, too_long: str = "") -> Iterator[tuple[int, str]]:
     """(line number, line without its newline) of a UTF-8 text file; ``what`` names the file in errors
-    ("prompts file") and ``fix`` says what to pass instead of a directory, a missing or a binary file."""
+    ("prompts file") and ``fix`` says what to pass instead of a directory, a missing or a binary file. A line
+    over ``max_line_bytes`` is refused by number, before it is decoded or held whole (``too_long``: the fix)."""
     name, path = str(path), Path(path)
     if not path.is_file():
         raise ValueError(f"{what} {name!r} {not_a_file(path)}: {fix}")
@@ -50,8 +52,15 @@ def read_lines(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, str
         fh = path.open("rb")
     except OSError as exc:
         raise ValueError(f"{what} {name!r} cannot be read ({exc.strerror or exc}): check its permissions") from None
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1   # one byte more than allowed: enough to know
     with fh:
-        for lineno, raw in enumerate(fh, 1):
+        lineno = 0
+        while raw := fh.readline(limit):
+            lineno += 1
+            if max_line_bytes is not None and len(raw.removesuffix(b"\n")) > max_line_bytes:
+                size = len(raw) + _rest_of_line(fh)
+                raise ValueError(f"{name}:{lineno}: the line is {size:,} bytes, over the limit of "
+                                 f"{max_line_bytes:,}: {too_long or fix}")
             try:
                 line = raw.decode("utf-8").removesuffix("\n")
             except UnicodeDecodeError as e:
@@ -60,6 +69,16 @@ def read_lines(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, str
             if "\x00" in line:
                 raise ValueError(f"{name}:{lineno}: holds NUL bytes (a binary file?): {fix}")
             yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def _rest_of_line(fh, chunk: int = 1 << 20) -> int:
+    """Bytes up to and including the next newline, read a chunk at a time (counted, never held)."""
+    n = 0
+    while part := fh.readline(chunk):
+        n += len(part)
+        if part.endswith(b"\n"):
+            break
+    return n
 
 
 def json_line(line: str, path: str | Path, lineno: int):

@@ -205,3 +205,77 @@ def test_out_of_memory_is_one_line_naming_the_models_size(failure, monkeypatch, 
     line = error_line(capsys.readouterr().err)
     assert line.startswith("error: out of memory loading or running tiny-mars (its weights take ")
     assert "MB on disk" in line and "config.json" not in line
+
+
+# ----------------------------------------------------------------------------- oversized training rows
+
+
+def chats_with_a_big_row(path: Path, row_bytes: int, at_line: int = 3) -> Path:
+    rows = (path.parent / "base.jsonl")
+    from tests.tiny_fixtures import write_addition_chats
+
+    lines = write_addition_chats(rows, 12).read_text().splitlines()
+    big = {"messages": [{"role": "user", "content": "x" * row_bytes}, {"role": "assistant", "content": "y"}]}
+    lines.insert(at_line - 1, json.dumps(big))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_row_over_the_size_limit_is_refused_by_line_before_tokenizing(tiny, tmp_path, monkeypatch):
+    from finetune import train
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the rows were tokenized before the oversized one was refused")
+
+    monkeypatch.setattr(train, "build_examples", no_tokenizing)
+    data = chats_with_a_big_row(tmp_path / "data.jsonl", 2_000_000, at_line=3)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(data))}:3: the line is 2,000,0\d\d bytes, over the limit "
+                                         r"of 1,000,000: .*--max-row-bytes"):
+        train.main(train_flags(tiny, tmp_path / "run", "--data", str(data)))
+
+
+def test_max_row_bytes_raises_the_limit(tmp_path):
+    from finetune.config import config_from_args
+    from finetune.data import load_conversations
+
+    data = chats_with_a_big_row(tmp_path / "data.jsonl", 1_500_000)
+    with pytest.raises(ValueError, match=":3: the line is"):
+        load_conversations(str(data))
+    cfg = config_from_args(["--data", str(data), "--max-row-bytes", "2000000"])
+    rows = load_conversations(cfg.data, max_row_bytes=cfg.max_row_bytes)
+    assert len(rows) == 13 and len(rows[2][0]["content"]) == 1_500_000
+
+
+def test_a_row_of_exactly_the_limit_is_read_and_one_byte_more_is_not(tmp_path):
+    from finetune.data import read_chat_jsonl
+
+    row = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    path = tmp_path / "d.jsonl"
+    path.write_text(row + "\n" + row)   # the last line has no newline
+    assert len(read_chat_jsonl(path, max_row_bytes=len(row))) == 2
+    with pytest.raises(ValueError, match=rf":1: the line is {len(row) + 1:,} bytes, over the limit of {len(row) - 1}"):
+        read_chat_jsonl(path, max_row_bytes=len(row) - 1)
+
+
+# ----------------------------------------------------------------------------- the app's upload refusal
+
+
+def test_the_apps_start_refusal_names_the_bad_line_and_the_bad_role(tmp_path):
+    from app.finetune_ui import DEFAULTS, make_request
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    upload = tmp_path / "up.jsonl"
+    upload.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
+    with pytest.raises(ValueError) as refused:
+        make_request(None, DEFAULTS["base"], "upload", str(upload), "mars", 4, 1.0, 10, 1e-3, False)
+    message = str(refused.value)
+    assert "line 3" in message and "'human'" in message and "use one of system, user, assistant" in message
+
+
+def test_the_apps_upload_check_refuses_a_row_the_trainer_would_refuse_for_its_size(tmp_path):
+    from app.finetune_ui import validate_jsonl
+
+    upload = chats_with_a_big_row(tmp_path / "up.jsonl", 1_200_000, at_line=2)
+    ok, report = validate_jsonl(str(upload))
+    assert not ok and "line 2: the row is 1,200,0" in report and "over the limit of 1,000,000 that training reads" in report
