@@ -132,9 +132,14 @@ def one_step(choice, free_text, prompt, tau, tau_off, block_size, criterion, pic
         return
     finally:
         machine.leave(ticket)
-    note = "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes)
-    ran_on = f"<p class='defs'>model: <b>{html.escape(model_label(choice, free_text, name))}</b></p>"
-    yield ran_on + note + step_html(lm, prompt, event), confidence_figure(lm, event)
+    yield _preamble(model_label(choice, free_text, name), notes) + step_html(lm, prompt, event), \
+        confidence_figure(lm, event)
+
+
+def _preamble(model: str, notes: list[str]) -> str:
+    """The lines above a step: the model it ran on, and what was clamped or cut (a long prompt, τ)."""
+    return (f"<p class='defs'>model: <b>{html.escape(model)}</b></p>"
+            + "".join(f"<p class='defs'>✂ {html.escape(n)}</p>" for n in notes))
 
 
 STEPS_MAX_NEW = 64   # "every step" decodes this many tokens at most: a lesson's answer, not an essay
@@ -158,7 +163,8 @@ def step_view(state, k) -> tuple[str, object]:
     k = max(0, min(int(k or 0), len(events) - 1))
     context = lm.encode(prompt) + [t for ev in events[:k] for t in ev.rows[0].accepted_ids]
     text = "".join(ev.rows[0].text for ev in events[:k + 1])
-    head = (f"<p class='defs'>forward pass {k + 1} of {len(events)} · answer so far: "
+    head = (_preamble(state.get("model", lm.name), state.get("notes", []))
+            + f"<p class='defs'>forward pass {k + 1} of {len(events)} · answer so far: "
             f"<b>{html.escape(text)}</b></p>")
     return head + step_html(lm, prompt, events[k], context_ids=context), confidence_figure(lm, events[k])
 
@@ -168,8 +174,8 @@ def all_steps(choice, free_text, prompt, tau, tau_off, block_size, criterion,
     """The Learn tab's "every forward pass" button: decodes the prompt once (at most STEPS_MAX_NEW tokens) and
     yields (first pass HTML, its figure, the slider over the passes, the recorded decode)."""
     try:
-        prompt, tau, _notes, block_size, criterion, name = _checked(choice, free_text, prompt, tau, tau_off,
-                                                                    block_size, criterion, resolver)
+        prompt, tau, notes, block_size, criterion, name = _checked(choice, free_text, prompt, tau, tau_off,
+                                                                   block_size, criterion, resolver)
     except Exception as exc:
         yield f"<p>⚠ {html.escape(models.friendly_error(exc))}</p>", gr.skip(), gr.skip(), gr.skip()
         return
@@ -183,7 +189,8 @@ def all_steps(choice, free_text, prompt, tau, tau_off, block_size, criterion,
         return
     finally:
         machine.leave(ticket)
-    state = {"lm": lm, "prompt": prompt, "events": events}
+    state = {"lm": lm, "prompt": prompt, "events": events, "notes": notes,
+             "model": model_label(choice, free_text, name)}
     view, fig = step_view(state, 0)
     slider = gr.update(minimum=0, maximum=max(1, len(events) - 1), value=0, interactive=len(events) > 1)
     yield view, fig, slider, state

@@ -154,6 +154,15 @@ def test_learn_steps_through_every_forward_pass_with_what_was_committed_before(t
     assert len(rec["events"]) == len(events) and slider["maximum"] == len(events) - 1
 
 
+def test_every_learn_step_keeps_the_note_of_what_was_cut(tiny_mars):
+    from app import learn
+    rec = list(learn.all_steps("tiny-mars", "", SORT, 0.3, False, 4, "prob"))[-1][-1]   # τ below 0.5: clamped
+    assert rec["notes"] and len(rec["events"]) > 1
+    for k in (0, len(rec["events"]) - 1):
+        view, _fig = learn.step_view(rec, k)
+        assert "✂ τ 0.3" in view and "model: <b>tiny-mars</b>" in view
+
+
 def test_a_sweeps_time_left_is_the_pace_of_its_rows_so_far():
     from app.explorer import time_left
     assert time_left(10.0, 2, 5) == " · 10 s so far, about 15 s left at this pace"
