@@ -103,13 +103,35 @@ def example_stats(cfg: TrainConfig, plan_examples: int | None) -> tuple[int, flo
         raise ValueError(f"--data {cfg.data!r} is not on this machine: pass --plan-examples N (the number of "
                          "examples it holds) to plan without it")
     from finetune.data import build_examples, load_conversations
-    from finetune.train_model import load_base
 
-    base = load_base(cfg.base_model)   # the tokenizer and eos ids (a small model here: the test plans a tiny one)
+    tokenizer, eos_ids = tokenizer_and_eos(cfg.base_model)
     conversations = load_conversations(cfg.data, cfg.builtin_examples, cfg.seed, cfg.builtin_weights)
-    examples = build_examples(conversations, base.tokenizer, max_length=cfg.max_length, eos_ids=base.eos_ids,
+    examples = build_examples(conversations, tokenizer, max_length=cfg.max_length, eos_ids=eos_ids,
                               block_size=cfg.block_size if cfg.stage == "mars" else None, overlong=cfg.overlong)
     return len(examples), sum(len(e.input_ids) for e in examples) / len(examples), f"--data {cfg.data} tokenised"
+
+
+def tokenizer_and_eos(base_model: str):
+    """(tokenizer, end-of-turn ids) of --base-model as the run will have them (mars_core.load_model's), without
+    loading its weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from mars_core.sources import resolve_source
+    from mars_core.tokens import end_of_turn_ids
+
+    _, where = resolve_source(base_model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except Exception:
+        raise ValueError(f"--dry-run tokenises --data with {base_model!r}'s tokenizer, which is not on this machine: "
+                         "pass --plan-examples N to plan without it") from None
+    try:
+        generation = GenerationConfig.from_pretrained(where, local_files_only=True)
+    except OSError:   # no generation_config.json: the tokenizer's eos alone, as for the loaded model
+        generation = None
+    return tokenizer, end_of_turn_ids(tokenizer, SimpleNamespace(generation_config=generation))
 
 
 def gb(n: float) -> str:

@@ -117,3 +117,13 @@ def test_a_missing_data_file_names_plan_examples(tmp_path):
     with pytest.raises(ValueError, match=r"--data .* is not on this machine: pass --plan-examples N"):
         main(["--dry-run", "--config", str(REPO / "configs" / "qwen2.5-0.5b-ar-sft.json"),
               "--plan-processes", "8", "--data", str(tmp_path / "absent.jsonl")])
+
+
+def test_the_dry_run_reads_no_weights(tiny_qwen2, tmp_path, capsys):
+    import shutil
+
+    model_dir, data, n_params = tiny_qwen2
+    shapes_only = tmp_path / "no-weights"
+    shutil.copytree(model_dir, shapes_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    text = plan(capsys, "--base-model", str(shapes_only), "--data", str(data), "--output-dir", str(tmp_path / "run"))
+    assert number(text, r"parameters ([\d,]+),") == n_params and number(text, r"data: ([\d,]+) examples") == 60
