@@ -278,9 +278,10 @@ class MarsLM(TemplateLM):
              "sum_per_sequence": old["sum_per_sequence"] + sum(r.tokens_per_forward for r in results)}
         s["tokens_per_forward"] = s["sum_per_sequence"] / s["sequences"]
         self.decode_stats[task] = s
-        log.info("%s: %.3f tokens per forward (mean over %d sequences; %d tokens in %d forwards), mode %s, tau %g, "
-                 "B %d", task, s["tokens_per_forward"], s["sequences"], s["tokens"], s["forwards"],
-                 self.decode.mode, self.decode.tau, self.decode.block_size)
+        cfg = self.decode
+        how = "mode ar" if cfg.mode == "ar" else f"mode {cfg.mode}, tau {cfg.tau:g}, B {cfg.block_size}"
+        log.info("%s: %.3f tokens per forward (mean over %d sequences; %d tokens in %d forwards), %s", task,
+                 s["tokens_per_forward"], s["sequences"], s["tokens"], s["forwards"], how)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -290,7 +291,9 @@ def tokens_per_forward_table(models) -> str:
     lines = ["|model|mode|tau|B|task|tokens/forward|sequences|forwards|", "|---|---|---|---|---|---|---|---|"]
     for m in models:
         for task, s in sorted(m.decode_stats.items()):
-            lines.append(f"|{m.lm.name}|{m.decode.mode}|{m.decode.tau:g}|{m.decode.block_size}|{task}|"
+            ar = m.decode.mode == "ar"   # one token a forward: τ and B do not apply
+            lines.append(f"|{m.lm.name}|{m.decode.mode}|{'-' if ar else f'{m.decode.tau:g}'}|"
+                         f"{'-' if ar else m.decode.block_size}|{task}|"
                          f"{s['tokens_per_forward']:.3f}|{s['sequences']}|{s['forwards']}|")
     return "\n".join(lines)
 
