@@ -176,3 +176,19 @@ def test_group_by_length_false_draws_the_plain_shuffle_and_true_pads_less():
     assert plain_order == epoch_batches(200, 4, 0, 0)   # no lengths: the shuffle alone
     padding = lambda drawn: sum(int((~b["valid"]).sum()) for b in drawn)  # noqa: E731
     assert padding(grouped) < padding(plain) / 4
+
+
+def test_gradient_checkpointing_is_switched_on_and_changes_no_number(qwen2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train_model import prepare_model
+
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(qwen2[0]), TrainConfig(gradient_checkpointing=True), None)
+    assert model.is_gradient_checkpointing and model.training
+    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    short = ["--batch-size", "4", "--max-steps", "3", "--save-every", "0"]
+    main(flags(qwen2, plain, *short[:2]) + short[2:])
+    main(flags(qwen2, ckpt, *short[:2], "--gradient-checkpointing") + short[2:])
+    assert losses(ckpt) == losses(plain)
+    a, b = weights(plain / "checkpoint-3"), weights(ckpt / "checkpoint-3")
+    assert all(torch.equal(a[name], b[name]) for name in a)
