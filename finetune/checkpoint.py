@@ -8,9 +8,11 @@ into the embedding) with the tokenizer, train_config.json, the metrics.jsonl lin
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -121,17 +123,49 @@ def save_checkpoint(run: Run, step: int, elapsed: float) -> Path:
             write_checkpoint(run, tmp, step, elapsed, export)
             replace_folder(tmp, final)   # a damaged checkpoint-<step> of an earlier session goes only once this is in
         except BaseException as exc:   # no half checkpoint left behind (a full disk would stay full)
+            fault = write_fault(exc, run.out)
             shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(exc, OSError):
+            if fault is None:
                 raise
-            raise ValueError(storage_error(exc, tmp if exc.filename is None else exc.filename,
-                                           f"checkpoint {final.name} of --output-dir {str(run.out)!r}")) from None
+            raise ValueError(checkpoint_not_written(run.out, final, fault)) from None
         kept = list_checkpoints(run.out)[-run.cfg.keep_checkpoints:]
         for old in all_checkpoints(run.out):   # incomplete ones older than those kept go too
             if checkpoint_step(old) < checkpoint_step(kept[0]):
                 shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
     return final
+
+
+def write_fault(exc: BaseException, out: Path) -> OSError | None:
+    """The OSError behind a failed checkpoint write, or None when ``exc`` is no write fault (a bug, a signal).
+    The writers report a full disk in their own words: safetensors as a SafetensorError ("I/O error: No space
+    left on device (os error 28)"), torch.save as a RuntimeError of its zip writer ("unexpected pos ...",
+    "PytorchStreamWriter failed writing file") that keeps no errno; a device with no space left then is full."""
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    code = re.search(r"os error (\d+)|Os \{ code: (\d+)", text)
+    if code:
+        number = int(code.group(1) or code.group(2))
+        return OSError(number, os.strerror(number))
+    torch_writer = isinstance(exc, RuntimeError) and any(w in text for w in ("PytorchStreamWriter", "inline_container",
+                                                                          "file write failed"))
+    if not (torch_writer or type(exc).__name__ == "SafetensorError"):
+        return None
+    try:
+        full = shutil.disk_usage(out).free < 1 << 16   # before the partial checkpoint is removed
+    except OSError:
+        full = False
+    first_line = text.strip().splitlines()[0][:160] if text.strip() else type(exc).__name__
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else OSError(errno.EIO, first_line)
+
+
+def checkpoint_not_written(out: Path, final: Path, fault: OSError) -> str:
+    """One line: why ``final`` was not written, the fix, and which checkpoint a rerun resumes from."""
+    kept = [c for c in list_checkpoints(out) if c != final]
+    previous = (f"the previous checkpoint {kept[-1]} is kept as it was: rerun the same command to resume from it"
+                if kept else "no earlier checkpoint of this run exists: rerun the same command to start again")
+    return f"{storage_error(fault, out, final.name)}; {previous}"
 
 
 def check_replicas_agree(run: Run) -> None:

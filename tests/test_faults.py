@@ -368,14 +368,14 @@ def test_distill_full_disk_leaves_no_empty_file_and_no_torn_batch(tmp_path, monk
 def test_checkpoint_save_on_a_full_disk_leaves_no_temp_folder(tmp_path, monkeypatch):
     from finetune import checkpoint
 
-    def half_write(run, directory, step, elapsed):
+    def half_write(run, directory, step, elapsed, export=None):
         directory.mkdir()
         (directory / "model.safetensors").write_bytes(b"half")
         enospc()
 
     monkeypatch.setattr(checkpoint, "write_checkpoint", half_write)
     acc = SimpleNamespace(wait_for_everyone=lambda: None, num_processes=1, is_main_process=True)
-    run = SimpleNamespace(accelerator=acc, out=tmp_path, cfg=SimpleNamespace(keep_checkpoints=2))
+    run = SimpleNamespace(accelerator=acc, out=tmp_path, cfg=SimpleNamespace(keep_checkpoints=2, sharding="no"))
     with pytest.raises(ValueError, match="no space left .*checkpoint-5") as info:
         checkpoint.save_checkpoint(run, 5, 1.0)
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)

@@ -305,3 +305,63 @@ def test_the_apps_stop_while_the_trainer_starts_ends_it_stopped_with_exit_0(tiny
     st = status(out)
     assert st["state"] == "stopped" and st["step"] == 0 and st["last_checkpoint"] is None
     assert not (out / "stop-requested").exists()   # read: a later run here must not take it as its own
+
+
+# ----------------------------------------------------------------------------- a full disk at the final checkpoint
+
+
+def full_disk(kind: str) -> BaseException:
+    """What each writer raises when the disk fills under it (the texts are the real ones, from a full tmpfs)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    return {"OSError": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+            "safetensors": SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            "torch zip": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 178624 vs 178516")}[kind]
+
+
+@pytest.mark.parametrize("writer, kind", [("torch.save", "OSError"), ("safetensors", "safetensors"),
+                                          ("torch.save", "torch zip")])
+def test_a_full_disk_at_the_final_checkpoint_keeps_the_previous_one_and_says_so(tiny, tmp_path, monkeypatch,
+                                                                                writer, kind):
+    import transformers.modeling_utils as modeling_utils
+
+    from finetune import checkpoint
+
+    out = tmp_path / "run"
+    final_tmp = out / ".checkpoint-2.tmp"
+    module, name = (torch, "save") if writer == "torch.save" else (modeling_utils, "safe_save_file")
+    real = getattr(module, name)
+
+    def fills_the_disk_at_the_final_checkpoint(obj, path, *args, **kwargs):
+        if Path(path).parent == final_tmp:
+            raise full_disk(kind)
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, fills_the_disk_at_the_final_checkpoint)
+    if kind == "torch zip":   # torch's zip writer keeps no errno: a device with no space left tells
+        real_usage = checkpoint.shutil.disk_usage
+        monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))
+    flags = train_flags(tiny, out, "--stage", "ar-sft", "--save-every", "1", "--max-steps", "2")
+    with pytest.raises(ValueError) as refused:
+        main(flags)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"no space left on the device holding {out} while writing checkpoint-2: free space")
+    assert message.endswith(f"the previous checkpoint {out / 'checkpoint-1'} is kept as it was: rerun the same "
+                            "command to resume from it")
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    assert status(out)["state"] == "failed" and status(out)["last_checkpoint"] == str(out / "checkpoint-1")
+    monkeypatch.undo()   # space freed: the same command resumes from checkpoint-1 and writes the final one
+    assert main(flags) == 0
+    assert status(out)["state"] == "finished" and (out / "checkpoint-2" / "trainer_state.pt").is_file()
+
+
+def test_a_write_fault_that_is_no_disk_fault_is_not_worded_as_one(tmp_path):
+    from finetune.checkpoint import write_fault
+
+    assert write_fault(KeyError("optimizer"), tmp_path) is None
+    assert write_fault(RuntimeError("CUDA error: an illegal memory access"), tmp_path) is None
+    fault = write_fault(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 8"), tmp_path)
+    assert "unexpected pos 9 vs 8" in str(fault)   # a disk with room: the writer's own words, not "no space"
