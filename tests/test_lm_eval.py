@@ -67,13 +67,15 @@ def scores(out: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tasks) -> dict:
-    """Each decoding mode of --model mars through lm-eval on the local tasks (tiny-mars, fp32)."""
+    """Each decoding mode of --model mars through lm-eval on the local tasks (tiny-mars, fp32); tens of seconds on
+    one core, so the tests that read it are marked slow."""
     base = "model=tiny-mars,dtype=float32,block_size=4"
     args = {"ar": "mode=ar", "tau1": "mode=mars,tau=1.0", "mars": "mode=mars,tau=0.95",
             "lossless": "mode=lossless,tau=0.9"}
     return {name: evaluate(tasks, "mars", f"{base},{a}") for name, a in args.items()}
 
 
+@pytest.mark.slow
 def test_tau_one_scores_exactly_like_ar_on_every_task(runs):
     ar, one = runs["ar"], runs["tau1"]
     assert scores(one) == scores(ar)
@@ -82,12 +84,14 @@ def test_tau_one_scores_exactly_like_ar_on_every_task(runs):
     assert ar["results"]["mars_tiny_gen"]["exact_match,answer-line"] > 0.5   # the task really scores answers
 
 
+@pytest.mark.slow
 def test_lossless_mars_scores_exactly_like_ar_and_writes_several_tokens_per_forward(runs):
     assert scores(runs["lossless"]) == scores(runs["ar"])
     assert responses(runs["lossless"], "mars_tiny_gen") == responses(runs["ar"], "mars_tiny_gen")
     assert runs["lossless"]["config"]["tokens_per_forward"]["mars_tiny_gen"]["tokens_per_forward"] > 1.5
 
 
+@pytest.mark.slow
 def test_tokens_per_forward_is_in_the_results_one_for_ar_and_above_one_for_mars(runs):
     per = {name: out["config"]["tokens_per_forward"] for name, out in runs.items()}
     for name in ("ar", "tau1"):
@@ -101,6 +105,7 @@ def test_tokens_per_forward_is_in_the_results_one_for_ar_and_above_one_for_mars(
     assert scores(runs["mars"])["mars_tiny_mc"] == scores(runs["ar"])["mars_tiny_mc"]
 
 
+@pytest.mark.slow
 def test_batched_requests_get_exactly_their_answers_alone(runs, tasks):
     """--batch_size 3: generations decode three rows at a time (8 requests: batches of 3, 3, 2) and scores run
     three per forward, right-padded; every document's response is the one it got alone, in its own place."""
@@ -113,6 +118,7 @@ def test_batched_requests_get_exactly_their_answers_alone(runs, tasks):
     assert batched["config"]["tokens_per_forward"] == runs["mars"]["config"]["tokens_per_forward"]
 
 
+@pytest.mark.slow
 def test_generation_and_log_likelihoods_equal_lm_evals_own_transformers_model(runs, tasks):
     """lm-eval's `hf` model on the same checkpoint: the same greedy texts as our τ = 1, the same scores."""
     hf = evaluate(tasks, "hf", f"pretrained={REPO / 'assets' / 'tiny-mars'},dtype=float32")
