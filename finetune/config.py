@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mars_core.storage import check_writable, storage_error   # standard library only: no torch
+from mars_core.textfile import not_a_file   # standard library only too
 
 STAGES = ("ar-sft", "mars")
 DECAYS = ("cosine", "linear", "constant")
@@ -375,10 +376,8 @@ def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, arg
     values: dict = {}
     if args.config:
         path = Path(args.config)
-        if path.is_dir():
-            raise ValueError(f"--config {str(path)!r} is a directory; pass a JSON file")
-        if not path.is_file():
-            raise ValueError(f"--config {str(path)!r} does not exist; pass a JSON file")
+        if not path.is_file():   # a directory, a missing path, a FIFO or a device, named as what it is
+            raise ValueError(f"--config {str(path)!r} {not_a_file(path)}; pass a JSON file")
         try:
             values = json.loads(path.read_bytes().decode("utf-8"))
         except OSError as e:

@@ -58,6 +58,9 @@ def guarded_stdout():
     the command, not at interpreter exit). On a stdout that cannot encode all of Unicode (LC_ALL=C: ASCII) a
     character it cannot hold is written as a backslash escape: a model's answer is never an encoding error."""
     real = sys.stdout
+    if real is None:   # no stdout at all (pythonw): nothing to guard
+        yield
+        return
     errors = getattr(real, "errors", None)
     narrow = _narrow_encoding(real)
     if narrow:

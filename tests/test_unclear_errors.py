@@ -96,6 +96,13 @@ def test_a_device_as_data_is_named_a_device_not_missing(tiny, tmp_path):
         main(train_flags(tiny, tmp_path / "run", "--data", "/dev/null"))
 
 
+def test_a_fifo_as_train_config_is_named_a_fifo(fifo):
+    from finetune.config import config_from_args
+
+    with pytest.raises(ValueError, match=re.escape(f"--config {str(fifo)!r} is a FIFO (named pipe), not a regular file")):
+        config_from_args(["--config", str(fifo)])
+
+
 def test_read_prompts_names_each_kind_of_path(fifo, tmp_path):
     from mars_core.textfile import read_prompts
 
