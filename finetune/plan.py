@@ -6,9 +6,12 @@ logits), and the size of one checkpoint. No weights are loaded: the model is bui
 its config.json (a local folder, the Hugging Face cache, or the shapes below), so counting the parameters of
 Qwen2.5-7B takes a second on a laptop. Each formula is printed beside its number.
 
-The activation formula counts, per token and decoder layer, the tensors a Llama/Qwen2 layer keeps for its backward
-pass (SDPA keeps no attention matrix): the two norms' inputs and outputs (4h), q and the attention output (2h),
-k and v (2 kv), and the MLP's gate, up, act(gate) and product (4 I), in the compute dtype. With gradient
+The activation formula counts, per token and decoder layer, the values autograd keeps for a Llama/Qwen2 layer's
+backward pass with SDPA (no attention matrix), as tests/test_dry_run.py measures them on a tiny Qwen2: the two RMS
+norms' inputs and scaled outputs and the projections' input (5h), five tensors as wide as q (q = heads x head_dim;
+among them k and v, which reach SDPA repeated to every head, and the attention output), and the MLP's gate, up,
+act(gate) and product (4I), each in the compute dtype; and the attention mask as SDPA keeps it, one [seq x seq]
+matrix a sequence (seq = 2n for MARS's [noisy | clean], n for AR-SFT). With gradient
 checkpointing a layer keeps only its input (h) and one layer is recomputed at a time. MARS trains on
 [noisy | clean], up to twice the example's tokens; the noisy copies of prompt-only blocks are left out, so the
 count is an upper bound. These are estimates: allocator fragmentation and the CUDA context (~1 GB) come on top.
@@ -134,6 +137,22 @@ def tokenizer_and_eos(base_model: str):
     return tokenizer, end_of_turn_ids(tokenizer, SimpleNamespace(generation_config=generation))
 
 
+def query_width(config) -> int:
+    """q's width: heads x head_dim (the hidden size for Llama and Qwen2)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim
+
+
+def layer_values_per_token(config) -> int:
+    """Values a decoder layer keeps for its backward pass, per token: 5h + 5q + 4I (see the module docstring)."""
+    return 5 * config.hidden_size + 5 * query_width(config) + 4 * config.intermediate_size
+
+
+def layer_bytes(config, batch: int, seq: int, value_bytes: int) -> int:
+    """What one decoder layer keeps for its backward pass over ``batch`` sequences of ``seq`` positions."""
+    return value_bytes * (batch * seq * layer_values_per_token(config) + batch * seq * seq)
+
+
 def gb(n: float) -> str:
     return f"{n / GB:,.2f} GB"
 
@@ -153,9 +172,7 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
     cb = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4          # compute dtype's bytes
     share = P if sharded else 1
     h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    kv = config.num_key_value_heads * getattr(config, "head_dim", None) if getattr(config, "head_dim", None) \
-        else config.num_key_value_heads * (h // config.num_attention_heads)
-    inter = config.intermediate_size
+    q, inter = query_width(config), config.intermediate_size
     streams = 2 if cfg.stage == "mars" else 1
     rows = streams * b * n                                            # positions in one micro-batch, at most
 
@@ -170,9 +187,10 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
                                    f"{c.layer:,} unsharded gradient")
     elif cb == 2:
         mem["autocast weight copies"] = (2 * c.total, f"2 B x {c.total:,}")
-    per_token_layer = cb * (6 * h + 2 * kv + 4 * inter)
-    act_full = rows * L * per_token_layer
-    act_ckpt = rows * L * cb * h + rows * per_token_layer
+    seq = streams * n
+    act_layer = layer_bytes(config, b, seq, cb)
+    act_full = L * act_layer
+    act_ckpt = rows * L * cb * h + act_layer
     logits = rows * V * (cb + 4 + 4)
     fixed = sum(v for v, _ in mem.values())
 
@@ -191,8 +209,9 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
     ]
     lines += [f"  {name:<26} {gb(value):>12}   {formula}" for name, (value, formula) in mem.items()]
     lines += [
-        f"  {'activations':<26} {gb(act_full):>12}   rows x layers x {cb} B x (6h + 2kv + 4I) = {rows:,} x {L} x "
-        f"{cb} x (6 x {h} + 2 x {kv} + 4 x {inter}); rows = {streams} streams x {b} x {n}",
+        f"  {'activations':<26} {gb(act_full):>12}   layers x {cb} B x (rows x (5h + 5q + 4I) + batch x seq^2) = {L} x "
+        f"{cb} x ({rows:,} x (5 x {h} + 5 x {q} + 4 x {inter}) + {b} x {seq:,}^2); rows = batch x seq = {b} x "
+        f"{streams} streams x {n}",
         f"  {'  with checkpointing':<26} {gb(act_ckpt):>12}   rows x layers x {cb} B x h + one layer recomputed",
         f"  {'logits (labelled rows)':<26} {gb(logits):>12}   rows x vocab x ({cb} + 4 + 4) B = {rows:,} x {V:,} x "
         f"{cb + 8} (the head's output, fp32 copy, its gradient); at most",

@@ -76,7 +76,7 @@ def test_the_dry_run_plans_each_config_on_a_tiny_model_and_trains_nothing(config
     # full sharding over 2 processes: each holds half the fp32 parameters, gradients and Adam moments
     assert number(text, r"parameters \(fp32\)\s+([\d.]+) GB") == pytest.approx(4 * n_params / 2 / 1e9, abs=0.006)
     assert f"4 B x {n_params:,} / 2" in text and f"8 B x {n_params:,} / 2" in text
-    assert "rows x layers x 2 B x (6h + 2kv + 4I)" in text      # the formula is printed with the number
+    assert "layers x 2 B x (rows x (5h + 5q + 4I) + batch x seq^2)" in text   # the formula beside the number
     assert re.search(r"without --gradient-checkpointing  <- this run", text)
 
 
@@ -127,3 +127,43 @@ def test_the_dry_run_reads_no_weights(tiny_qwen2, tmp_path, capsys):
     shutil.copytree(model_dir, shapes_only, ignore=shutil.ignore_patterns("*.safetensors"))
     text = plan(capsys, "--base-model", str(shapes_only), "--data", str(data), "--output-dir", str(tmp_path / "run"))
     assert number(text, r"parameters ([\d,]+),") == n_params and number(text, r"data: ([\d,]+) examples") == 60
+
+
+def saved_activation_bytes(n_layers: int) -> tuple[int, int]:
+    """(bytes autograd keeps for the backward pass of one MARS loss forward, positions a sequence) for a random
+    Qwen2 of ``n_layers`` layers over 4 sequences of 64 tokens; parameters (saved for their own gradients) are not
+    counted."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from finetune.losses import first_noisy_block_start, mars_loss
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=352,
+                                         num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True)).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(5, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :16] = -100
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        mars_loss(model, ids, labels, torch.ones_like(ids, dtype=torch.bool), block_size=4, mask_id=3)
+    return sum(storages.values()), 64 - first_noisy_block_start(labels, 4) + 64   # [noisy from its start | clean]
+
+
+def test_the_activation_formula_counts_what_autograd_keeps_per_layer():
+    from transformers import Qwen2Config
+
+    from finetune.plan import layer_bytes
+
+    (two, seq), (four, _) = saved_activation_bytes(2), saved_activation_bytes(4)
+    per_layer = (four - two) / 2   # what lies outside the decoder layers cancels out
+    config = Qwen2Config(hidden_size=128, intermediate_size=352, num_attention_heads=4)
+    assert per_layer == pytest.approx(layer_bytes(config, 4, seq, 4), rel=0.03)
