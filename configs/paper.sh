@@ -3,7 +3,7 @@
 # last checkpoint (stage 2, same data and settings). docs/scaling.md explains the settings and the memory.
 #
 #   configs/paper.sh 7b 4            # Qwen2.5-7B, B = 4, 8 GPUs
-#   configs/paper.sh 0.5b 16 8 --dry-run   # print both stages' plans, train nothing
+#   configs/paper.sh 0.5b 16 8 --dry-run --plan-examples 2000000   # both stages planned, nothing trained
 #
 # Extra flags after GPUS go to both stages. Rerunning resumes each stage where it stopped (a finished stage
 # trains nothing). The data (configs' "data") is a chat JSONL you provide: one {"messages": [...]} per line.
