@@ -812,6 +812,9 @@ def generate_stream(lm, prompts, cfg: DecodeConfig | None = None,
     """
     cfg = cfg or DecodeConfig()
     cfg.validate()
+    if cfg.block_size >= lm.context_length:   # refused as the CLI refuses --block-size: never capped in silence
+        raise ValueError(f"block_size={cfg.block_size} does not fit {getattr(lm, 'name', 'the model')}'s context of "
+                         f"{lm.context_length} tokens: use a small block size such as 4")
     prompt_ids = _prompt_ids(lm, prompts)
     device, n_masks_max = lm.device, cfg.candidates - 1
     eos_set = set(lm.eos_ids)

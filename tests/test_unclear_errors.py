@@ -286,3 +286,15 @@ def test_the_apps_upload_check_refuses_a_row_the_trainer_would_refuse_for_its_si
     upload = chats_with_a_big_row(tmp_path / "up.jsonl", 1_200_000, at_line=2)
     ok, report = validate_jsonl(str(upload))
     assert not ok and "line 2: the row is 1,200,0" in report and "over the limit of 1,000,000 that training reads" in report
+
+
+def test_the_api_refuses_a_block_size_the_cli_refuses(capsys):
+    from mars_core import DecodeConfig, generate, load_model
+
+    lm = load_model("tiny-mars", device="cpu", dtype="float32")
+    big = DecodeConfig(block_size=10**6, max_new_tokens=4)
+    with pytest.raises(ValueError, match=rf"block_size=1000000 does not fit .* context of {lm.context_length} tokens"):
+        generate(lm, ["What is 2 + 3?"], big)
+    assert cli.main(["generate", "--model", "tiny-mars", "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                     "--prompt", "hi", "--block-size", str(10**6)]) == 2
+    assert "--block-size 1000000 does not fit" in capsys.readouterr().err
