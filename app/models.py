@@ -233,21 +233,18 @@ def load_with_timing(name: str):
 
 
 # The weight formats in words a class can read; the short name stays in brackets for whoever looks it up.
-FORMAT_WORDS = {"float32": "32-bit float numbers", "bfloat16": "16-bit float numbers (bf16)",
-                "float16": "16-bit float numbers (fp16)", "int8": "8-bit integer weights (int8)",
-                "w8a8": "8-bit integer weights and activations (w8a8)",
-                "w8a16": "8-bit integer weights, 16-bit activations (w8a16)"}
+FORMAT_WORDS = {"float32": "32-bit floats", "bfloat16": "16-bit floats (bf16)", "float16": "16-bit floats (fp16)",
+                "int8": "8-bit integer weights (int8)", "w8a8": "8-bit integers (w8a8)",
+                "w8a16": "8-bit weights, 16-bit activations (w8a16)"}
 
 
 def describe(lm) -> str:
-    """The model line of the page: what it is and how it computes here, in plain words."""
+    """The model line of the page, in plain words and short: on a projector a second line pushes the race down."""
     n_params = getattr(lm, "n_params", 0) or sum(p.numel() for p in lm.model.parameters())
     fmt = getattr(lm, "weight_format", None)
     device = "on the CPU" if lm.device.type == "cpu" else f"on {lm.device}"
-    runs = "" if fmt is None else (f" · computes in {FORMAT_WORDS.get(fmt, fmt)}, through "
-                                   f"{'this project’s own CPU forward' if lm.backend == 'lean' else 'transformers'}")
-    return (f"**{lm.name}** · {n_params / 1e6:.1f} M parameters · {device}{runs} · "
-            f"mask token id {lm.mask_id} · folder `{lm.path}`")
+    computes = "" if fmt is None else f" in {FORMAT_WORDS.get(fmt, fmt)}"
+    return f"**{lm.name}** · {n_params / 1e6:.1f} M parameters · runs {device}{computes} · mask token id {lm.mask_id}"
 
 
 def friendly_error(exc: BaseException) -> str:
