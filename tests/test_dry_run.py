@@ -10,7 +10,7 @@ import torch
 
 from finetune.config import TrainConfig
 from finetune.train import main
-from tests.tiny_fixtures import make_tokenizer, save_model_dir
+from tests.tiny_fixtures import make_tokenizer, save_model_dir, tiny_causal_lm
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("qwen2.5-*.json"))
@@ -20,15 +20,10 @@ H200_GB = 141
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
     """(model folder, chat JSONL of 60 chats, parameter count): a random 2-layer Qwen2, tied like Qwen2.5-0.5B."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     root = tmp_path_factory.mktemp("plan")
     tok = make_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                                         pad_token_id=tok.pad_token_id, bos_token_id=None))
+    model = tiny_causal_lm(len(tok), "qwen2", context=32768, tie=True, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id, bos_token_id=None)
     n_params = sum(p.numel() for p in model.parameters())   # a tied head is one parameter
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},

@@ -21,7 +21,7 @@ from finetune.checkpoint import check_resumable
 from finetune.config import TrainConfig
 from finetune.data import Example, epoch_batches
 from finetune.train import get_batch, main
-from tests.tiny_fixtures import make_tokenizer, save_model_dir
+from tests.tiny_fixtures import make_tokenizer, save_model_dir, tiny_causal_lm
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 20
@@ -30,16 +30,11 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """(model folder, chat JSONL): a 3-layer random Qwen2 with the character tokenizer; 48 chats of 8 lengths."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     root = tmp_path_factory.mktemp("qwen2")
     tok = make_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
-    model_dir = save_model_dir(root / "model", tok, Qwen2ForCausalLM(config))
+    model = tiny_causal_lm(len(tok), "qwen2", layers=3, context=128, tie=True, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id, bos_token_id=None)
+    model_dir = save_model_dir(root / "model", tok, model)
     data = root / "data.jsonl"
     with data.open("w") as f:
         for a in range(48):   # one character a token: prompts of 2 lengths, answers of 4

@@ -84,8 +84,8 @@ def token_ids(tok) -> dict:
 
 # ----------------------------------------------------------------------------- models
 def tiny_causal_lm(vocab_size: int, kind: str = "llama", *, seed: int = 0, kv_heads: int = 2, context: int = 256,
-                   tie: bool = False, head_scale: float | None = None, **config):
-    """A random 2-layer ``kind`` ("llama" or "qwen2") causal LM in eval mode, seeded just before it is built.
+                   tie: bool = False, head_scale: float | None = None, layers: int = 2, **config):
+    """A random ``layers``-layer ``kind`` ("llama" or "qwen2") causal LM in eval mode, seeded just before it is built.
 
     ``config`` passes further config fields (token ids); ``head_scale`` multiplies the LM head, which
     spreads the confidences over (0, 1) instead of the init's near-uniform ones.
@@ -98,7 +98,7 @@ def tiny_causal_lm(vocab_size: int, kind: str = "llama", *, seed: int = 0, kv_he
         raise ValueError(kind)
     config_cls, model_cls = classes[kind]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    model = model_cls(config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                  num_attention_heads=4, num_key_value_heads=kv_heads,
                                  max_position_embeddings=context, tie_word_embeddings=tie, **config))
     if head_scale is not None:
