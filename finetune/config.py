@@ -404,19 +404,34 @@ def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, arg
 
 def run_main(main) -> None:
     """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
-    without a traceback, as does an OSError (a full or read-only disk); SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a
-    command that can save its work catches it, saves, and re-raises with that text) and exit 130/143; otherwise
-    exit with main()'s return code when it returns one (an int), else 0."""
+    without a traceback, as do an OSError (a full or read-only disk), running out of memory, NaN/inf logits and a
+    stdout that cannot be written (a closed pipe ends quietly, as a Unix tool does; mars_core.exits);
+    SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a command that can save its
+    work catches it, saves, and re-raises with that text) and exit 130/143; otherwise exit with main()'s return
+    code when it returns one (an int), else 0."""
     from mars_core.config import interrupt_exit, sigterm_as_interrupt   # here: mars_core imports torch
+    from mars_core.exits import StdoutFault, guarded_stdout, out_of_memory, stdout_exit
 
     try:
-        with sigterm_as_interrupt():
+        with guarded_stdout(), sigterm_as_interrupt():
             code = main()
-    except ValueError as exc:
+    except StdoutFault as fault:
+        sys.exit(stdout_exit(fault))
+    except (ValueError, OSError, MemoryError, RuntimeError) as exc:
+        if out_of_memory(exc):   # also a ValueError raised while handling one: not the input's fault
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            print(f"error: out of memory ({first}): use a smaller --batch-size, fewer --threads, or a machine with "
+                  "more memory", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(exc, ValueError):
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(exc, OSError):   # a full or read-only disk a writer did not word itself: one line
+            print(f"error: {storage_error(exc)}", file=sys.stderr)
+            sys.exit(2)
+        raise
+    except FloatingPointError as exc:   # NaN/inf logits: the decoder's message names the model and the fix
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as exc:   # a full or read-only disk a writer did not word itself: still one line, not a traceback
-        print(f"error: {storage_error(exc)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         sys.exit(interrupt_exit(exc))

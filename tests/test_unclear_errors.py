@@ -298,3 +298,41 @@ def test_the_api_refuses_a_block_size_the_cli_refuses(capsys):
     assert cli.main(["generate", "--model", "tiny-mars", "--device", "cpu", "--dtype", "float32", "--threads", "1",
                      "--prompt", "hi", "--block-size", str(10**6)]) == 2
     assert "--block-size 1000000 does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault, words", [(FloatingPointError("tiny produced NaN/inf logits at step 3: restore it"),
+                                            "NaN/inf logits"),
+                                           (MemoryError(), "out of memory (MemoryError)"),
+                                           (RuntimeError("[enforce fail] can't allocate memory: you tried 9 GB"),
+                                            "out of memory ([enforce fail] can't allocate memory")])
+def test_finetune_tools_end_numeric_and_memory_faults_in_one_line(fault, words, capsys):
+    from finetune.config import run_main
+
+    def main():
+        raise fault
+    with pytest.raises(SystemExit) as stop:
+        run_main(main)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+
+
+def test_finetune_tools_name_stdout_and_end_quietly_on_a_closed_pipe(monkeypatch, capsys):
+    import errno
+
+    from finetune.config import run_main
+    full = subprocess.run(f"{sys.executable} -m finetune.evaluate --help > /dev/full", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert full.returncode == 2 and "stdout could not be written" in full.stderr and "Traceback" not in full.stderr
+
+    class ClosedPipe:   # what a reader that went away (`| head -c 1`) leaves a long output to write into
+        encoding = "utf-8"
+
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    with pytest.raises(SystemExit) as stop:
+        run_main(lambda: print("a long table"))
+    assert stop.value.code == 141 and capsys.readouterr().err == ""
