@@ -181,3 +181,41 @@ def test_a_prompt_typed_during_start_up_is_never_replaced(browser, auto_server):
         assert page.input_value("#prompt textarea") == mine
     finally:
         page.context.close()
+
+
+def _open_tab(page, name: str) -> None:
+    """Click a tab, on a phone too, where Gradio folds the tabs that do not fit into a "…" menu."""
+    tab = page.get_by_role("tab", name=name)
+    if tab.count() and tab.first.is_visible():
+        tab.first.click()
+        return
+    page.evaluate("""() => Array.from(document.querySelectorAll('button')).find(b => b.innerText.trim() === '' &&
+        b.closest('[class*=tab]'))?.click()""")
+    page.locator("button:not([role=tab])", has_text=name).last.click()
+
+
+@pytest.mark.parametrize("size", [(1024, 768), (390, 844)], ids=["projector-1024x768", "phone-390"])
+def test_learn_steps_through_every_forward_pass_of_the_decode(browser, app_server, size):
+    import re
+    url, _, _ = app_server
+    page = open_page(browser, url, viewport=size, advanced=False)
+    try:
+        page.fill("#prompt textarea", prompt_for_model())
+        _open_tab(page, "Learn")
+        page.click("#learn-all-btn")
+        page.wait_for_function("/forward pass 1 of \\d+/.test(document.querySelector('#learn-step')?.innerText ?? '')",
+                               timeout=120_000, polling=100)
+        first = page.inner_text("#learn-step")
+        n = int(re.search(r"forward pass 1 of (\d+)", first).group(1))
+        assert n > 1 and page.query_selector_all("#learn-step tbody tr"), first[:300]
+        box = page.locator("#learn-step-k input[type=number]")
+        box.fill(str(n - 1))
+        box.press("Enter")
+        page.wait_for_function(f"document.querySelector('#learn-step')?.innerText.includes('forward pass {n} of {n}')",
+                               timeout=30_000, polling=100)
+        last = page.inner_text("#learn-step")
+        so_far = [re.search(r"answer so far: (.*)", t).group(1) for t in (first, last)]
+        assert len(so_far[1]) > len(so_far[0]) and so_far[1].startswith(so_far[0].strip()), so_far
+        page.screenshot(path=str(ARTIFACTS / f"learn-every-step-{size[0]}.png"), full_page=True)
+    finally:
+        page.context.close()
