@@ -114,7 +114,10 @@ def _discard_stdout() -> None:
 
 # ----------------------------------------------------------------------------- memory
 
-_OOM_WORDS = ("can't allocate memory", "cannot allocate memory", "out of memory", "failed to allocate")
+# "failed to map segment": the dynamic loader's words when a shared library (scipy's OpenBLAS, which transformers
+# imports) cannot be mapped into an address space that is full
+_OOM_WORDS = ("can't allocate memory", "cannot allocate memory", "out of memory", "failed to allocate",
+              "failed to map segment")
 
 
 def out_of_memory(exc: BaseException | None) -> bool:
@@ -126,7 +129,7 @@ def out_of_memory(exc: BaseException | None) -> bool:
             return True
         if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
             return True
-        if isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _OOM_WORDS):
+        if isinstance(exc, (RuntimeError, ImportError, OSError)) and any(w in str(exc).lower() for w in _OOM_WORDS):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -193,11 +193,17 @@ def test_nan_weights_are_one_line_and_exit_2(tiny, tmp_path, capsys):
     assert "NaN/inf logits" in line and str(model) in line
 
 
-@pytest.mark.parametrize("failure", ["MemoryError", "torch", "loader"])
+@pytest.mark.parametrize("failure", ["MemoryError", "torch", "loader", "shared library"])
 def test_out_of_memory_is_one_line_naming_the_models_size(failure, monkeypatch, capsys):
     def load_model(*args, **kwargs):
         if failure == "MemoryError":
             raise MemoryError()
+        if failure == "shared library":   # what `prlimit --as=800000000` gave: the loader blamed the weights file
+            try:
+                raise ImportError("libscipy_openblas-6cdc3b4a.so: failed to map segment from shared object")
+            except ImportError as exc:
+                raise ValueError(f"assets/tiny-mars: the model weights could not be read ({exc}): the weights "
+                                 "file (model.safetensors) is missing or damaged; restore it") from exc
         if failure == "torch":
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: "
                                "you tried to allocate 1048576 bytes. Error code 12 (Cannot allocate memory)")
