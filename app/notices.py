@@ -99,8 +99,8 @@ def _short(name: str) -> str:
     return Path(name).name if "/" in name and Path(name).exists() else name
 
 
-PREDICT = ("**Predict before you click:** which words of the answer will arrive together, several in one forward "
-           "pass? After the race, the status line names the biggest chunk; step through the replay to check.")
+PREDICT = ("**Predict before you click:** which words will arrive together, in one forward pass? The status line "
+           "answers after the race.")
 
 
 def teaching_note(name: str) -> str:
@@ -110,9 +110,11 @@ def teaching_note(name: str) -> str:
         return PREDICT
     if name not in models.NATURAL_MODELS or never_mars_trained(name):
         return ""
-    return (f"**What you are seeing.** {_short(name)} starts at τ 0.95, where its lossy answers to the examples are "
+    # folded: on a projector the explanation must not push the lanes below the first screen
+    return (PREDICT + f"\n\n<details><summary><b>What you are seeing</b> on {_short(name)} (open)</summary>"
+            f"{_short(name)} starts at τ 0.95, where its lossy answers to the examples are "
             "AR's. Lists, counting and arithmetic arrive several tokens per forward more often; on ordinary "
             "sentences most chunks are one token, and one forward of MARS costs more than "
             "one of AR, so there the MARS lane can be slower than AR. The lossless lane checks each draft against "
             "AR's own next token, so its text is AR's exactly; it gains wherever drafts are confirmed. For the "
-            "clearest multi-token picture, use tiny-mars.\n\n" + PREDICT)
+            "clearest multi-token picture, use tiny-mars.</details>")

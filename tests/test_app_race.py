@@ -232,6 +232,10 @@ def test_the_teaching_examples_are_development_prompts_and_a_real_language_model
     assert "What you are seeing" in note and "AR's exactly" in note
     assert notices.teaching_note("smollm2") == "" and notices.PREDICT in note
     assert notices.teaching_note("tiny-mars") == notices.PREDICT   # every MARS model asks before the race
+    # on a projector the note must leave the lanes on the first screen: what shows unfolded is one short line
+    # (the question) and a summary; the explanation is folded (1024x768 looked at: lanes' first lines at y 733)
+    shown, folded = note.split("<details>")
+    assert len(re.sub(r"\*\*", "", shown).strip()) <= 120 and "AR's exactly" in folded
     assert generate.teaching_note_update("nope")["visible"] is False
 
 
