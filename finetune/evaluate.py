@@ -105,12 +105,6 @@ def timed_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> dic
     return {"ar_s": ar_s, "mars_s": mars_s, "ratios": [a / m for a, m in per_repeat if m > 0]}
 
 
-def time_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> tuple[float, float]:
-    """(AR seconds, `cfg` seconds) of timed_against_ar."""
-    t = timed_against_ar(lm, prompts, cfg, repeats)
-    return t["ar_s"], t["mars_s"]
-
-
 def speedup_fields(t: dict) -> dict:
     """A sweep row's timing fields from timed_against_ar: the speedup (AR ÷ MARS of the median runs) with the
     min–max of the per-repeat ratios."""
@@ -130,7 +124,7 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts; verify rows (mode "verify", lossless
     MARS) add draft_acceptance (share of drafts confirmed per mask slot). Accuracy and tokens/forward come
     from all examples decoded in batches of `batch_size`; the speedup from the first `timing_prompts`
-    examples at batch 1 (see `time_against_ar`). `criterion` is DecodeConfig's confidence criterion;
+    examples at batch 1 (see `timed_against_ar`). `criterion` is DecodeConfig's confidence criterion;
     `draft_layout` and `prompt_lookup` its lossless-draft options (mode "verify").
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
     """
