@@ -147,12 +147,12 @@ def sweep_free(lm, prompts: list[str], taus, block_size: int, max_new_tokens: in
 def knows_the_tasks(name: str) -> bool:
     """Whether `name` (resolved) was trained on the built-in task suite: a catalogue model for task prompts, or a
     checkpoint whose train_config.json says data = builtin (a finetune run on the suite)."""
-    from mars_core import catalogue
+    from mars_core.models import catalogue
     return name in catalogue.names(prompts=catalogue.TASKS) or models._trained_on_builtin(name)
 
 
 def not_a_task_model(choice, free_text, name: str) -> str:
-    from mars_core import catalogue
+    from mars_core.models import catalogue
     label = name if (free_text or "").strip() else str(choice)
     suite = ", ".join(catalogue.names(prompts=catalogue.TASKS))
     return (f"the built-in tasks need a model trained on them ({suite}, or a Finetune run on the built-in "

@@ -17,7 +17,7 @@ from app import models
 from app.inputs import check_flag
 from app.plots import empty_figure
 from app.runs import MAX_UPLOAD_BYTES, FinetuneRequest, build_command, log_tail, read_metrics, shell_quote
-from mars_core import catalogue
+from mars_core.models import catalogue
 
 # The catalogue's fine-tuning bases, each AR baseline first (the default base, tiny-ar-sft, leads the list).
 BASE_MODELS = [(r.base_label, r.name) for r in catalogue.baselines_first(catalogue.models(finetune_base=True))]

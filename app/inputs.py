@@ -127,7 +127,7 @@ def check_seed(seed, temperature, notes) -> int | None:
 
 
 def check_criterion(criterion) -> str:
-    from mars_core.config import CRITERIA   # here, not at import: mars_core.config imports torch
+    from mars_core.decode.config import CRITERIA   # here, not at import: mars_core.decode.config imports torch
     if criterion not in CRITERIA:
         what = "no confidence criterion is chosen" if criterion in (None, "") else \
             f"confidence criterion {criterion!r} is unknown"

@@ -110,7 +110,7 @@ def stop_at_forward(lms, stop: threading.Event):
     """Raise Cancelled at the next forward pass of any of `lms` in this thread once `stop` is set. The work runs
     inside mars_core and finetune.evaluate, which take no stop signal, but every step passes through the model's
     forward. Other threads' forwards are left alone (the machine runs one job at a time, but be exact)."""
-    from mars_core.decoding import net
+    from mars_core.decode.decoding import net
     me = threading.get_ident()
 
     def check(_module, _args):

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import mars_core
-from mars_core import catalogue
+from mars_core.models import catalogue
 
-# Every list below is read from mars_core.catalogue; the names stay because app code and tests import them.
+# Every list below is read from mars_core.models.catalogue; the names stay because app code and tests import them.
 # The picker's named models in catalogue order (the default first); adapters join them only when present.
 BUILTIN_MODELS = [(r.label, r.name) for r in catalogue.models() if r.label is not None and not r.adapter]
 # The MARS-trained real-language model: listed (first) only while its adapter folder exists.
@@ -29,7 +29,7 @@ SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
 
 
 def find_assets() -> Path:
-    """mars_core.sources.find_assets, the same rule without importing mars_core.sources: that module imports torch
+    """mars_core.models.sources.find_assets, the same rule without importing mars_core.models.sources: that module imports torch
     and transformers (4-5 s of CPU here), which the page's start no longer waits for (tests/test_app.py checks
     the two agree). $MARS_ASSETS if set; else the copy inside the installed package; else this checkout's."""
     if os.environ.get("MARS_ASSETS", "").strip():   # empty (or blank) counts as unset
@@ -42,7 +42,7 @@ def find_assets() -> Path:
 
 
 SMOLLM2_MARS_DIR = find_assets() / SMOLLM2_MARS   # a checkout's assets/, an installed copy's, or $MARS_ASSETS
-ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.loading.resolve_source requires
+ADAPTER_FILES = ("adapter_config.json", "adapter.safetensors")  # what mars_core.models.sources.resolve_source requires
 DEFAULT_MODEL = catalogue.DEFAULT_MODEL   # the page starts here
 TASK_MODEL = catalogue.names(prompts=catalogue.TASKS, mars=True)[0]   # the MARS model trained on the task suite
 FREE_TEXT_DEFAULT = SMOLLM2_MARS  # the default for free text once PREPARER has it ready
@@ -299,7 +299,7 @@ TIMES_FILE = "app-start-times.json"   # in the model cache: what the background 
 
 
 def _times_path() -> Path:
-    """mars_core.sources.cache_dir's rule without importing it (it imports torch): MARS_CACHE_DIR, else
+    """mars_core.engine.cache.cache_dir's rule without importing it (it imports torch): MARS_CACHE_DIR, else
     ~/.cache/mars-playground (tests/test_app.py keeps the two equal)."""
     value = os.environ.get("MARS_CACHE_DIR", "")
     return (Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "mars-playground") / TIMES_FILE
@@ -317,7 +317,7 @@ def measured_times() -> dict:
 def _record_time(key: str, seconds: float) -> None:
     """Keep what a stage took here, for the next start's promise (a failure to write only loses the promise)."""
     try:
-        from mars_core.storage import atomic_write_text
+        from mars_core.models.storage import atomic_write_text
 
         times = measured_times()
         times[key] = round(seconds, 1)
@@ -328,7 +328,7 @@ def _record_time(key: str, seconds: float) -> None:
 
 
 class BackgroundPreparer:
-    """Builds (mars_core.loading.prepare) and loads (get_model, warm) one model in a daemon thread.
+    """Builds (mars_core.models.sources.prepare) and loads (get_model, warm) one model in a daemon thread.
 
     States: "idle" (not started), "not-available" (its assets are missing), "preparing", "ready",
     "failed" (with a one-line reason). `status()` is cheap and safe to call from any thread.
@@ -367,13 +367,13 @@ class BackgroundPreparer:
             if wait_for is not None:
                 self.stage = "waiting"
                 wait_for.wait(wait_limit_s)
-            from mars_core import loading
-            first = not loading.is_prepared(self.name)
+            from mars_core.models import sources
+            first = not sources.is_prepared(self.name)
             with self._lock:
                 self.first_start = first
             if first:
                 self.stage, t0 = "building", time.monotonic()
-                loading.prepare(self.name)   # the slow one-time build, cached on disk
+                sources.prepare(self.name)   # the slow one-time build, cached on disk
                 _record_time("build_s", time.monotonic() - t0)
             self.stage, t0 = "loading", time.monotonic()
             get_model(self.name)             # load and warm up: a race on it starts at once
@@ -469,8 +469,8 @@ def _model_estimate(name: str) -> str:
         return LOAD_ESTIMATES["tiny"]
     if name in SMOLLM2_MODELS:
         try:
-            from mars_core import loading
-            return LOAD_ESTIMATES["prepared" if loading.is_prepared(name) else "build"]
+            from mars_core.models import sources
+            return LOAD_ESTIMATES["prepared" if sources.is_prepared(name) else "build"]
         except Exception:
             return ""
     if HUB_ID_RE.match(name) and not Path(name).exists():

@@ -93,7 +93,7 @@ class SideRecord:
     steps: list[StepRecord] = field(default_factory=list)
     finished: bool = False
     note: str = ""             # why the lane did not run (e.g. verify mode is greedy only)
-    layout: str = "linear"     # verify: the draft layout (mars_core.drafts)
+    layout: str = "linear"     # verify: the draft layout (mars_core.decode.drafts)
 
     def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]

@@ -1,5 +1,5 @@
 """A race's settings: the page's values by name (`RaceInputs`), checked into what the decoders run
-(`RaceSettings`), and the lossless lane's timed "fastest on this machine" layout (mars_core.fastest)."""
+(`RaceSettings`), and the lossless lane's timed "fastest on this machine" layout (mars_core.tools.fastest)."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +16,7 @@ from app.session import PAGES
 if TYPE_CHECKING:
     from mars_core import DecodeConfig
 
-# The lossless lane's drafts: where its masks go (mars_core.drafts), and the n-gram length of prompt lookup.
+# The lossless lane's drafts: where its masks go (mars_core.decode.drafts), and the n-gram length of prompt lookup.
 # The "one mask" choices append a single mask per group, whatever B the MARS lane uses: on a CPU, where every
 # position a forward feeds costs, what made smollm2-mars's lossless lane fastest (docs/experiments.md, "One mask per
 # group"): alone on an AVX2 CPU, with two runner-ups per slot where extra positions are cheap (AMX). A model whose
@@ -71,7 +71,7 @@ class RaceSettings:
     slow_motion: int = 1
     measure_after: bool = True
     notes: list[str] = field(default_factory=list)
-    draft_layout: str = "linear"     # the lossless lane's (mars_core.drafts)
+    draft_layout: str = "linear"     # the lossless lane's (mars_core.decode.drafts)
     prompt_lookup: int = 0
     one_mask: bool = False           # the lossless lane appends one mask per group (B = 2), whatever block_size
     tree_width: int = 2
@@ -87,7 +87,7 @@ class RaceSettings:
         seed = check_seed(given.seed, temperature, notes)
         if not tau_off:
             _repeat_clamp_note(session, tau, notes)
-        from mars_core.drafts import LAYOUTS
+        from mars_core.decode.drafts import LAYOUTS
         draft_layout = given.draft_layout
         if not isinstance(draft_layout, str) or draft_layout not in (FASTEST, *LAYOUTS, *ONE_MASK):
             raise ValueError(f"draft layout {draft_layout!r} is unknown: pick one of "
@@ -136,21 +136,21 @@ _fastest: dict[tuple, tuple[object, tuple, str]] = {}   # (id(lm), B, τ, ...) -
 
 
 def lossless_candidates(block_size: int) -> list[tuple[str, int, int]]:
-    """(layout, B, tree width) of the lossless lanes "fastest" times (mars_core.fastest.candidates)."""
-    from mars_core.fastest import candidates
+    """(layout, B, tree width) of the lossless lanes "fastest" times (mars_core.tools.fastest.candidates)."""
+    from mars_core.tools.fastest import candidates
     return [(c.layout, c.block_size, c.tree_width) for c in candidates(block_size)]
 
 
 def fastest_lossless(lm, name: str, tau: float, block_size: int, criterion: str = "prob",
                      prompt_lookup: int = 0) -> tuple[tuple[str, int, int], str]:
-    """The lossless layout that decodes the model's first example prompt fastest here (mars_core.fastest, on the
+    """The lossless layout that decodes the model's first example prompt fastest here (mars_core.tools.fastest, on the
     race's clock), and the line that says why; timed once per model and setting."""
     key = (id(lm), block_size, round(tau, 3), criterion, prompt_lookup)
     with _fastest_lock:
         hit = _fastest.get(key)
         if hit is not None and hit[0] is lm:
             return hit[1], hit[2]
-    from mars_core.fastest import fastest_lossless as time_layouts
+    from mars_core.tools.fastest import fastest_lossless as time_layouts
     prompt_ids = lm.encode(models.example_prompts(name, 1)[0])
     choice = time_layouts(lm, prompt_ids, tau, block_size, criterion, prompt_lookup, clock=timing.clock_for(lm)[0])
     pick = (choice.pick.layout, choice.pick.block_size, choice.pick.tree_width)

@@ -29,7 +29,7 @@ STAT_DEFINITIONS = (
     "decoders again on the same prompt (alternating, warmed up; median and min–max; on a CPU by the decoding thread's "
     "CPU time, so other processes' turns on a shared machine do not count). Called a speedup only when the "
     "answer is the same as AR's. The **bound** is what the model's forward costs allow: tokens/forward × cost(1 "
-    "position) ÷ cost(positions a step feeds), from forward costs measured right after (`mars_core.bench.row_costs`)."
+    "position) ÷ cost(positions a step feeds), from forward costs measured right after (`mars_core.tools.bench.row_costs`)."
 )
 
 

@@ -3,13 +3,13 @@
 The streaming race runs each decoder once, interleaved with the others and with page updates, so a few
 milliseconds of noise decide a short race. `measure()` therefore times the same decoders again on the
 same prompt (the race was their warm-up), by the CPU time of the decoding thread where that is the decoder's
-own compute (one torch thread on a CPU; see mars_core.timing), else by the wall clock: alternating (the order rotates every repeat, so drift on a
+own compute (one torch thread on a CPU; see mars_core.tools.timing), else by the wall clock: alternating (the order rotates every repeat, so drift on a
 shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
 whichever is more, but only as many as fit in `budget_s` (a long answer gets fewer repeats, at least one), and
 a job waiting for the machine ends them early. Each repeat gives AR time ÷ lane time; the page shows the median
 with its min–max as the repeats arrive.
 
-The bound is what the model's forward costs allow (mars_core.bench.row_costs: the decoder's cached forward
+The bound is what the model's forward costs allow (mars_core.tools.bench.row_costs: the decoder's cached forward
 alone, for 1, 2, ... new positions): AR feeds 1 position per step, a MARS step feeds the tokens it accepted
 last time plus the masks, a lossless step AR's last token plus the drafts plus the masks. Over the lane's
 steps after the prompt pass,
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from mars_core.timing import alternate, clock_for  # noqa: F401  (clock_for: the race's lanes and tests)
+from mars_core.tools.timing import alternate, clock_for  # noqa: F401  (clock_for: the race's lanes and tests)
 
 TARGET_S = 1.0       # about a second of compute ...
 MIN_REPEATS = 5      # ... or five repeats, whichever is more
@@ -94,8 +94,8 @@ def repeats_for(round_s: float, target_s: float = TARGET_S, min_repeats: int = M
 
 
 def row_cost_table(lm, prompt_ids: list[int], max_rows: int, block_size: int, est_forward_s: float) -> dict[int, float]:
-    """{positions: seconds} of one cached forward (median), from mars_core.bench.row_costs."""
-    from mars_core.bench import row_costs
+    """{positions: seconds} of one cached forward (median), from mars_core.tools.bench.row_costs."""
+    from mars_core.tools.bench import row_costs
     per_round = max(1e-4, est_forward_s) * max_rows
     rounds = max(10, min(40, int(ROW_COST_TARGET_S / per_round)))
     max_rows = max(1, min(max_rows, lm.context_length - len(prompt_ids)))

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]   # (out, in)
-TWO_PASS = {0, 3}   # a layer's q/k/v and down: the products w8a8 multiplies twice as served (mars_core/lean.py)
+TWO_PASS = {0, 3}   # a layer's q/k/v and down: the products w8a8 multiplies twice as served (mars_core/engine/lean.py)
 SIDES = ("w8a16", "w8a8", "fbgemm", "int8", "bf16", "fp32", "ort-int4", "ort-int8", "torchao")
 
 
@@ -54,7 +54,7 @@ def weights(seed: int) -> list[torch.Tensor]:
 
 def torch_side(name: str, ws: list[torch.Tensor]):
     """A function of {in_features: x [r, in]} that runs the 121 products, and one of x that runs the first."""
-    from mars_core import int8, w8a8
+    from mars_core.engine import int8, w8a8
 
     if name in ("w8a16", "w8a8", "fbgemm"):
         if name == "w8a16":
@@ -73,9 +73,9 @@ def torch_side(name: str, ws: list[torch.Tensor]):
                     m(xs[k])
 
             return run, lambda x: mods[0](x).float()
-        # as the lean forward serves them: one buffer on 2 MB pages (mars_core.hugepages), the kernel op called
+        # as the lean forward serves them: one buffer on 2 MB pages (mars_core.engine.hugepages), the kernel op called
         # directly as its scripted loop calls it (a module call adds ~10 us each)
-        from mars_core.hugepages import gather
+        from mars_core.engine.hugepages import gather
 
         packed, _ = gather([m._own.packed for m in mods])
         for m, q in zip(mods, packed):

@@ -5,7 +5,7 @@
 
 transformers calls `generate(model=..., **the arguments of model.generate)`; this function hands the prompt ids
 to the decoder in mars_step.py (mars_core's, the same code as `python -m mars_core generate`, copied there by
-`python -m mars_core.vendor_custom_generate`) and returns what `generate` returns:
+`python -m mars_core.tools.vendor_custom_generate`) and returns what `generate` returns:
 the sequences tensor, or with `return_dict_in_generate=True` an output whose `sequences` come with the
 accepted tokens of every forward pass. See README.md next to this file.
 """

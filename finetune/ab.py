@@ -92,7 +92,7 @@ def check_args(args: argparse.Namespace) -> None:
     if warm and not args.init_adapter:
         raise ValueError(f"arms {','.join(warm)} start from an adapter: pass --init-adapter (e.g. assets/smollm2-mars)")
     if args.init_adapter:
-        from mars_core.adapter import read_adapter_config
+        from mars_core.models.adapter import read_adapter_config
 
         read_adapter_config(args.init_adapter)   # a missing or foreign folder fails here, not after an hour
 
@@ -114,7 +114,7 @@ def split_data(data: Path, work: Path, n_dev: int) -> tuple[Path, Path]:
         if before != meta:
             raise ValueError(f"{work} was split from {before}, this call gives {meta}: use a new --work")
         return train, dev
-    from mars_core.storage import atomic_write_text
+    from mars_core.models.storage import atomic_write_text
 
     atomic_write_text(dev, "".join(r + "\n" for r in rows[:n_dev]))
     atomic_write_text(train, "".join(r + "\n" for r in rows[n_dev:]))
@@ -195,8 +195,8 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     from finetune.data import build_examples, load_conversations, pad_id_of
     from finetune.natural import natural_prompts
     from finetune.train_model import load_base
-    from mars_core.loading import wrap_model
-    from mars_core.storage import atomic_write_text
+    from mars_core.models.loading import wrap_model
+    from mars_core.models.storage import atomic_write_text
 
     folder = Path(args.work) / arm
     checkpoint = Path(args.init_adapter) if arm in UNTRAINED else list_checkpoints(folder / "train")[-1]
@@ -209,8 +209,8 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     t0 = time.perf_counter()
     base = load_base(args.base)
     if arm in UNTRAINED:   # the adapter as mars_core serves it: merged into the base, or a gated one attached
-        from mars_core.adapter import is_gated, merge_adapter, read_adapter_config
-        from mars_core.gated import attach_gated
+        from mars_core.models.adapter import is_gated, merge_adapter, read_adapter_config
+        from mars_core.models.adapter import attach_gated
 
         model = base.model.eval()
         (attach_gated if is_gated(read_adapter_config(checkpoint)) else merge_adapter)(model, checkpoint)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"Development A/B, {args.steps} steps per arm from {start}; held-out: {args.dev_examples} "
                   f"examples of --data; prompts: natural_prompts('heldout', {args.prompts}, seed={args.prompt_seed}),"
                   f" {args.max_new_tokens} new tokens, {results[0]['dtype']}.\n\n")
-        from mars_core.storage import atomic_write_text
+        from mars_core.models.storage import atomic_write_text
 
         atomic_write_text(work / "table.md", header + table + "\n")
     print(header + table)

@@ -124,12 +124,12 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
 
 def trained_model(checkpoint: Path, base) -> torch.nn.Module:
     """The fp32 model ``checkpoint`` (a finetune.train checkpoint dir) holds, on ``base`` (train_model.Base). A
-    gated run's adapter is applied as mars_core serves it (mars_core.gated: the deltas at mask positions, the mask
+    gated run's adapter is applied as mars_core serves it (mars_core.engine.gated: the deltas at mask positions, the mask
     row in the input embedding only)."""
     from finetune.checkpoint import STATE_FILE, load_weights
     from finetune.config import TrainConfig
-    from mars_core.adapter import peft_modules
-    from mars_core.gated import apply_gated
+    from mars_core.models.adapter import peft_modules
+    from mars_core.engine.gated import apply_gated
 
     cfg = TrainConfig.from_dict(__import__("json").loads((checkpoint / "train_config.json").read_text()))
     if not cfg.gated_lora:

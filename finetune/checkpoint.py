@@ -24,7 +24,7 @@ from torch import nn
 
 from finetune.config import TrainConfig
 from finetune.status import METRICS_FILE, read_metrics_rows, write_json
-from mars_core.storage import replace_folder, storage_error
+from mars_core.models.storage import replace_folder, storage_error
 
 if TYPE_CHECKING:
     from finetune.train_model import Run, TrainModule

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from mars_core.storage import check_writable, storage_error   # standard library only: no torch
-from mars_core.textfile import not_a_file   # standard library only too
+from mars_core.models.storage import check_writable, storage_error   # standard library only: no torch
+from mars_core.models.textfile import not_a_file   # standard library only too
 
 STAGES = ("ar-sft", "mars")
 DECAYS = ("cosine", "linear", "constant")
@@ -405,12 +405,12 @@ def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, arg
 def run_main(main) -> None:
     """A command's entry point: bad input (a ValueError) prints one line naming the fix and exits with 2,
     without a traceback, as do an OSError (a full or read-only disk), running out of memory, NaN/inf logits and a
-    stdout that cannot be written (a closed pipe ends quietly, as a Unix tool does; mars_core.exits);
+    stdout that cannot be written (a closed pipe ends quietly, as a Unix tool does; mars_core.tools.exits);
     SIGINT/SIGTERM print one line (the KeyboardInterrupt's text says how far it got: a command that can save its
     work catches it, saves, and re-raises with that text) and exit 130/143; otherwise exit with main()'s return
     code when it returns one (an int), else 0."""
-    from mars_core.config import interrupt_exit, sigterm_as_interrupt   # here: mars_core imports torch
-    from mars_core.exits import StdoutFault, guarded_stdout, out_of_memory, stdout_exit
+    from mars_core.decode.config import interrupt_exit, sigterm_as_interrupt   # here: mars_core imports torch
+    from mars_core.tools.exits import StdoutFault, guarded_stdout, out_of_memory, stdout_exit
 
     try:
         with guarded_stdout(), sigterm_as_interrupt():

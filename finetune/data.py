@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from mars_core.loading import chat_spans, encode_with_text_spans, end_of_turn_ids, special_token_texts
-from mars_core.textfile import json_line, read_lines
+from mars_core.models.tokens import chat_spans, encode_with_text_spans, end_of_turn_ids, special_token_texts
+from mars_core.models.textfile import json_line, read_lines
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -185,7 +185,7 @@ def build_examples(
 ) -> list[Example]:
     """Tokenise, block-pad (if ``block_size``) and length-filter conversations. ``eos_ids`` are the ids that end
     a turn, the model's own (``LoadedModel.eos_ids``, as finetune.train passes); without them, the tokenizer's
-    (mars_core.loading.end_of_turn_ids)."""
+    (mars_core.models.loading.end_of_turn_ids)."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong={overlong!r}; use one of {OVERLONG}")
     eos_ids = list(eos_ids) if eos_ids else end_of_turn_ids(tokenizer)
@@ -307,7 +307,7 @@ def write_manifest(path: str | Path, keys, sources: list) -> Path:
     """Write a manifest of ``keys`` (deduplicated, sorted: the same data gives the same file) and its sources."""
     import json
 
-    from mars_core.storage import atomic_write_text
+    from mars_core.models.storage import atomic_write_text
 
     record = {"format": MANIFEST_FORMAT, "key": MANIFEST_KEY, "sources": sources, "prompts": sorted(set(keys))}
     atomic_write_text(Path(path), json.dumps(record, indent=0) + "\n", "the data manifest")

@@ -17,7 +17,7 @@ every N-th prompt starting at K, so N processes can split one prompts file.
 
 The prompts file has one prompt per line (blank lines and lines starting with
 '#' are skipped), or is a .jsonl file of {"prompt": ...} or {"messages": [...]}
-rows (the first user message is used). mars_core.textfile.read_prompts reads it, as
+rows (the first user message is used). mars_core.models.textfile.read_prompts reads it, as
 it reads ``python -m mars_core bench --prompts``.
 """
 
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from mars_core.storage import storage_error   # standard library only: --help stays quick
+from mars_core.models.storage import storage_error   # standard library only: --help stays quick
 
 MAX_NEW_TOKENS = 256
 
@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prompts_to_do(args: argparse.Namespace) -> list[str]:
     """This shard's prompts that no earlier run into --out answered or dropped; --out is checked first."""
     from finetune.config import check_output_file
-    from mars_core.textfile import read_prompts   # here, not at the top: mars_core imports torch
+    from mars_core.models.textfile import read_prompts   # here, not at the top: mars_core imports torch
 
     k, n = parse_shard(args.shard)
     out, src = Path(args.out), Path(args.prompts)

@@ -61,8 +61,8 @@ from finetune.evaluate_natural import (  # noqa: F401
     prefix_share, score_checkable,
 )
 from finetune.tasks import FAMILIES, check_answer, make_examples
-from mars_core import catalogue
-from mars_core.storage import atomic_write_text
+from mars_core.models import catalogue
+from mars_core.models.storage import atomic_write_text
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 # The task suite's default sweep: tiny-ar-sft, tiny-mars (the ablation joins it in _main_tasks when present).
@@ -83,12 +83,12 @@ def score(examples: list[dict], texts: list[str]) -> tuple[float, dict[str, floa
 
 
 def timed_against_ar(lm, prompts: list[list[int]], cfg, repeats: int = 3) -> dict:
-    """AR (KV cache) against `cfg` on `prompts`, batch 1, through mars_core.timing (both warmed up, alternating,
+    """AR (KV cache) against `cfg` on `prompts`, batch 1, through mars_core.tools.timing (both warmed up, alternating,
     the order rotating; the decoding thread's CPU time where the model runs on one CPU thread, else the wall
     clock). Returns {"ar_s", "mars_s": each the sum over the prompts of its median run, "ratios": AR ÷ `cfg` for
     each repeat, summed over the prompts, whose min and max are the spread}."""
     from mars_core import DecodeConfig, generate
-    from mars_core.timing import Spread, clock_for, time_all
+    from mars_core.tools.timing import Spread, clock_for, time_all
 
     ar_cfg = DecodeConfig(mode="ar", max_new_tokens=cfg.max_new_tokens)
     clock = clock_for(lm)[0]
@@ -229,8 +229,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from mars_core.decoding import CRITERIA
-    from mars_core.drafts import LAYOUTS
+    from mars_core.decode.config import CRITERIA
+    from mars_core.decode.drafts import LAYOUTS
 
     ap = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,7 +305,7 @@ def check_args(args) -> None:
         check_output_file("--json", args.json)
     if args.html is not None:
         check_output_file("--html", args.html)
-    from mars_core.loading import resolve_source
+    from mars_core.models.sources import resolve_source
 
     for m in args.models or []:   # an unknown second model must not cost the first model's sweep
         resolve_source(m)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mars_core.storage import atomic_write_text
+from mars_core.models.storage import atomic_write_text
 
 ABLATION_DIR = "runs/tiny-mars-arw0"   # the ar_weight = 0 model the recipe trains; not committed
 

@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from finetune.evaluate_common import curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve
-from mars_core import catalogue
+from mars_core.models import catalogue
 
 NATURAL_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
 NATURAL_MODELS = catalogue.sweep(catalogue.NATURAL)   # the default sweep: smollm2, smollm2-mars

@@ -1,6 +1,6 @@
 """Export a finetune.train LoRA checkpoint as a MARS adapter folder that mars_core.load_model, the app and
 --init-adapter read: mars-lora-v1 (merged into the base when loaded), or mars-gated-lora-v1 for a --gated-lora
-run (applied at mask positions only, so real tokens stay the base model's: mars_core.gated).
+run (applied at mask positions only, so real tokens stay the base model's: mars_core.engine.gated).
 
     python -m finetune.export_adapter runs/ab-gated/gated/train/checkpoint-285 --out runs/gated-adapter
 
@@ -28,8 +28,8 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     from finetune.config import TrainConfig
     from finetune.data import MANIFEST_FILE
     from mars_core import load_model
-    from mars_core.adapter import adapter_files_size, read_adapter_config, save_adapter
-    from mars_core.storage import replace_folder
+    from mars_core.models.adapter import adapter_files_size, read_adapter_config, save_adapter
+    from mars_core.models.storage import replace_folder
 
     checkpoint, out = Path(checkpoint), Path(out)
     for name in (CONFIG_FILE, STATE_FILE):

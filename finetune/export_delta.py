@@ -5,7 +5,7 @@
 
 For every nn.Linear of the decoder, D = W_fine-tuned − W_base is factored as D ≈ B @ A with B = U_r √S_r and
 A = √S_r V_rᵀ (the best rank-r approximation, Eckart–Young), written as the adapter's lora_B / lora_A with alpha = r
-(scale 1), so today's adapter path (mars_core.adapter.merge_adapter, merged once and cached) loads it. The mask
+(scale 1), so today's adapter path (mars_core.models.adapter.merge_adapter, merged once and cached) loads it. The mask
 token's embedding row is stored as it is, and so are normalisation weights that changed (1-D: no rank to cut).
 A fine-tune that also changed other embedding rows (trained without --freeze-embeddings) is refused: a
 49,152 × 576 change does not ship small.
@@ -81,11 +81,11 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
 
 def save(out: Path, parts: dict, *, rank: int, base: str, mask_id: int, mask_token: str, block_size: int,
          dtype: str = "bfloat16", extra: dict | None = None) -> None:
-    """Write the folder beside `out` and swap it in (mars_core.storage.replace_folder): never half a folder."""
+    """Write the folder beside `out` and swap it in (mars_core.models.storage.replace_folder): never half a folder."""
     from safetensors.torch import save_file
 
-    from mars_core.adapter import CONFIG_FILE, DTYPES, FORMAT, MASK_ROW_KEY, NORM_SUFFIX, WEIGHTS_FILE
-    from mars_core.storage import replace_folder
+    from mars_core.models.adapter import CONFIG_FILE, DTYPES, FORMAT, MASK_ROW_KEY, NORM_SUFFIX, WEIGHTS_FILE
+    from mars_core.models.storage import replace_folder
 
     store = DTYPES[dtype]
     tensors = {}

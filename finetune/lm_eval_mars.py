@@ -43,9 +43,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.formats import BACKENDS, pick_dtype
-from mars_core.loading import pick_device
-from mars_core.sources import resolve_source
+from mars_core.models.formats import BACKENDS, pick_dtype
+from mars_core.models.loading import pick_device
+from mars_core.models.sources import resolve_source
 
 log = logging.getLogger("lm_eval.mars")
 MODE_ALIASES = {"lossless": "verify"}

@@ -46,7 +46,7 @@ def model_config(base_model: str):
     """(transformers config, where it came from) of --base-model, without its weights."""
     from transformers import AutoConfig
 
-    from mars_core.sources import resolve_source
+    from mars_core.models.sources import resolve_source
 
     kind, where = resolve_source(base_model)
     if kind == "dir":
@@ -121,8 +121,8 @@ def tokenizer_and_eos(base_model: str):
 
     from transformers import AutoTokenizer, GenerationConfig
 
-    from mars_core.sources import resolve_source
-    from mars_core.tokens import end_of_turn_ids
+    from mars_core.models.sources import resolve_source
+    from mars_core.models.tokens import end_of_turn_ids
 
     _, where = resolve_source(base_model)
     try:

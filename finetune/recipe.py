@@ -39,7 +39,7 @@ from finetune.recipe_settings import (
     ABLATION, AR_SFT, AR_SFT_2, AR_SFT_3, MARS, MODEL, STAGE1_ROWS, STAGE2, TIMING_PROMPTS, VOCAB_SIZE,
 )
 from finetune.status import RunStatus, read_status
-from mars_core.storage import replace_folder
+from mars_core.models.storage import replace_folder
 
 STAGES = ("tokenizer", "base", "ar-sft", "ar-sft-2", "ar-sft-3", "mars", "ablation", "eval")
 DEFAULT_STAGES = tuple(s for s in STAGES if s != "ablation")   # the ablation trains on its own: --stages ablation,eval

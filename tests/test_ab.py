@@ -25,7 +25,7 @@ def gated_run(tiny, tmp_path_factory):
 
 
 def loaded(model, tokenizer, mask_id):
-    from mars_core.loading import wrap_model
+    from mars_core.models.loading import wrap_model
 
     lm = wrap_model(model, tokenizer, mask_token=tokenizer.convert_ids_to_tokens(mask_id))
     assert lm.mask_id == mask_id
@@ -138,7 +138,7 @@ def test_one_command_trains_and_scores_every_arm_and_a_rerun_redoes_nothing(tiny
 @pytest.mark.slow
 def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untrained(tiny, tmp_path):
     from mars_core import load_model
-    from mars_core.adapter import save_adapter
+    from mars_core.models.adapter import save_adapter
 
     model_dir, data = tiny
     # an adapter of the recipe's shape (r 32, alpha 64, mask row) for the tiny model: one LoRA step, exported

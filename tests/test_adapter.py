@@ -1,4 +1,4 @@
-"""mars_core.adapter: the shipped LoRA + mask-row format, its merge, and load_model's merged-checkpoint cache.
+"""mars_core.models.adapter: the shipped LoRA + mask-row format, its merge, and load_model's merged-checkpoint cache.
 
 Tiny random Llamas only (tests/tiny_fixtures.py); SmolLM2 is never loaded here.
 """
@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_core import loading, sources
-from mars_core.adapter import (adapter_files_size, merge_adapter, read_adapter, read_adapter_config,
+from mars_core.models import loading, sources
+from mars_core.models.adapter import (adapter_files_size, merge_adapter, read_adapter, read_adapter_config,
                                save_adapter)
 from tests.tiny_fixtures import make_tiny_model_dir
 
@@ -238,7 +238,7 @@ def test_damaged_or_missing_files_name_the_file_and_the_fix(adapter, tmp_path):
 def test_a_merge_without_room_is_refused_before_the_base_is_loaded(adapter, base_dir, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from mars_core import storage
+    from mars_core.models import storage
 
     out, _, _ = adapter
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
@@ -253,9 +253,9 @@ def test_load_model_merges_once_and_reuses_the_cache(adapter, base_dir, tmp_path
     out, _, _ = adapter
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     mask_id = _mask_id(base_dir)
-    assert not loading.is_prepared(str(out))
+    assert not sources.is_prepared(str(out))
     lm = loading.load_model(str(out), device="cpu")
-    assert loading.is_prepared(str(out))
+    assert sources.is_prepared(str(out))
     merged = list((tmp_path / "cache" / "merged").iterdir())
     assert len(merged) == 1 and re.fullmatch(r"tiny-lora-[0-9a-f]{12}", merged[0].name)
     assert lm.path == str(merged[0])
@@ -273,7 +273,7 @@ def test_load_model_merges_once_and_reuses_the_cache(adapter, base_dir, tmp_path
     monkeypatch.setattr(sources, "merge_adapter", no_rebuild)
     again = loading.load_model(str(out), device="cpu")
     assert again.path == lm.path
-    assert loading.prepare(str(out)) == lm.path
+    assert sources.prepare(str(out)) == lm.path
     with torch.no_grad():
         assert torch.equal(again.model(_ids(mask_id)).logits, lm.model(_ids(mask_id)).logits)
 
@@ -283,24 +283,24 @@ def test_a_changed_adapter_gets_a_new_cache_entry(adapter, base_dir, tmp_path, m
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "tiny-lora"
     _save(out, model, mask_row, base_dir, _mask_id(base_dir))
-    first = loading.prepare(str(out))
+    first = sources.prepare(str(out))
     _save(out, model, mask_row, base_dir, _mask_id(base_dir), note="retrained")
-    assert not loading.is_prepared(str(out))
-    second = loading.prepare(str(out))
-    assert second != first and os.path.isdir(first) and loading.is_prepared(str(out))
+    assert not sources.is_prepared(str(out))
+    second = sources.prepare(str(out))
+    assert second != first and os.path.isdir(first) and sources.is_prepared(str(out))
     _save(out, _peft_model(base_dir, seed=2), mask_row, base_dir, _mask_id(base_dir))   # first's config, new weights
-    assert not loading.is_prepared(str(out))
-    assert loading.prepare(str(out)) not in (first, second)
+    assert not sources.is_prepared(str(out))
+    assert sources.prepare(str(out)) not in (first, second)
 
 
 def test_registered_adapter_name_with_a_known_base_name(base_dir, tmp_path, monkeypatch):
     """KNOWN_MODELS maps a name to an adapter under ASSETS whose config names its base by a known name."""
-    real_assets = loading.ASSETS
+    real_assets = sources.ASSETS
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "tiny-ar-sft").symlink_to(real_assets / "tiny-ar-sft")
     monkeypatch.setattr(sources, "ASSETS", assets)
-    monkeypatch.setitem(loading.KNOWN_MODELS, "tiny-ar-lora", "adapter:tiny-ar-lora")
+    monkeypatch.setitem(sources.KNOWN_MODELS, "tiny-ar-lora", "adapter:tiny-ar-lora")
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     base = AutoModelForCausalLM.from_pretrained(str(real_assets / "tiny-ar-sft"), dtype=torch.float32)
     lora = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
@@ -308,16 +308,16 @@ def test_registered_adapter_name_with_a_known_base_name(base_dir, tmp_path, monk
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    tok = loading.AutoTokenizer.from_pretrained(str(real_assets / "tiny-ar-sft"))
+    tok = AutoTokenizer.from_pretrained(str(real_assets / "tiny-ar-sft"))
     save_adapter(assets / "tiny-ar-lora", peft.get_peft_model_state_dict(lora), None, r=2, alpha=4.0,
                  base="tiny-ar-sft", mask_id=tok.mask_token_id, mask_token=tok.mask_token, block_size=4,
                  dtype=torch.float32)
-    assert loading.resolve_source("tiny-ar-lora") == ("adapter", str(assets / "tiny-ar-lora"))
+    assert sources.resolve_source("tiny-ar-lora") == ("adapter", str(assets / "tiny-ar-lora"))
     lm = loading.load_model("tiny-ar-lora", device="cpu", cpu_layout=False)
     assert lm.name == "tiny-ar-lora" and lm.mask_id == tok.mask_token_id
     plain = loading.load_model(str(real_assets / "tiny-ar-sft"), device="cpu")
     assert lm.eos_ids == plain.eos_ids and lm.tokenizer.chat_template == tok.chat_template   # copied from the base
-    assert (tmp_path / "cache" / "merged").is_dir() and loading.is_prepared("tiny-ar-lora")
+    assert (tmp_path / "cache" / "merged").is_dir() and sources.is_prepared("tiny-ar-lora")
     ref = lora.merge_and_unload()
     ids = torch.tensor([lm.encode("What is 2 + 3?")])
     with torch.no_grad():
@@ -326,7 +326,7 @@ def test_registered_adapter_name_with_a_known_base_name(base_dir, tmp_path, monk
 
 def test_adapter_with_a_relative_base_and_the_cli(adapter, base_dir, tmp_path, monkeypatch, capsys):
     """A config's base may be a folder relative to the adapter (portable), and the CLI loads adapters."""
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     _, model, mask_row = adapter
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
@@ -358,32 +358,32 @@ def test_bad_bases_are_refused(adapter, base_dir, tmp_path, monkeypatch):
     nowhere = tmp_path / "nowhere"
     _save(nowhere, model, mask_row, tmp_path / "no-such-base", _mask_id(base_dir))
     with pytest.raises(ValueError, match="neither a known model.*nor an existing folder"):
-        loading.prepare(str(nowhere))
+        sources.prepare(str(nowhere))
     stacked = tmp_path / "stacked"
     _save(stacked, model, mask_row, adapter[0], _mask_id(base_dir))
     with pytest.raises(ValueError, match="is itself an adapter"):
-        loading.prepare(str(stacked))
-    assert not loading.is_prepared(str(nowhere))
+        sources.prepare(str(stacked))
+    assert not sources.is_prepared(str(nowhere))
 
 
 def test_missing_smollm2_mars_names_the_recipe(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "ASSETS", tmp_path)
-    assert loading.KNOWN_MODELS["smollm2-mars"] == "adapter:smollm2-mars"
+    assert sources.KNOWN_MODELS["smollm2-mars"] == "adapter:smollm2-mars"
     with pytest.raises(ValueError, match=r"smollm2-mars.*missing.*python -m finetune\.recipe_smollm2"):
         loading.load_model("smollm2-mars")
-    assert not loading.is_prepared("smollm2-mars")
+    assert not sources.is_prepared("smollm2-mars")
 
 
 def test_bench_default_prompts_for_smollm2_mars_are_natural_heldout():
     from finetune.natural import natural_prompts
-    from mars_core.bench import GENERAL_PROMPTS, default_prompts
+    from mars_core.tools.bench import GENERAL_PROMPTS, default_prompts
 
     prompts = default_prompts("smollm2-mars")
     assert prompts == natural_prompts("heldout", 16) and len(prompts) == 16
     assert default_prompts("smollm2") == GENERAL_PROMPTS
 
 
-SHIPPED = loading.REPO_ROOT / "assets" / "smollm2-mars"
+SHIPPED = sources.REPO_ROOT / "assets" / "smollm2-mars"
 
 
 def test_shipped_smollm2_mars_adapter_is_small_and_well_formed():
@@ -394,7 +394,7 @@ def test_shipped_smollm2_mars_adapter_is_small_and_well_formed():
     assert cfg["base"] == "smollm2" and cfg["mask_token"] == "<repo_name>" and cfg["mask_id"] == 3
     assert mask_row is not None and mask_row.shape == (576,)
     assert len(modules) == 30 * 7 and not any("lm_head" in m for m in modules)
-    from mars_core.adapter import read_norms
+    from mars_core.models.adapter import read_norms
     norms = read_norms(SHIPPED)   # the full fine-tune's normalisation weights: two per layer and the final one
     assert len(norms) == 30 * 2 + 1 and all(w.shape == (576,) for w in norms.values())
 

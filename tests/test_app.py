@@ -359,7 +359,7 @@ def test_the_fastest_choice_times_all_of_b_one_mask_and_runner_ups():
 def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_once(tiny_dir, monkeypatch, slow):
     # a fake clock: every candidate's decode takes 1 s, except that `slow`'s takes 3 s and the first of the others
     # takes 2 s, so the pick is the last of the fast ones (the best of two runs decides)
-    import mars_core.fastest
+    import mars_core.tools.fastest
     lm = models.get_model("tiny-mars")   # loaded (and warmed up) before the decoder is faked
     now, runs = [0.0], []
 
@@ -369,7 +369,7 @@ def test_the_fastest_choice_picks_the_layout_that_decoded_fastest_and_times_it_o
         now[0] += 3.0 if (cfg.draft_layout, cfg.block_size) == slow else (
             2.0 if (cfg.draft_layout, cfg.block_size) == fast[0][:2] else 1.0)
         return []
-    monkeypatch.setattr(mars_core.fastest, "generate", fake_generate)
+    monkeypatch.setattr(mars_core.tools.fastest, "generate", fake_generate)
     monkeypatch.setattr(generate.timing, "clock_for", lambda lm: (lambda: now[0], "fake"))
     monkeypatch.setattr(race_settings, "_fastest", {})
     pick, why = generate.fastest_lossless(lm, "tiny-mars", 0.7, 4)
@@ -641,7 +641,7 @@ def test_example_prompts_are_natural_for_smollm2_and_task_prompts_for_tiny():
 def preparer(monkeypatch, tmp_path):
     """A fresh background preparer for smollm2-mars with fake prepare / is_prepared / get_model; the times it
     records go to a cache of its own (fake times in the real cache would be promised to the next real start)."""
-    from mars_core import loading
+    from mars_core.models import sources
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     calls = {"prepare": [], "get_model": []}
     gates = {"prepare": None, "get_model": None}
@@ -664,8 +664,8 @@ def preparer(monkeypatch, tmp_path):
             assert gates["get_model"].wait(30)
         return object()
 
-    monkeypatch.setattr(loading, "is_prepared", fake_is_prepared)
-    monkeypatch.setattr(loading, "prepare", fake_prepare)
+    monkeypatch.setattr(sources, "is_prepared", fake_is_prepared)
+    monkeypatch.setattr(sources, "prepare", fake_prepare)
     monkeypatch.setattr(models, "get_model", fake_get_model)
     prep = models.BackgroundPreparer("smollm2-mars", available=lambda: True)
     monkeypatch.setattr(models, "PREPARER", prep)
@@ -955,7 +955,7 @@ def test_the_page_is_built_without_importing_torch_or_transformers(tmp_path):
 
 @pytest.mark.parametrize("assets", [None, "", "  ", "elsewhere"])
 def test_the_app_finds_the_assets_where_mars_core_does(monkeypatch, tmp_path, assets):
-    from mars_core import sources
+    from mars_core.models import sources
     if assets is None:
         monkeypatch.delenv("MARS_ASSETS", raising=False)
     else:
@@ -964,14 +964,14 @@ def test_the_app_finds_the_assets_where_mars_core_does(monkeypatch, tmp_path, as
 
 
 def test_the_criteria_the_page_offers_are_the_decoder_s_in_its_order():
-    from mars_core.config import CRITERIA
+    from mars_core.decode.config import CRITERIA
     assert [c for _, c in generate.CRITERION_CHOICES] == list(CRITERIA)
 
 
 def test_start_up_promises_only_times_measured_on_this_machine(monkeypatch, tmp_path):
     """The background model's line names its stage and gives a time only when this machine measured one before;
     the times file sits where mars_core puts its cache."""
-    from mars_core.sources import cache_dir
+    from mars_core.engine.cache import cache_dir
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     assert models._times_path().parent == cache_dir()

@@ -345,14 +345,14 @@ def test_zero_finetune_steps_get_a_message_in_the_tab_not_a_silent_pass(tmp_path
 
 
 def test_load_estimates_are_honest(monkeypatch):
-    from mars_core import loading
+    from mars_core.models import sources
     monkeypatch.setattr(models, "_cache", {})   # the first load of a fresh server also imports the libraries
     assert models.load_estimate("tiny-mars") == f"(about 2 s; {models.LIBRARIES_ESTIMATE})"
     monkeypatch.setattr(models, "_cache", {"a model": object()})
     assert models.load_estimate("tiny-mars") == "(about 2 s)"
-    monkeypatch.setattr(loading, "is_prepared", lambda name: False)
+    monkeypatch.setattr(sources, "is_prepared", lambda name: False)
     assert "30-40 s" in models.load_estimate("smollm2")
-    monkeypatch.setattr(loading, "is_prepared", lambda name: True)
+    monkeypatch.setattr(sources, "is_prepared", lambda name: True)
     assert "10-15 s" in models.load_estimate("smollm2-mars")
     monkeypatch.setattr(models, "is_loaded", lambda name: False)
     monkeypatch.setattr(models, "load_with_timing", lambda name: (_ for _ in ()).throw(ValueError("stop")))

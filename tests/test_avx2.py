@@ -1,16 +1,16 @@
-"""mars_core/avx2.cpp, w8a8's AVX2 kernel: exact int32 sums, so it must give bit for bit what the definition gives
+"""mars_core/engine/avx2.cpp, w8a8's AVX2 kernel: exact int32 sums, so it must give bit for bit what the definition gives
 (fbgemm's quantization and rescale, W8A8Linear's epilogue) and what the VNNI kernel and fbgemm give on an
 AVX512-VNNI CPU; the second pass skipped on exactly the tail positions; and a machine where it cannot be built
 falls back, saying why."""
 import pytest
 import torch
 
-import mars_core.avx2 as avx2
-from mars_core.w8a8 import _INVERSE, _STEP, W8A8Linear, pick_kernel
+import mars_core.engine.avx2 as avx2
+from mars_core.engine.w8a8 import _INVERSE, _STEP, W8A8Linear, pick_kernel
 from tests.tiny_fixtures import int8_weights, kernel_case, kernel_rows
 
 pytestmark = pytest.mark.skipif(not avx2.cpu_supported(),
-                                reason="this CPU has no AVX2/FMA, which mars_core/avx2.cpp is written for")
+                                reason="this CPU has no AVX2/FMA, which mars_core/engine/avx2.cpp is written for")
 STEP = float(_STEP)
 
 # SmolLM2-135M's products (fused q/k/v, o, gate/up, down, the head) and two odd sizes that leave padding in both
@@ -81,7 +81,7 @@ def test_a_tail_skips_the_second_pass_on_the_last_positions_of_each_row_and_noth
 
 
 def test_the_kernel_equals_the_vnni_kernel_and_fbgemm_where_this_cpu_has_avx512_vnni():
-    import mars_core.vnni as vnni
+    import mars_core.engine.vnni as vnni
 
     if not vnni.cpu_supported():
         pytest.skip("no AVX512-VNNI here: the other kernels' sums are not exact (fbgemm) or cannot run (vnni)")
@@ -107,7 +107,7 @@ def test_tiny_mars_w8a8_answers_with_the_kernel_and_lossless_equals_ar(monkeypat
 
 
 def test_it_is_the_default_without_vnni_and_off_falls_back_to_fbgemm(monkeypatch):
-    import mars_core.vnni as vnni
+    import mars_core.engine.vnni as vnni
 
     monkeypatch.delenv("MARS_W8A8_KERNEL", raising=False)
     monkeypatch.setattr(vnni.OP, "state", {})

@@ -24,9 +24,9 @@ from finetune.checkpoint import check_resumable, list_checkpoints, load_resume, 
 from finetune.config import TrainConfig, config_from_args
 from finetune.data import build_examples, read_chat_jsonl
 from finetune.status import process_start, read_status
-from mars_core import cli
-from mars_core.loading import load_model
-from mars_core.tokens import encode_chat
+from mars_core.tools import cli
+from mars_core.models.loading import load_model
+from mars_core.models.tokens import encode_chat
 from tests.tiny_fixtures import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def test_bench_refuses_binary_or_directory_prompts(capsys, tmp_path, content, wo
 
 
 def test_bench_refuses_a_batch_larger_than_the_prompts_in_the_library_too(tiny):
-    from mars_core.bench import bench
+    from mars_core.tools.bench import bench
 
     lm = load_model(str(tiny[0]), device="cpu")
     with pytest.raises(ValueError, match="batch size 64 is larger than the 2 prompts"):
@@ -511,7 +511,7 @@ def test_evaluate_and_distill_exit_2_without_traceback(tmp_path):
     (None, b"", ["is a directory"]),
 ])
 def test_distill_prompt_files_name_file_and_line(tmp_path, name, content, words):
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     path = tmp_path if name is None else Path(prompts_file(tmp_path, content, name))
     with pytest.raises(ValueError) as err:
@@ -531,7 +531,7 @@ def tok(request):
     """The embedded tiny models' tokenizer and SmolLM2's (offline: from its packaged GGUF)."""
     from transformers import AutoTokenizer
 
-    from mars_core.sources import ASSETS, prepare
+    from mars_core.models.sources import ASSETS, prepare
 
     return AutoTokenizer.from_pretrained(ASSETS / "tiny-mars" if request.param == "tiny-mars" else prepare("smollm2"))
 

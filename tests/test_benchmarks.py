@@ -38,6 +38,6 @@ def test_products_benchmark_times_each_side_or_says_why_it_cannot(tmp_path):
     skipped = {line.split(":")[0] for line in lines if ": skipped (" in line}
     assert set(rows) - {"side", "----"} | skipped == set(sides), done.stdout
     assert "fp32" in rows and float(rows["fp32"][1].split()[0]) > 0
-    from mars_core import avx2
+    from mars_core.engine import avx2
     if avx2.WIDE.load():
         assert rows["w8a16"][-2] == "yes", rows["w8a16"]

@@ -1,4 +1,4 @@
-"""mars_core.catalogue: one record per built-in model, and every list of models in the project read from it.
+"""mars_core.models.catalogue: one record per built-in model, and every list of models in the project read from it.
 
 Sources, bench, finetune.evaluate, the app's picker and example prompts, and the Finetune tab must agree with
 the catalogue (and so with each other) on every property they share; no model is loaded here.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mars_core import catalogue, sources
-from mars_core.catalogue import NATURAL, SMOLLM2, TASKS, TINY
+from mars_core.models import catalogue, sources
+from mars_core.models.catalogue import NATURAL, SMOLLM2, TASKS, TINY
 
 ALL = catalogue.CATALOGUE
 
@@ -76,12 +76,10 @@ def test_mask_token_is_the_one_the_files_name(rec):
 
 def test_sources_read_the_catalogue():
     import mars_core
-    from mars_core import loading
 
     assert sources.KNOWN_MODELS == {r.name: r.source for r in ALL}
     assert list(sources.KNOWN_MODELS) == [r.name for r in ALL]
-    assert loading.KNOWN_MODELS is sources.KNOWN_MODELS
-    assert mars_core.DEFAULT_MODEL == loading.DEFAULT_MODEL == sources.DEFAULT_MODEL == catalogue.DEFAULT_MODEL
+    assert mars_core.DEFAULT_MODEL == sources.DEFAULT_MODEL == catalogue.DEFAULT_MODEL
     assert sources.ADAPTER_RECIPES == {"smollm2-mars": catalogue.SMOLLM2_RECIPE}
 
 
@@ -89,7 +87,7 @@ def test_app_evaluate_and_bench_agree_with_the_catalogue():
     """For every record: the prompt set and MARS training each caller acts on are the record's."""
     from app import models, notices
     from finetune import evaluate, evaluate_natural
-    from mars_core import bench
+    from mars_core.tools import bench
 
     tasks_file = bench.read_prompts(str(sources.ASSETS / "prompts" / "tasks-heldout.txt"))
     natural_file = bench.read_prompts(str(sources.ASSETS / "prompts" / "natural-heldout.txt"))

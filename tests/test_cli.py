@@ -22,7 +22,7 @@ def run_cli(*args):
 
 
 def test_bench_reads_a_jsonl_prompts_file_as_distill_does(tmp_path, capsys):
-    from mars_core import cli
+    from mars_core.tools import cli
 
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "no prompt key"}\n')
@@ -55,7 +55,7 @@ def test_generate_plain_text_marks_forward_boundaries(model_dir):
 def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys, monkeypatch):
     from types import SimpleNamespace
 
-    from mars_core import cli
+    from mars_core.tools import cli
 
     def answer(*extra):
         assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "What is 17 + 25?", "--max-new-tokens", "40",
@@ -81,7 +81,7 @@ def test_generate_lossless_with_every_draft_option_prints_ars_answer(capsys, mon
 
 
 def test_draft_options_outside_lossless_mode_exit_2_naming_the_value(capsys):
-    from mars_core import cli
+    from mars_core.tools import cli
 
     assert cli.main(["generate", "--model", "tiny-mars", "--prompt", "hi", "--mode", "mars",
                      "--draft-layout", "quadratic"]) == 2
@@ -133,7 +133,7 @@ def test_bench_decodes_with_the_chosen_criterion():
     # bench's MARS side must be the decoder under the same criterion: its tokens/forward equals generate()'s,
     # and on this model the criteria accept differently at τ = 0.5.
     from mars_core import DecodeConfig, generate, wrap_model
-    from mars_core.bench import bench
+    from mars_core.tools.bench import bench
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
@@ -152,7 +152,7 @@ def test_bench_times_lossless_in_the_chosen_draft_layout():
     # the lossless side decodes with the layout asked for: AR's tokens, generate()'s tokens/forward, and the
     # quadratic layout feeds more columns per forward than the linear one
     from mars_core import DecodeConfig, generate, load_model
-    from mars_core.bench import bench
+    from mars_core.tools.bench import bench
 
     lm = load_model("tiny-mars", device="cpu")
     prompts = ["What is 17 + 25?", "Sort: pear fig apple", "Reverse the word: planet"]
@@ -186,7 +186,7 @@ def test_row_costs_times_each_count_on_the_same_prompt_cache_and_rejects_bad_cou
     # Every timed forward must see exactly the prompt in the cache (the previous call's rows cropped away),
     # feed r positions after it and ask the LM head for min(r, B) rows, as a decoding step does.
     from mars_core import wrap_model
-    from mars_core.bench import row_costs
+    from mars_core.tools.bench import row_costs
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
@@ -248,7 +248,7 @@ def test_bench_times_both_backends_side_by_side(model_dir):
 def test_bench_other_runtime_without_its_package_is_one_clear_line(monkeypatch, capsys, flag, module, fix):
     import importlib
 
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     monkeypatch.setattr(importlib.import_module(f"mars_core.{module}"), "available", lambda: False)
     assert main(["bench", "--model", "tiny-mars", flag, "--device", "cpu"]) == 2
@@ -261,8 +261,8 @@ def test_bench_llamacpp_installed_without_its_dependencies_is_one_clear_line(mon
     module, exit 2, not a traceback."""
     import builtins
 
-    import mars_core.llamacpp as llamacpp
-    from mars_core.cli import main
+    import mars_core.tools.llamacpp as llamacpp
+    from mars_core.tools.cli import main
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")

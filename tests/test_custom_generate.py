@@ -160,11 +160,11 @@ def test_mask_id_from_the_config_and_errors_that_name_the_fix(tiny_lm):
 
 
 def test_mars_step_is_what_the_vendor_script_writes_from_the_decoder_now():
-    from mars_core import vendor_custom_generate
+    from mars_core.tools import vendor_custom_generate
 
     committed = (REPO / "custom_generate" / "mars_step.py").read_text()
     assert committed == vendor_custom_generate.render(), \
-        "custom_generate/mars_step.py is stale: run python -m mars_core.vendor_custom_generate"
+        "custom_generate/mars_step.py is stale: run python -m mars_core.tools.vendor_custom_generate"
     assert vendor_custom_generate.main(["--check"]) == 0
     # the copy is the decoder itself: its entry points, not a stand-in
     assert "def generate_stream(" in committed and "class DecodeConfig:" in committed and "mars_core" not in "".join(
@@ -240,7 +240,7 @@ def test_a_copy_of_the_folder_alone_runs_without_mars_core_and_equals_its_decode
 
 
 def test_the_checkout_is_the_folder_to_pass():
-    from mars_core.hf import custom_generate_path
+    from mars_core import custom_generate_path
     assert custom_generate_path() == str(REPO)
 
 

@@ -15,7 +15,7 @@ from finetune.data import (
     read_chat_jsonl,
     tokenize_conversation,
 )
-from mars_core.tokens import end_of_turn_ids
+from mars_core.models.tokens import end_of_turn_ids
 from tests.tiny_fixtures import make_tiny_model_dir
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "The answer is 4."}]

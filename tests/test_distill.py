@@ -49,7 +49,7 @@ def test_truncated_answers_are_dropped_by_default(tmp_path):
 
 
 def test_bad_prompt_files_name_the_problem(tmp_path):
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     with pytest.raises(ValueError, match="does not exist"):
         read_prompts(tmp_path / "missing.txt")
@@ -67,7 +67,7 @@ def test_bad_prompt_files_name_the_problem(tmp_path):
 
 
 def test_prompt_lines_are_stripped_and_escaped_and_binary_files_refused(tmp_path):
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     path = tmp_path / "p.txt"
     path.write_bytes("\ufeff  What is 2 + 3?  \n\n# a comment\nline\\nbreak\r\n".encode())

@@ -1,4 +1,4 @@
-"""Draft layouts and prompt lookup in lossless MARS (mars_core.drafts): whichever layout and draft source,
+"""Draft layouts and prompt lookup in lossless MARS (mars_core.decode.drafts): whichever layout and draft source,
 the answer is greedy AR's (fp32, both backends, batched and alone, cached == uncached step by step); the
 quadratic layout's mask groups each see exactly their own prefix and keep drafting after a rejection; prompt
 lookup drafts what followed the same tokens earlier in the text."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, generate_stream, reference_generate
-from mars_core.batch import _Batch, _Row
-from mars_core.drafts import choose_leaves, lookup_drafts
+from mars_core.decode.batch import _Batch, _Row
+from mars_core.decode.drafts import choose_leaves, lookup_drafts
 from tests.conftest import PROMPTS
 from tests.test_decoding import hf_greedy, hf_greedy_batch
 from tests.test_verify import MAX_NEW, suite_prompts, tiny_mars  # noqa: F401  (fixtures)
@@ -163,7 +163,7 @@ def test_prompt_lookup_drafts_a_repeating_answer_and_keeps_ars_tokens(tiny_lm):
 # ----------------------------------------------------------------------------- draft_layout="auto"
 
 def test_the_planner_spends_positions_only_where_they_pay():
-    from mars_core.drafts import DraftPlanner
+    from mars_core.decode.drafts import DraftPlanner
 
     rows = [_Row(0, 50, [1, 2, 3, 4], n_drafts=3)]
     free, dear = DraftPlanner(None, 3), DraftPlanner([float(p) for p in range(1, 60)], 3)
@@ -182,7 +182,7 @@ def test_the_planner_spends_positions_only_where_they_pay():
 
 
 def test_the_planner_appends_masks_only_as_deep_as_their_drafts_pay():
-    from mars_core.drafts import DraftPlanner
+    from mars_core.decode.drafts import DraftPlanner
 
     fresh = [_Row(0, 50, [1])]                            # nothing to check: the masks' group always counts
     zen1 = [1.0, 1.22, 1.75, 2.27, 2.7, 3.1, 3.49]        # a CPU where each position costs about half a forward
@@ -207,8 +207,8 @@ def test_the_planner_appends_masks_only_as_deep_as_their_drafts_pay():
 
 
 def test_the_planner_counts_how_deep_a_groups_masks_draft():
-    from mars_core.decoding import _Settled
-    from mars_core.drafts import DraftPlanner
+    from mars_core.decode.decoding import _Settled
+    from mars_core.decode.drafts import DraftPlanner
 
     planner, row = DraftPlanner(None, 3), _Row(0, 50, [1])
     step = [_Settled([5], [7, 8, 9], [0.9, 0.2, 0.8], [7], source="masks")]   # the second mask stopped the drafts
@@ -236,7 +236,7 @@ def test_auto_keeps_ars_answer_and_with_free_positions_decodes_as_the_tree(tiny_
 
 
 def test_the_planner_pauses_drafting_after_a_window_that_lost_to_ar_and_doubles_the_pause():
-    from mars_core.drafts import DraftPlanner
+    from mars_core.decode.drafts import DraftPlanner
 
     steep = DraftPlanner([1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0], 3)
     for _ in range(steep.WINDOW):
@@ -279,7 +279,7 @@ def test_auto_is_refused_by_the_uncached_reference_and_bad_costs_are_named(tiny_
 
 
 def test_lookup_replaces_mask_drafts_only_when_it_extends_them_or_they_are_none():
-    from mars_core.drafts import lookup_wins
+    from mars_core.decode.drafts import lookup_wins
 
     assert lookup_wins([5, 6], [])                 # the masks offer nothing
     assert lookup_wins([5, 6, 7], [5])             # it starts with the masks' draft and runs longer

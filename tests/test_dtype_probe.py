@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mars_core import dtype_probe
+from mars_core.engine import dtype_probe
 
 
 @pytest.fixture
@@ -57,7 +57,8 @@ def test_small_models_and_single_candidates_are_chosen_without_probing(probe, mo
 
 
 def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch, tmp_path):
-    from mars_core import formats, load_model
+    from mars_core import load_model
+    from mars_core.models import formats
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
     lm = load_model("tiny-mars", device="cpu")
@@ -76,7 +77,9 @@ def test_auto_serves_float32_and_w8a8_only_to_a_model_cleared_for_it(monkeypatch
 
 def test_auto_times_w8a16_only_for_a_model_cleared_for_it_and_probes_again_for_a_new_candidate_set(monkeypatch,
                                                                                                      tmp_path):
-    from mars_core import avx2, formats, load_model
+    from mars_core import load_model
+    from mars_core.engine import avx2
+    from mars_core.models import formats
 
     if not avx2.WIDE.load():
         pytest.skip(f"w8a16's kernel is not available here ({avx2.WIDE.why_not()})")
@@ -130,7 +133,7 @@ def test_decoding_far_slower_than_the_probe_warns_and_names_the_fix(monkeypatch,
 
 def test_cli_generate_warns_on_stderr_when_forwards_run_far_slower_than_the_probe(monkeypatch, tmp_path, capsys):
     from mars_core import load_model
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path))
     _probe_entry(load_model("tiny-mars", device="cpu", dtype="float32"), tmp_path, ms_1=1e-6, ms_7=1e-6)

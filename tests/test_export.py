@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mars_core import DecodeConfig, generate, load_model, loading, wrap_model
-from mars_core.cli import main
+from mars_core import DecodeConfig, generate, load_model, wrap_model
+from mars_core.models import loading, sources
+from mars_core.tools.cli import main
 from tests.tiny_fixtures import make_model, make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,7 +104,7 @@ def test_out_is_checked_before_anything_loads(tmp_path, monkeypatch, capsys):
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded before --out was checked")
     monkeypatch.setattr(loading, "load_model", no_loading)
-    monkeypatch.setattr(loading, "prepare", no_loading)
+    monkeypatch.setattr(sources, "prepare", no_loading)
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")

@@ -71,7 +71,7 @@ def one_line(err: str, prefix: str) -> str:
 # a signal sent the moment the handler is installed arrives, and the test must see the stop, not a race.
 HELD_OPEN = """
 import sys, time
-from mars_core import cli
+from mars_core.tools import cli
 real = cli.generate_stream
 def held_open(*args, **kwargs):
     yield from real(*args, **kwargs)
@@ -98,7 +98,7 @@ def test_generate_sigterm_exits_143_with_one_line():
 def test_sigterm_swallowed_by_a_finalizer_still_stops():
     """Python prints and drops an exception raised in a `__del__`; a SIGTERM whose handler ran there must still stop
     the command (before: the CLI went on and exited 0)."""
-    from mars_core.config import Terminated, sigterm_as_interrupt
+    from mars_core.decode.config import Terminated, sigterm_as_interrupt
 
     class SignalsOnCollection:
         def __del__(self):
@@ -117,7 +117,7 @@ def test_sigterm_swallowed_by_a_finalizer_still_stops():
 
 
 def test_generate_sigint_mid_stream_keeps_the_answer_so_far(monkeypatch, capsys):
-    from mars_core import cli
+    from mars_core.tools import cli
 
     real = cli.generate_stream
 
@@ -222,7 +222,7 @@ def test_distill_sigterm_keeps_rows_and_rerun_resumes(tmp_path):
 
 @pytest.mark.parametrize("var", ["MARS_CACHE_DIR"])
 def test_cache_dir_env_values(monkeypatch, tmp_path, var):
-    from mars_core.sources import cache_dir
+    from mars_core.engine.cache import cache_dir
 
     monkeypatch.setenv(var, "")
     assert cache_dir() == Path.home() / ".cache" / "mars-playground"    # empty means unset
@@ -259,7 +259,7 @@ def test_prompt_without_text_is_refused():
 
 
 def test_tau_control_cannot_store_an_unchecked_value():
-    from mars_core.config import TauControl
+    from mars_core.decode.config import TauControl
 
     tc = TauControl(0.9)
     for bad in (0, -1, float("nan"), "x"):
@@ -278,7 +278,7 @@ def test_tau_control_cannot_store_an_unchecked_value():
 import errno  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-from mars_core import storage  # noqa: E402
+from mars_core.models import storage  # noqa: E402
 
 
 def enospc(*args, **kwargs):
@@ -385,7 +385,7 @@ def test_checkpoint_save_on_a_full_disk_leaves_no_temp_folder(tmp_path, monkeypa
 def test_cache_build_refuses_a_full_disk_and_removes_its_temp_folder(tmp_path, monkeypatch):
     import torch
 
-    from mars_core import sources
+    from mars_core.models import sources
 
     model, target = torch.nn.Linear(4, 4), tmp_path / "cache" / "smollm2"
     with pytest.raises(ValueError, match="no space left .*the conversion of x.gguf"):
@@ -402,7 +402,7 @@ def test_cache_build_refuses_a_full_disk_and_removes_its_temp_folder(tmp_path, m
 
 def test_clis_turn_an_oserror_into_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     from finetune.config import run_main
-    from mars_core import cli
+    from mars_core.tools import cli
 
     def full():
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "rows.json"))
@@ -424,7 +424,7 @@ def test_a_file_size_limit_in_a_child_is_one_line_and_leaves_no_temp(tmp_path):
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
             "from finetune.config import run_main\n"
-            "from mars_core.storage import atomic_write_text\n"
+            "from mars_core.models.storage import atomic_write_text\n"
             f"run_main(lambda: atomic_write_text({str(target)!r}, 'x' * 100_000, '--json big.json'))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=run_env(), capture_output=True, text=True,
                           timeout=60)

@@ -1,14 +1,14 @@
-"""mars_core/fp32.cpp, the lean fp32 loop's products: each row's sums in one fixed order whatever the other rows (so
+"""mars_core/engine/fp32.cpp, the lean fp32 loop's products: each row's sums in one fixed order whatever the other rows (so
 a row is the same bits alone or among others), close to the float64 product, the scripted loop equal to the module
 loop on it, and a machine where it cannot be built falls back to MKL, saying why."""
 import pytest
 import torch
 
-import mars_core.fp32 as fp32
-from mars_core.lean import FloatLinear, LeanLM
+import mars_core.engine.fp32 as fp32
+from mars_core.engine.lean import FloatLinear, LeanLM
 
 pytestmark = pytest.mark.skipif(not fp32.cpu_supported(),
-                                reason="this CPU has no AVX2/FMA, which mars_core/fp32.cpp is written for")
+                                reason="this CPU has no AVX2/FMA, which mars_core/engine/fp32.cpp is written for")
 
 # tiny-mars's and SmolLM2's products, and odd sizes: an input width that is odd (the last input joins the even
 # chain) and output widths that leave a partial panel of 16 columns, with a bias as Qwen2's q/k/v have

@@ -1,4 +1,4 @@
-"""Gated adapters (mars-gated-lora-v1, mars_core.gated): the LoRA delta acts at mask positions only.
+"""Gated adapters (mars-gated-lora-v1, mars_core.engine.gated): the LoRA delta acts at mask positions only.
 
 What a gated adapter promises: τ >= 1 and lossless decoding give the base model's answer token for token, and
 only the masks' predictions change. Checked here in fp32 on the hf and lean backends (bf16 and int8: τ = 1 only,
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.adapter import merge_adapter, read_adapter_config, save_adapter
-from mars_core.loading import is_prepared
+from mars_core.models.adapter import merge_adapter, read_adapter_config, save_adapter
+from mars_core.models.sources import is_prepared
 from tests.tiny_fixtures import make_tiny_model_dir, own_w8a8_kernels
 
 peft = pytest.importorskip("peft")
@@ -102,7 +102,7 @@ def test_tau_1_and_lossless_give_the_base_models_answer_and_the_masks_differ(gat
 def test_tau_1_is_the_base_model_in_every_weight_format(gated, base_dir, backend, dtype):
     folder, _ = gated
     if dtype == "int8":
-        from mars_core.int8 import int8_supported
+        from mars_core.engine.int8 import int8_supported
         if not int8_supported():
             pytest.skip("this torch has no CPU int8 matmul")
     lm = load_model(str(folder), device="cpu", dtype=dtype, backend=backend)
@@ -132,7 +132,7 @@ def test_lean_logits_equal_the_transformers_model_with_the_adapter(gated):
 
 
 def test_the_lean_module_loop_applies_the_deltas_as_the_scripted_fp32_loop(gated):
-    from mars_core.lean import LeanLM
+    from mars_core.engine.lean import LeanLM
 
     lm = load_model(str(gated[0]), device="cpu", dtype="float32", backend="hf", cpu_layout=False)
     ids = torch.tensor([lm.encode(PROMPTS[3]) + [lm.mask_id] * 3])
@@ -183,7 +183,7 @@ def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(
     base = load_model(str(base_dir), device="cpu", dtype=dtype, backend="lean", mask_token=MASK_TOKEN)
     exact = load_model(str(folder), device="cpu", dtype="float32", backend="lean")
     assert lm.backend == "lean" and lm.weight_format == dtype and lm.net.kernel == kernel
-    from mars_core.lean import LeanLM
+    from mars_core.engine.lean import LeanLM
     with pytest.raises(ValueError, match="gated adapter only in our kernels' native layer stack.*script=False"):
         LeanLM(exact.model, "w8a8", kernel=kernel, script=False)   # the module loop has no delta to add
     one = DecodeConfig(mode="mars", tau=1.0, max_new_tokens=24)
@@ -207,7 +207,7 @@ def test_lean_w8a8_applies_the_deltas_at_the_masks_and_keeps_the_base_elsewhere(
 def test_a_gated_adapter_for_another_base_is_refused_before_the_model_changes(gated, base_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from mars_core.gated import attach_gated
+    from mars_core.models.adapter import attach_gated
 
     folder, _ = gated
     bad = tmp_path / "bad"
@@ -224,7 +224,7 @@ def test_a_gated_adapter_for_another_base_is_refused_before_the_model_changes(ga
 
 
 def test_export_to_a_plain_checkpoint_refuses_a_gated_adapter(gated, tmp_path):
-    from mars_core.export import export
+    from mars_core.models.export import export
 
     with pytest.raises(ValueError, match="gated adapter .* no plain transformers checkpoint can hold"):
         export(str(gated[0]), tmp_path / "out")

@@ -1,4 +1,4 @@
-"""The LM head's argmax gathered while it writes the logits (mars_core/w8a8_kernel.h, Top; W8A8Linear.with_top;
+"""The LM head's argmax gathered while it writes the logits (mars_core/engine/w8a8_kernel.h, Top; W8A8Linear.with_top;
 LeanLM's head_top): the same logits bit for bit, the argmax of exactly those logits (the first column of a tie, the
 mask column left out where the decoder leaves it out), a NaN reported as NaN, and a decoding that does not change.
 Our own w8a8 kernels only (the ones that build on this CPU)."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.decoding import net
-from mars_core.lean import LeanLM
-from mars_core.w8a8 import W8A8Linear
+from mars_core.decode.decoding import net
+from mars_core.engine.lean import LeanLM
+from mars_core.engine.w8a8 import W8A8Linear
 from tests.tiny_fixtures import make_tiny_model_dir, own_w8a8_kernels
 
 KERNELS = own_w8a8_kernels()
@@ -19,7 +19,7 @@ kernels = pytest.mark.parametrize("kernel", KERNELS or [pytest.param("vnni", mar
 
 def _expected(y: torch.Tensor, exclude: int, period: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder's own rule on the returned logits: the mask column set to -inf at the excluded rows
-    (never_propose_mask), then numpy's argmax (mars_core.decoding.argmax) and the value there."""
+    (never_propose_mask), then numpy's argmax (mars_core.decode.decoding.argmax) and the value there."""
     ruled = y.clone()
     if exclude >= 0:
         rows = [m for m in range(y.shape[0]) if m % period >= first]

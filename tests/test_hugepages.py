@@ -1,11 +1,11 @@
-"""mars_core.hugepages: the native kernels' weights copied into one buffer advised onto 2 MB pages."""
+"""mars_core.engine.hugepages: the native kernels' weights copied into one buffer advised onto 2 MB pages."""
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from mars_core import hugepages
+from mars_core.engine import hugepages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

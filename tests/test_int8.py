@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model, reference_generate
-from mars_core.int8 import Int8Linear, quantize_int8
-from mars_core.loading import pick_dtype
+from mars_core.engine.int8 import Int8Linear, quantize_int8
+from mars_core.models.formats import pick_dtype
 from tests.test_decoding import hf_greedy, hf_greedy_batch
 
 MAX_NEW = 40
@@ -95,7 +95,7 @@ def test_load_model_int8_on_cpu_and_refused_elsewhere():
 
 
 def test_cli_generate_and_row_costs_run_in_int8(capsys):
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     assert main(["generate", "--model", "tiny-mars", "--dtype", "int8", "--device", "cpu", "--max-new-tokens", "8",
                  "--threads", "1", "--prompt", "What is 2 + 3?"]) == 0
@@ -106,7 +106,7 @@ def test_cli_generate_and_row_costs_run_in_int8(capsys):
 
 
 def test_bench_counts_our_ar_in_another_format_as_a_baseline_and_divides_by_the_fastest(lm_int8_fp32):
-    from mars_core.bench import bench, format_table
+    from mars_core.tools.bench import bench, format_table
 
     lm = load_model("tiny-mars", device="cpu", dtype="float32")
     texts = ["What is 12 + 30?", "Sort: 3 1 2", "Reverse the word hello."]
@@ -125,7 +125,7 @@ def test_bench_counts_our_ar_in_another_format_as_a_baseline_and_divides_by_the_
 
 
 def test_cli_bench_refuses_ar_dtype_with_row_costs_before_loading(capsys):
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     assert main(["bench", "--model", "tiny-mars", "--ar-dtype", "int8", "--row-costs"]) == 2
     assert "--ar-dtype" in capsys.readouterr().err

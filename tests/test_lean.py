@@ -1,4 +1,4 @@
-"""The lean forward (mars_core/lean.py) against the transformers model it is built from, and the w8a8 format.
+"""The lean forward (mars_core/engine/lean.py) against the transformers model it is built from, and the w8a8 format.
 
 fp32: the lean logits equal transformers' to 1e-4 for a prompt, a cached chunk, a chunk with hole columns, after
 a crop and after a row selection (tiny Llama and Qwen2 here, SmolLM2 in test_smollm2_mars.py's style below). The
@@ -12,11 +12,11 @@ import torch
 from transformers import DynamicCache
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.batch import step_attention
-from mars_core.lean import GROW, LeanCache, LeanLM, unsupported
-from mars_core.formats import pick_backend
-from mars_core.loading import wrap_model
-from mars_core.w8a8 import OWN, W8A8Linear, w8a8_supported
+from mars_core.decode.batch import step_attention
+from mars_core.engine.lean import GROW, LeanCache, LeanLM, unsupported
+from mars_core.models.formats import pick_backend
+from mars_core.models.loading import wrap_model
+from mars_core.engine.w8a8 import OWN, W8A8Linear, w8a8_supported
 from tests.conftest import PROMPTS
 from tests.tiny_fixtures import make_model, tiny_causal_lm
 
@@ -148,12 +148,12 @@ def test_tiny_mars_loads_on_the_lean_backend_by_default_on_a_cpu():
 def test_this_torch_has_the_w8a8_kernel():
     """A canary: if a torch release drops fbgemm's dynamic int8 linear, this fails first and says so."""
     assert w8a8_supported(), (f"torch {torch.__version__} has no torch.ops.quantized.linear_dynamic/linear_prepack "
-                              "with an fbgemm or x86 engine: dtype='w8a8' cannot run; mars_core/w8a8.py needs "
+                              "with an fbgemm or x86 engine: dtype='w8a8' cannot run; mars_core/engine/w8a8.py needs "
                               "another int8 kernel")
 
 
 def test_this_torch_has_the_onednn_w8a8_kernel_and_an_unknown_kernel_is_refused(monkeypatch):
-    from mars_core.w8a8 import onednn_supported, pick_kernel
+    from mars_core.engine.w8a8 import onednn_supported, pick_kernel
 
     assert onednn_supported(), f"torch {torch.__version__} has no torch.ops.onednn.qlinear_pointwise/qlinear_prepack"
     monkeypatch.setenv("MARS_W8A8_KERNEL", "avx9000")
@@ -164,7 +164,7 @@ def test_this_torch_has_the_onednn_w8a8_kernel_and_an_unknown_kernel_is_refused(
 
 
 def test_w8a8_without_the_kernel_is_a_clear_error(monkeypatch):
-    import mars_core.w8a8 as w8a8
+    import mars_core.engine.w8a8 as w8a8
 
     monkeypatch.setattr(w8a8, "w8a8_supported", lambda: False)
     with pytest.raises(ValueError, match=r"dtype='w8a8' needs fbgemm's dynamic int8 linear .*use dtype='int8'"):
@@ -188,7 +188,7 @@ def test_torch_kernels_saturate_without_vnni_which_is_why_avx2_is_picked(monkeyp
     """fbgemm's and oneDNN's AVX2 paths sum byte products in int16 pairs that saturate: their rows stay
     independent but their products are several times further from fp32 than the exact one. Where the CPU has
     AVX512-VNNI their sums are exact and the test above covers them."""
-    from mars_core.w8a8 import pick_kernel
+    from mars_core.engine.w8a8 import pick_kernel
 
     if vnni_cpu():
         pytest.skip("fbgemm's and oneDNN's sums are exact on this AVX512-VNNI CPU (the test above checks it)")
@@ -203,7 +203,7 @@ def test_torch_kernels_saturate_without_vnni_which_is_why_avx2_is_picked(monkeyp
 
 
 def vnni_cpu() -> bool:
-    from mars_core.vnni import cpu_supported
+    from mars_core.engine.vnni import cpu_supported
 
     return cpu_supported()
 
@@ -231,7 +231,7 @@ def w8a8_errors(passes, kernel):
 def need_kernel(kernel: str) -> None:
     """Our own kernels run only on CPUs with their instructions; where the CPU has them, they must build
     (tests/test_vnni.py, tests/test_avx2.py)."""
-    from mars_core.w8a8 import OWN, own_kernel
+    from mars_core.engine.w8a8 import OWN, own_kernel
 
     if kernel in OWN and not own_kernel(kernel).cpu_supported():
         pytest.skip(f"this CPU lacks the instructions mars_core/{kernel}.cpp is written for")
@@ -270,7 +270,7 @@ def test_w8a8_one_token_mode_and_lossless_equal_ar_in_that_format(tiny_mars_w8a8
 
 
 def test_our_kernels_stream_their_weights_from_one_buffer(tiny_mars_w8a8):
-    """mars_core.hugepages: the packed weights of our kernels are moved into one buffer (on 2 MB pages where the OS
+    """mars_core.engine.hugepages: the packed weights of our kernels are moved into one buffer (on 2 MB pages where the OS
     grants them); the torch kernels keep theirs where they are."""
     net = tiny_mars_w8a8.net
     if net.kernel not in OWN:
@@ -292,14 +292,15 @@ def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
 def test_the_compiled_w8a8_layers_exist_here_and_match_the_eager_loop(tiny_mars_w8a8, suite):
     """fbgemm's and oneDNN's loops run through TorchScript, the same ops in the same order: their logits are the
     eager loop's, bit for bit (this fails first, and says so, if a torch release can no longer script them). Our
-    kernels run every layer in one native call (mars_core/w8a8_layers.h), whose small ops are loops of its own: its
+    kernels run every layer in one native call (mars_core/engine/w8a8_layers.h), whose small ops are loops of its own: its
     logits are close to the eager loop's and as close to fp32's."""
-    from mars_core.lean_script import scripted
-    from mars_core.w8a8 import OWN, calibration_ranges
+    from mars_core.engine.lean_script import scripted
+    from mars_core.engine.w8a8 import OWN
+    from mars_core.models.formats import calibration_ranges
 
     net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
     loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2"}[net.kernel]
-    assert scripted(loop) is not None, f"torch {torch.__version__} cannot script mars_core/lean_script.py's {loop}"
+    assert scripted(loop) is not None, f"torch {torch.__version__} cannot script mars_core/engine/lean_script.py's {loop}"
     eager = LeanLM(fp32, "w8a8", script=False, ranges=calibration_ranges(fp32, tiny_mars_w8a8.tokenizer),
                    kernel=net.kernel)
     ref = LeanLM(fp32, "float", script=False)
@@ -321,10 +322,10 @@ def test_the_compiled_w8a8_layers_exist_here_and_match_the_eager_loop(tiny_mars_
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_our_kernels_native_layers_compute_each_position_on_its_own(arch, tokenizer):
-    """A position's logits from mars_core/w8a8_layers.h are bitwise the same fed alone, in a chunk with others, in
+    """A position's logits from mars_core/engine/w8a8_layers.h are bitwise the same fed alone, in a chunk with others, in
     a batch beside another row, or beside hidden columns: what lossless == AR and batch == alone rest on. Grouped-
     query attention (4 heads, 2 KV heads) and Qwen2's q/k/v biases included; close to the eager loop."""
-    from mars_core.w8a8 import OWN, own_kernel
+    from mars_core.engine.w8a8 import OWN, own_kernel
 
     kernel = next((k for k in OWN if own_kernel(k).cpu_supported()), None)
     if kernel is None:
@@ -398,7 +399,7 @@ def tiny_mars_w8a8_fp32():
 def test_smoothing_moves_scale_between_activations_and_weights_without_changing_the_function(arch, tokenizer):
     """SmoothQuant's folding (into the norms, the v rows and the up rows) leaves the float model's logits as they
     were; in w8a8 it only changes which values get rounded."""
-    from mars_core.w8a8 import activation_ranges
+    from mars_core.engine.w8a8 import activation_ranges
 
     model = make_model(arch, len(tokenizer))
     gen = torch.Generator().manual_seed(3)
@@ -413,7 +414,7 @@ def test_smoothing_moves_scale_between_activations_and_weights_without_changing_
 def test_on_grid_rounds_as_fbgemm_does():
     """The two-pass products take what fbgemm's rounding left out; that needs fbgemm's own grid, read off a product
     with the identity matrix."""
-    from mars_core.w8a8 import RAILS, on_grid
+    from mars_core.engine.w8a8 import RAILS, on_grid
 
     gen = torch.Generator().manual_seed(2)
     u = torch.rand(64, 256, generator=gen) * 2 - 1
@@ -441,7 +442,7 @@ def test_a_quantized_load_still_counts_the_models_parameters(tiny_mars_w8a8):
     assert sum(p.numel() for p in tiny_mars_w8a8.model.parameters()) < float_count
 
 
-@pytest.mark.skipif(not __import__("mars_core.lean", fromlist=["x"]).packed_bf16_supported(),
+@pytest.mark.skipif(not __import__("mars_core.engine.lean", fromlist=["x"]).packed_bf16_supported(),
                     reason="bf16's packed products need oneDNN on a CPU with AMX; elsewhere bf16 runs F.linear, "
                            "whose multi-row results drift, and makes no exactness claim")
 def test_bf16_on_an_amx_cpu_is_packed_and_exact_lossless_equals_ar_and_batch_equals_alone():
@@ -466,7 +467,7 @@ def test_bf16_on_an_amx_cpu_is_packed_and_exact_lossless_equals_ar_and_batch_equ
 def test_no_mask_is_the_causal_mask_bitwise_for_a_chunk_after_a_cache(arch, tokenizer):
     """The decoder passes attention_mask=None for a plain multi-position step on the lean forward
     (builds_causal_mask): its own causal mask must give exactly the logits step_attention's mask gives."""
-    from mars_core.batch import _Batch, _Row
+    from mars_core.decode.batch import _Batch, _Row
 
     net = LeanLM(make_model(arch, len(tokenizer)))
     assert net.builds_causal_mask

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model, resolve_mask_id
-from mars_core.sources import KNOWN_MODELS, resolve_source
+from mars_core.models.sources import KNOWN_MODELS, resolve_source
 from tests.tiny_fixtures import make_model, make_tokenizer
 
 
@@ -84,7 +84,8 @@ def test_local_folder_loads_on_cpu_in_fp32(tmp_path, monkeypatch):
 
 
 def test_cuda_request_without_a_gpu_is_a_clear_error(monkeypatch):
-    from mars_core.loading import pick_device, pick_dtype
+    from mars_core.models.formats import pick_dtype
+    from mars_core.models.loading import pick_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device='cuda'.*no CUDA"):
         pick_device("cuda")
@@ -124,7 +125,7 @@ def test_hub_id_with_downloads_off_is_a_clear_error(monkeypatch):
 def test_cpu_layout_converts_linears_and_decodes_the_same_tokens():
     """load_model on a CPU stores linear weights transposed (faster few-row GEMMs); the tied LM head keeps
     the embedding. Logits match the stock modules to float rounding and decoding gives the same tokens."""
-    from mars_core.loading import RowMajorLinear
+    from mars_core.engine.cpu_layout import RowMajorLinear
     from finetune.tasks import make_examples
 
     fast = load_model("tiny-mars", device="cpu")
@@ -147,7 +148,7 @@ def test_cpu_layout_converts_linears_and_decodes_the_same_tokens():
 
 def test_training_loads_stock_modules():
     """finetune trains and saves what load_base returns: it must stay plain nn.Linear."""
-    from finetune.train import load_base
+    from finetune.train_model import load_base
 
     base = load_base("tiny-ar-sft")
     assert any(type(m) is torch.nn.Linear for m in base.model.modules())

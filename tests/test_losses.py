@@ -193,7 +193,7 @@ def test_eager_attention_gives_the_sdpa_losses(model):
 @torch.no_grad()
 def test_the_training_module_passes_mask_label_smoothing_to_the_loss(model):
     from finetune.config import TrainConfig
-    from finetune.train import TrainModule
+    from finetune.train_model import TrainModule
 
     input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
     cfg = TrainConfig(stage="mars", block_size=4, ar_weight=1.0, mask_label_smoothing=0.2)
@@ -271,7 +271,8 @@ def test_skipping_prompt_blocks_is_exact_on_a_shifted_grid_and_the_grid_changes_
 @torch.no_grad()
 def test_random_block_offsets_reach_the_loss_and_depend_only_on_seed_and_step(model):
     from finetune.config import TrainConfig
-    from finetune.train import TrainModule, block_offset_at
+    from finetune.train import block_offset_at
+    from finetune.train_model import TrainModule
 
     cfg = TrainConfig(stage="mars", block_size=4, random_block_offset=True, seed=3)
     offsets = [block_offset_at(cfg, i) for i in range(64)]
@@ -367,7 +368,7 @@ def test_with_kl_alone_and_no_ar_loss_the_clean_logits_get_no_gradient_of_their_
 
 def test_the_training_module_passes_the_soft_target_settings_and_bad_values_name_the_fix(model):
     from finetune.config import TrainConfig
-    from finetune.train import TrainModule
+    from finetune.train_model import TrainModule
 
     input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
     cfg = TrainConfig(stage="mars", soft_target_weight=0.5, soft_target_top_k=4)

@@ -1,9 +1,9 @@
-"""mars_core/native.py, which builds our C++ kernels on first use: a failed build is a reason, never an error,
+"""mars_core/engine/native.py, which builds our C++ kernels on first use: a failed build is a reason, never an error,
 and leaves nothing half-written in the cache."""
 import pytest
 
-import mars_core.avx2 as avx2
-import mars_core.vnni as vnni
+import mars_core.engine.avx2 as avx2
+import mars_core.engine.vnni as vnni
 
 
 @pytest.mark.parametrize("kernel", [vnni, avx2], ids=["vnni", "avx2"])
@@ -18,7 +18,7 @@ def test_a_failed_build_is_a_reason_not_an_error(kernel, monkeypatch, tmp_path):
 
 
 def test_a_cpu_without_the_instructions_is_a_reason(monkeypatch):
-    import mars_core.native as native
+    import mars_core.engine.native as native
 
     monkeypatch.setattr(native, "cpu_flags", lambda: ["fpu", "sse2"])
     for kernel in (vnni, avx2):

@@ -92,7 +92,7 @@ def test_cli_writes_one_prompt_per_line(tmp_path):
 
 def test_the_shipped_natural_heldout_file_is_what_the_cli_writes(tmp_path):
     """assets/prompts/natural-heldout.txt, bench's default prompts for smollm2-mars, cannot drift from the generator."""
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     shipped = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "natural-heldout.txt"
     out = tmp_path / "p.txt"

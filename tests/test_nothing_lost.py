@@ -198,7 +198,7 @@ def test_a_run_with_no_settings_record_left_is_refused_not_resumed(tiny, tmp_pat
 def test_export_force_interrupted_while_the_old_export_goes_leaves_a_complete_folder(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from mars_core.export import export
+    from mars_core.models.export import export
 
     out = tmp_path / "out"
     export("tiny-mars", out, dtype="float32")
@@ -225,7 +225,7 @@ def test_export_force_interrupted_while_the_old_export_goes_leaves_a_complete_fo
 def test_the_later_of_two_conversions_of_one_gguf_uses_the_first_ones_folder(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from mars_core import sources
+    from mars_core.models import sources
     from tests.tiny_fixtures import make_model, make_tokenizer
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
@@ -255,7 +255,7 @@ def test_the_later_of_two_conversions_of_one_gguf_uses_the_first_ones_folder(tmp
 
 def test_export_adapter_replaces_the_adapter_whole_and_keeps_other_files(tiny, tmp_path, monkeypatch):
     from finetune.export_adapter import export_adapter
-    from mars_core import adapter
+    from mars_core.models import adapter
 
     run = tmp_path / "run"
     main(train_flags(tiny, run, "--lora", "--lora-r", "4", "--max-steps", "1"))

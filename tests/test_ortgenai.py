@@ -24,7 +24,7 @@ class EchoRuntime:
 
 
 def test_other_runtimes_join_the_race_as_ar_baselines_per_token():
-    from mars_core.bench import bench, format_table
+    from mars_core.tools.bench import bench, format_table
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
@@ -48,8 +48,8 @@ def test_other_runtimes_join_the_race_as_ar_baselines_per_token():
 
 
 def test_an_onnxruntime_folder_without_its_config_is_named_before_the_model_loads(monkeypatch, tmp_path, capsys):
-    import mars_core.ortgenai as ortgenai
-    from mars_core import cli
+    import mars_core.tools.ortgenai as ortgenai
+    from mars_core.tools import cli
 
     monkeypatch.setattr(ortgenai, "check_usable", lambda: None)
     with pytest.raises(ValueError, match="is not an ONNX Runtime GenAI model folder .*genai_config.json.*int8 or int4"):
@@ -61,7 +61,7 @@ def test_an_onnxruntime_folder_without_its_config_is_named_before_the_model_load
 
 
 def test_the_thread_count_goes_into_a_view_and_the_model_folder_stays_untouched(tmp_path):
-    from mars_core.ortgenai import _with_threads
+    from mars_core.tools.ortgenai import _with_threads
 
     folder, view = tmp_path / "model", tmp_path / "view"
     folder.mkdir()
@@ -77,7 +77,7 @@ def test_the_thread_count_goes_into_a_view_and_the_model_folder_stays_untouched(
 
 
 def test_a_failed_onnxruntime_build_is_one_line_and_leaves_no_model(monkeypatch, tmp_path):
-    import mars_core.ortgenai as ortgenai
+    import mars_core.tools.ortgenai as ortgenai
 
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     checkpoint = tmp_path / "ckpt"
@@ -88,7 +88,7 @@ def test_a_failed_onnxruntime_build_is_one_line_and_leaves_no_model(monkeypatch,
 
 
 def test_an_unknown_onnxruntime_precision_is_named_before_any_build(tmp_path):
-    from mars_core.ortgenai import build
+    from mars_core.tools.ortgenai import build
 
     with pytest.raises(ValueError, match="'int3': build int8 or int4, or pass a model folder"):
         build(tmp_path, "int3")

@@ -45,13 +45,13 @@ def run(cmd, env, cwd, timeout=240):
 
 def test_packages_console_scripts_and_embedded_models_are_installed(installed):
     target, env, work = installed
-    for name in ("mars_core/decoding.py", "mars_core/export.py", "finetune/train.py", "app/launch.py",
+    for name in ("mars_core/decode/decoding.py", "mars_core/models/export.py", "finetune/train.py", "app/launch.py",
                  "mars_core/assets/tiny-mars/model.safetensors", "mars_core/assets/tiny-ar-sft/config.json",
                  "mars_core/assets/smollm2-mars/adapter.safetensors", "mars_core/assets/prompts/tasks-heldout.txt",
                  "mars_core/custom_generate/generate.py", "mars_core/custom_generate/requirements.txt",
                  "bin/mars", "bin/mars-playground"):
         assert (target / name).is_file(), name
-    where = run([sys.executable, "-c", "import mars_core.loading as l, finetune.train, app.launch; "
+    where = run([sys.executable, "-c", "import mars_core.models.sources as l, finetune.train, app.launch; "
                  "print(l.__file__); print(l.ASSETS); print(app.launch.__file__)"], env, work)
     assert where.returncode == 0, where.stderr[-2000:]
     assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout
@@ -97,7 +97,7 @@ def test_missing_assets_name_mars_assets(installed, tmp_path):
 CUSTOM_GENERATE = """
 import json, torch
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.hf import custom_generate_path
+from mars_core import custom_generate_path
 lm = load_model("tiny-mars", device="cpu", cpu_layout=False)
 ids = torch.tensor([lm.encode("What is 17 + 25?")])
 out = lm.model.generate(ids, custom_generate=custom_generate_path(), trust_remote_code=True, tau=0.95,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core import loading, sources
-from mars_core.adapter import adapter_files_size
+from mars_core.models import sources
+from mars_core.models.adapter import adapter_files_size
 from tests.tiny_fixtures import own_w8a8_kernels
 
-SHIPPED = loading.ASSETS / "smollm2-mars"
+SHIPPED = sources.ASSETS / "smollm2-mars"
 MAX_NEW = 48
 
 
@@ -34,7 +34,7 @@ def natural():
 def test_the_adapter_files_fit_30_mb_and_load_from_the_package_and_the_repo(lm):
     assert adapter_files_size(SHIPPED) <= 30 * 10**6   # the project keeps every asset file under 30 MB
     assert lm.mask_id == 3 and lm.tokenizer.convert_ids_to_tokens(3) == "<repo_name>"
-    assert loading.is_prepared("smollm2-mars")
+    assert sources.is_prepared("smollm2-mars")
 
 
 def test_a_second_load_reads_the_cached_merge_without_rebuilding(lm, monkeypatch):
@@ -81,7 +81,7 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
 @pytest.mark.parametrize("dtype", ["float32"] + (["w8a8"] if own_w8a8_kernels() else [])
                          + (["w8a16"] if "avx2" in own_w8a8_kernels() else []))
 def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural, dtype):
-    """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.gated); here the shipped A and B,
+    """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.engine.gated); here the shipped A and B,
     relabelled mars-gated-lora-v1, on SmolLM2 itself (the lean forward: fp32, and w8a8 where our kernels' native
     stack applies the deltas, and w8a16 on the AVX2 kernel's), four held-out natural prompts."""
     import json

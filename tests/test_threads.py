@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mars_core import threads
+from mars_core.engine import threads
 
 
 @pytest.mark.parametrize("cores, load, want", [(1, 0.0, 1), (2, 0.0, 1), (8, 0.2, 7), (8, 6.5, 1), (16, 12.0, 4),
@@ -36,7 +36,7 @@ def test_oversubscribing_the_idle_cores_warns_and_one_thread_does_not(monkeypatc
 
 
 def test_cli_refuses_a_bad_thread_count_before_loading(capsys):
-    from mars_core.cli import main
+    from mars_core.tools.cli import main
 
     assert main(["generate", "--model", "tiny-mars", "--prompt", "hi", "--threads", "0"]) == 2
     assert "--threads '0' must be an integer >= 1, or auto" in capsys.readouterr().err

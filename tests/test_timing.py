@@ -1,10 +1,10 @@
-"""The one timing harness (mars_core.timing) and the lossless layout it picks (mars_core.fastest)."""
+"""The one timing harness (mars_core.tools.timing) and the lossless layout it picks (mars_core.tools.fastest)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mars_core import fastest, timing
+from mars_core.tools import fastest, timing
 
 
 def test_alternate_rotates_the_order_every_repeat_and_times_each_run():
@@ -83,7 +83,7 @@ def test_every_fastest_candidate_decodes_exactly_ar():
 
 def test_bench_races_the_fastest_lossless_layout_with_its_own_block_size(monkeypatch):
     from app import models
-    from mars_core.bench import bench
+    from mars_core.tools.bench import bench
     lm = models.get_model("tiny-mars")
     # make one mask + runner-ups the fastest whatever the machine: the others' decodes cost 1 s more on the clock
     real = fastest.generate
@@ -94,7 +94,7 @@ def test_bench_races_the_fastest_lossless_layout_with_its_own_block_size(monkeyp
             extra[0] += 1.0
         return real(lm_, prompts, cfg)
     monkeypatch.setattr(fastest, "generate", slowed)
-    monkeypatch.setattr("mars_core.bench.fastest_lossless",
+    monkeypatch.setattr("mars_core.tools.bench.fastest_lossless",
                         lambda *a, **k: fastest.fastest_lossless(*a, **{**k, "clock": lambda: extra[0]}))
     said = []
     rows = bench(lm, ["Sort in descending order: 91, 57, 59, 87"], batch_sizes=(1,), tau=0.6, block_size=4,

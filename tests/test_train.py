@@ -356,7 +356,7 @@ def test_training_with_the_mask_row_sees_the_model_it_saves(tiny):
     import copy
 
     from finetune.config import TrainConfig
-    from finetune.train import TrainModule
+    from finetune.train_model import TrainModule
     from mars_core import load_model
 
     model_dir, _ = tiny
@@ -380,7 +380,7 @@ def test_training_with_the_mask_row_sees_the_model_it_saves(tiny):
 ])
 def test_a_second_signal_aborts_with_the_signal_it_actually_was(first, second, exc_name, code, capsys):
     from finetune.train_model import StopFlag
-    from mars_core.config import interrupt_exit
+    from mars_core.decode.config import interrupt_exit
 
     flag = StopFlag()
     flag.handle(first, None)   # the first only asks for a checkpoint and a clean stop
@@ -396,7 +396,7 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_naming_it(tmp_path, mo
     import errno
 
     from finetune.train import check_output_dir
-    from mars_core import storage
+    from mars_core.models import storage
 
     assert check_output_dir(str(tmp_path / "new" / "run")) == (tmp_path / "new" / "run").resolve()
     assert not list((tmp_path / "new" / "run").iterdir())   # the probe file is gone

@@ -20,7 +20,7 @@ LORA = ["--stage", "mars", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--tr
 def adapter(tiny, tmp_path_factory):
     """A 3-step LoRA run exported as a mars-lora-v1 adapter in fp32 (exact), as the recipe's export stage does."""
     from mars_core import load_model
-    from mars_core.adapter import save_adapter
+    from mars_core.models.adapter import save_adapter
 
     model_dir, _ = tiny
     root = tmp_path_factory.mktemp("adapter")
@@ -36,7 +36,7 @@ def adapter(tiny, tmp_path_factory):
 def merged_model(model_dir, adapter_dir):
     """The adapter as mars_core serves it: merged into the base weights."""
     from finetune.train_model import load_base
-    from mars_core.adapter import merge_adapter
+    from mars_core.models.adapter import merge_adapter
 
     model = load_base(str(model_dir)).model.eval()
     merge_adapter(model, adapter_dir)
@@ -131,7 +131,7 @@ def test_an_adapter_of_another_base_is_one_line_and_exit_2(tiny, adapter, tmp_pa
 def test_an_adapter_whose_shapes_do_not_fit_the_model_is_refused_before_training(tiny, adapter, tmp_path):
     """Same base name, other shapes (as a wider base with the same module names would have)."""
     from mars_core import load_model
-    from mars_core.adapter import save_adapter
+    from mars_core.models.adapter import save_adapter
 
     model_dir, _ = tiny
     _, state, mask_id = adapter

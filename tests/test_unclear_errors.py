@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_core import cli
+from mars_core.tools import cli
 from tests.tiny_fixtures import train_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_a_fifo_as_train_config_is_named_a_fifo(fifo):
 
 
 def test_read_prompts_names_each_kind_of_path(fifo, tmp_path):
-    from mars_core.textfile import read_prompts
+    from mars_core.models.textfile import read_prompts
 
     for path, said in ((fifo, "is a FIFO (named pipe), not a regular file"), ("/dev/zero", "is a character device"),
                        (tmp_path, "is a directory"), (tmp_path / "gone.txt", "does not exist")):
@@ -144,7 +144,7 @@ def test_a_closed_pipe_ends_quietly_like_a_unix_tool():
 def test_an_answer_the_ascii_locale_cannot_hold_is_escaped_not_an_error(monkeypatch):
     import io
 
-    from mars_core.exits import guarded_stdout
+    from mars_core.tools.exits import guarded_stdout
 
     raw = io.BytesIO()
     ascii_out = io.TextIOWrapper(raw, encoding="ascii", errors="strict")

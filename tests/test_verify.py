@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, TauControl, generate, generate_stream, reference_generate
-from mars_core.drafts import clip_commit, confirm, keep_drafts
+from mars_core.decode.drafts import clip_commit, confirm, keep_drafts
 from tests.conftest import PROMPTS
 from tests.test_decoding import hf_greedy, hf_greedy_batch
 
@@ -149,7 +149,7 @@ def test_verify_writes_more_than_one_and_a_half_tokens_per_forward_on_tiny_mars(
 def test_nan_logits_stop_decoding_with_an_error_naming_the_model(llama_lm):
     import copy
 
-    from mars_core.loading import wrap_model
+    from mars_core.models.loading import wrap_model
 
     model = copy.deepcopy(llama_lm.model)
     with torch.no_grad():

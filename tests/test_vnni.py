@@ -1,14 +1,14 @@
-"""mars_core/vnni.cpp, w8a8's AVX512-VNNI kernel: it must give fbgemm's results bit for bit (so that which kernel a
+"""mars_core/engine/vnni.cpp, w8a8's AVX512-VNNI kernel: it must give fbgemm's results bit for bit (so that which kernel a
 machine runs never changes an answer), and a machine where it cannot run must fall back to fbgemm, saying why."""
 import pytest
 import torch
 
-import mars_core.vnni as vnni
-from mars_core.native import cpu_flags
-from mars_core.w8a8 import W8A8Linear, pick_kernel
+import mars_core.engine.vnni as vnni
+from mars_core.engine.native import cpu_flags
+from mars_core.engine.w8a8 import W8A8Linear, pick_kernel
 
 pytestmark = pytest.mark.skipif(not vnni.cpu_supported(),
-                                reason="this CPU has no AVX512-VNNI, which mars_core/vnni.cpp is written for")
+                                reason="this CPU has no AVX512-VNNI, which mars_core/engine/vnni.cpp is written for")
 
 
 def test_the_kernel_builds_and_loads_on_this_cpu():
@@ -45,7 +45,7 @@ def test_the_kernel_equals_fbgemm_bitwise_for_any_number_of_rows(n, k, bias, pas
 def test_a_tail_skips_the_second_pass_on_the_last_positions_of_each_row_and_nothing_else(n, k, bias):
     """length 5, tail 2 on a batch of 3 rows of 5 positions: positions 3-4 of every row get the one-pass product,
     every other position the two-pass one, bitwise."""
-    from mars_core.w8a8 import _INVERSE, _STEP
+    from mars_core.engine.w8a8 import _INVERSE, _STEP
 
     assert vnni.load(), vnni.why_not()
     gen = torch.Generator().manual_seed(n + k)
@@ -66,8 +66,8 @@ def test_a_tail_skips_the_second_pass_on_the_last_positions_of_each_row_and_noth
 
 def test_values_on_fbgemms_rounding_ties_round_as_fbgemm_rounds_them():
     """fbgemm rounds u * 1/scale + 128 with one fused multiply-add; values on a tie of the plain product would
-    round the other way with two roundings (mars_core.w8a8.on_grid differs there)."""
-    from mars_core.w8a8 import _INVERSE
+    round the other way with two roundings (mars_core.engine.w8a8.on_grid differs there)."""
+    from mars_core.engine.w8a8 import _INVERSE
 
     k = 256
     ties = (torch.arange(-127, 129, dtype=torch.float32)[:k] + 0.5) / _INVERSE
@@ -81,7 +81,7 @@ def test_values_on_fbgemms_rounding_ties_round_as_fbgemm_rounds_them():
 
 
 def test_tiny_mars_decodes_to_the_same_logits_with_either_own_kernel_and_near_fbgemms(monkeypatch):
-    """Our two kernels share the native layer stack (mars_core/w8a8_layers.h), so a machine's choice between them
+    """Our two kernels share the native layer stack (mars_core/engine/w8a8_layers.h), so a machine's choice between them
     changes no bit; fbgemm's runs the TorchScript loop, whose small ops round differently, so it is close only."""
     from mars_core import load_model
 
@@ -104,7 +104,7 @@ def test_the_kernel_is_the_default_here_and_off_falls_back_to_fbgemm(monkeypatch
     monkeypatch.setattr(vnni.OP, "state", {})
     monkeypatch.setenv("MARS_VNNI", "0")
     monkeypatch.setenv("MARS_AVX2", "0")   # the next in line (tests/test_avx2.py)
-    import mars_core.avx2 as avx2
+    import mars_core.engine.avx2 as avx2
 
     monkeypatch.setattr(avx2.OP, "state", {})
     assert pick_kernel() == "fbgemm" and vnni.why_not() == "MARS_VNNI=0"
@@ -123,7 +123,7 @@ def test_amx_is_used_here_and_gives_the_vnni_loops_bits_for_any_rows_widths_and_
     """On an AMX CPU every product runs on tiles (64-input chunks; the last k % 64 inputs on the VNNI loop). The
     int32 sums are the same integers, so the outputs must be bitwise the VNNI loop's: shapes with and without a
     remainder, fewer than 64 inputs, 1 to 49 rows (more than one group of 16), a lossless step's tail."""
-    from mars_core.w8a8 import _INVERSE, _STEP
+    from mars_core.engine.w8a8 import _INVERSE, _STEP
 
     monkeypatch.delenv("MARS_AMX", raising=False)
     assert vnni.amx_used()
@@ -165,7 +165,7 @@ def test_both_kernels_give_the_same_bits_and_fp32s_attention_whatever_the_head_s
     the other), and a head size that is not a multiple of 16 leaves a last 4, 8 or 12 past them, which both builds
     must add the same way; the weighted sums of the values run 64, 8 and 4 columns at a time. Both must be the
     attention itself: the logits stay as close to the fp32 forward's as w8a8's products allow."""
-    from mars_core.lean import LeanLM
+    from mars_core.engine.lean import LeanLM
     from tests.tiny_fixtures import tiny_causal_lm
 
     model = tiny_causal_lm(50, "llama", head_dim=head_dim)

@@ -1,16 +1,16 @@
-"""dtype="w8a16": w8a8's layer stack with each row's activations rounded once to int16 levels (mars_core/avx2.cpp
+"""dtype="w8a16": w8a8's layer stack with each row's activations rounded once to int16 levels (mars_core/engine/avx2.cpp
 built with MARS_WIDE). Its sums are exact int32 sums, so it must give bit for bit what its definition gives, never
 overflow, keep every row independent of the others (lossless == AR, batch == alone) and refuse clearly where the
 kernel cannot run."""
 import pytest
 import torch
 
-import mars_core.avx2 as avx2
-from mars_core.w8a8 import _INVERSE, _STEP, WIDE, W8A8Linear
+import mars_core.engine.avx2 as avx2
+from mars_core.engine.w8a8 import _INVERSE, _STEP, WIDE, W8A8Linear
 from tests.tiny_fixtures import int8_weights, kernel_case, kernel_rows
 
 pytestmark = pytest.mark.skipif(not avx2.cpu_supported(),
-                                reason="this CPU has no AVX2/FMA, which mars_core/avx2.cpp is written for")
+                                reason="this CPU has no AVX2/FMA, which mars_core/engine/avx2.cpp is written for")
 INT32_MAX = 2 ** 31 - 1
 # SmolLM2-135M's products (fused q/k/v, o, gate/up, down, the head), Qwen2.5-0.5B's down (4864 inputs: fewer
 # levels) and two odd sizes that leave padding in the channel blocks and the 16-input steps, with a bias
@@ -120,7 +120,7 @@ def test_tiny_mars_in_w8a16_lossless_equals_ar_and_a_batch_equals_each_row_alone
 
 
 def test_w8a16_is_refused_with_the_fix_where_the_kernel_is_off(monkeypatch):
-    from mars_core.formats import pick_dtype
+    from mars_core.models.formats import pick_dtype
 
     monkeypatch.setattr(avx2.WIDE, "state", {})
     monkeypatch.setenv("MARS_AVX2", "0")

@@ -155,9 +155,9 @@ def train_metrics(out) -> list[dict]:
 
 
 def own_w8a8_kernels() -> list[str]:
-    """Our own w8a8 kernels (mars_core.w8a8.OWN) that build and load here: the ones whose native layer stack
+    """Our own w8a8 kernels (mars_core.engine.w8a8.OWN) that build and load here: the ones whose native layer stack
     tests can run (none without g++ or AVX2)."""
-    from mars_core.w8a8 import OWN, own_kernel
+    from mars_core.engine.w8a8 import OWN, own_kernel
     return [k for k in OWN if own_kernel(k).load()]
 
 
@@ -167,7 +167,7 @@ def kernel_case(n: int, k: int, bias, passes: int, kernel: str, seed: int = 0):
     outlier input channel, and a bias where `bias` is truthy (as Qwen2's q/k/v have)."""
     import torch
 
-    from mars_core.w8a8 import W8A8Linear
+    from mars_core.engine.w8a8 import W8A8Linear
 
     gen = torch.Generator().manual_seed(n + k + seed)
     weight = torch.randn(n, k, generator=gen) * 0.05

@@ -500,7 +500,7 @@ NATURAL_PROMPTS = ("Explain in two sentences what photosynthesis is.",
 
 def pick_model(page, name: str) -> None:
     """Choose `name` in the model picker as a user does (its label is the catalogue's)."""
-    from mars_core import catalogue
+    from mars_core.models import catalogue
     page.click("#model-picker input")
     page.get_by_role("option", name=catalogue.record(name).label, exact=True).click()
     page.wait_for_function(f"document.querySelector('#model-picker input')?.value.startsWith({name!r})")
