@@ -1,4 +1,4 @@
-// w8a8's product on an AVX2 CPU, built by mars_core/avx2.py; the Python side says why it exists.
+// w8a8's product on an AVX2 CPU, built by mars_core/engine/avx2.py; the Python side says why it exists.
 //
 // It computes, bitwise, what mars_core/vnni.cpp computes (and fbgemm computes on an AVX512-VNNI CPU): each row
 // scaled to [-1, 1] by its largest magnitude and quantized as fbgemm quantizes it (round(fma(u, 1/scale, 128)),

@@ -1,4 +1,4 @@
-// fp32 products for the lean forward's float32 loop, built by mars_core/fp32.py; the Python side says why.
+// fp32 products for the lean forward's float32 loop, built by mars_core/engine/fp32.py; the Python side says why.
 //
 // y[m, j] = bias[j] + sum_k x[m, k] * w[k, j], every row computed in one fixed order: two chains of fused
 // multiply-adds over even and odd k, then even + odd, then the bias. A row's result is the same

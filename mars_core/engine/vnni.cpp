@@ -1,4 +1,4 @@
-// w8a8's product on an AVX512-VNNI CPU, built by mars_core/vnni.py; the Python side says why it exists.
+// w8a8's product on an AVX512-VNNI CPU, built by mars_core/engine/vnni.py; the Python side says why it exists.
 //
 // It computes, bitwise, what mars_core.w8a8.W8A8Linear.forward computes through fbgemm: each row scaled to
 // [-1, 1] by its largest magnitude and quantized as fbgemm quantizes it (round(fma(u, 1/scale, 128)), uint8),
