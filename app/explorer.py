@@ -1,6 +1,6 @@
 """τ explorer: sweep τ over prompts, plot the speed/quality trade-off, export JSON.
 
-Built-in held-out tasks go through the task-suite evaluator (`finetune.evaluate.sweep`: exact-answer
+Built-in held-out tasks go through the task-suite evaluator (`finetune.evals.evaluate.sweep`: exact-answer
 accuracy, tokens/forward, speedup). Free prompts have no answer key, so quality there is
 agreement with the model's own AR output (MARS at τ → 1 must agree 100%).
 """
@@ -68,10 +68,10 @@ def _verify_cfg(tau, block_size, max_new_tokens, criterion):
 def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criterion: str = "prob",
                  lossless: bool = False):
     """A generator of sweep rows, one per τ as each finishes: lossy MARS through the task-suite evaluator
-    (`finetune.evaluate.sweep`); with `lossless`, verify mode per τ < 1 too, scored the same way (its accuracy is
+    (`finetune.evals.evaluate.sweep`); with `lossless`, verify mode per τ < 1 too, scored the same way (its accuracy is
     AR's by construction, and is measured, not assumed)."""
-    from finetune.evaluate import score, speedup_fields, sweep, timed_against_ar
-    from finetune.evaluate_common import decode_batches
+    from finetune.evals.evaluate import score, speedup_fields, sweep, timed_against_ar
+    from finetune.evals.evaluate_common import decode_batches
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
@@ -117,7 +117,7 @@ def free_rows(lm, prompts: list[str], taus, block_size: int, max_new_tokens: int
     tokens/forward and speedup; with `lossless`, the same for verify mode at each τ < 1 (its agreement is 100% by
     construction, and is measured)."""
     from mars_core import DecodeConfig, generate
-    from finetune.evaluate import speedup_fields, timed_against_ar
+    from finetune.evals.evaluate import speedup_fields, timed_against_ar
     ids = [lm.encode(p) for p in prompts]
     ar = generate(lm, ids, DecodeConfig(mode="ar", max_new_tokens=max_new_tokens))
     timed = ids[:TIMING_PROMPTS]

@@ -108,9 +108,9 @@ class Cancelled(BaseException):
 @contextmanager
 def stop_at_forward(lms, stop: threading.Event):
     """Raise Cancelled at the next forward pass of any of `lms` in this thread once `stop` is set. The work runs
-    inside mars_core and finetune.evaluate, which take no stop signal, but every step passes through the model's
+    inside mars_core and finetune.evals.evaluate, which take no stop signal, but every step passes through the model's
     forward. Other threads' forwards are left alone (the machine runs one job at a time, but be exact)."""
-    from mars_core.decode.decoding import net
+    from mars_core.decode.backend import net
     me = threading.get_ident()
 
     def check(_module, _args):

@@ -151,7 +151,7 @@ class Resolver:
         known = builtin_names()
         if choice == SMOLLM2_MARS and choice not in known:
             raise ValueError(f"{SMOLLM2_MARS} is not available: its adapter is missing in assets/{SMOLLM2_MARS} "
-                             f"(build it with `python -m finetune.recipe_smollm2`)")
+                             f"(build it with `python -m finetune.recipes.recipe_smollm2`)")
         if choice not in known:
             raise ValueError(f"model {choice!r} is not in the list {', '.join(known)}; type other paths in the "
                              "free field")
@@ -272,7 +272,7 @@ def _trained_on_builtin(name: str) -> bool:
 def example_prompts(name: str, n: int = 6) -> list[str]:
     """Prompts that suit the model (resolved, see Resolver): held-out task prompts for the tiny models and anything trained on the
     built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts (first,
-    for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts (`finetune.natural`:
+    for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts (`finetune.evals.natural`:
     subjects no training prompt mentions); general prompts otherwise."""
     if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name)):
         try:
@@ -286,9 +286,9 @@ def example_prompts(name: str, n: int = 6) -> list[str]:
         if name in catalogue.names(prompts=catalogue.NATURAL, mars=True):   # where MARS shows several tokens
             curated = TEACHING_PROMPTS + curated
         try:
-            from finetune.natural import natural_prompts
+            from finetune.evals.natural import natural_prompts
             return list(dict.fromkeys(curated + natural_prompts("heldout", n, seed=0)))
-        except Exception:  # finetune.natural missing or broken: the general prompts still suit the model
+        except Exception:  # finetune.evals.natural missing or broken: the general prompts still suit the model
             pass
     return list(GENERAL_PROMPTS)
 
@@ -410,7 +410,7 @@ class BackgroundPreparer:
         elif state == "failed":
             text = f"⚠ {name} failed: {error} — free text stays on {TASK_MODEL}"
         elif state == "not-available":
-            text = (f"{name} is not available here (no adapter in assets/{name}; `python -m finetune.recipe_smollm2` "
+            text = (f"{name} is not available here (no adapter in assets/{name}; `python -m finetune.recipes.recipe_smollm2` "
                     f"builds it): free text runs on {TASK_MODEL}")
         else:
             text = ""

@@ -21,8 +21,8 @@ PAGE_MAX_NEW = 112   # the Generate tab's default
 
 def candidates(n: int) -> list[str]:
     """Development prompts (natural, then structured), none of them in a report set."""
-    from finetune.natural import natural_prompts
-    from finetune.structured import structured_prompts
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.structured import structured_prompts
     report = set(natural_prompts("heldout", 64, seed=REPORT_SEED)) | set(structured_prompts("heldout", 64,
                                                                                              seed=REPORT_SEED))
     pool = natural_prompts("heldout", n, seed=DEV_SEED) + structured_prompts("heldout", n, seed=DEV_SEED)
@@ -32,7 +32,7 @@ def candidates(n: int) -> list[str]:
 def decode_table(lm, prompts: list[str], taus: list[float], block_size: int = 4,
                  max_new_tokens: int = PAGE_MAX_NEW) -> list[dict]:
     """One row per prompt: AR's answer, its finish and loop, and per τ the lossy tokens/forward and == AR."""
-    from finetune.distill import repeats_itself
+    from finetune.evals.evaluate_common import repeats_itself
     from mars_core import DecodeConfig, generate
 
     rows = []

@@ -57,7 +57,7 @@ train_flags=(--base-model tiny-mars --stage mars --mixed-precision bf16 --builti
 require=0
 [[ "$device" == cuda* ]] && require=1
 cmd_tests=(env "MARS_REQUIRE_CUDA=$require" python -m pytest -q -rs -p no:cacheprovider tests/test_devices.py)
-cmd_lm_eval=(env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m finetune.lm_eval_mars --model mars
+cmd_lm_eval=(env HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m finetune.evals.lm_eval_mars --model mars
              --model_args "model=tiny-mars,mode=mars,tau=0.95,block_size=4,dtype=bfloat16" --device "$device"
              --tasks mars_tiny_gen,mars_tiny_mc --include_path tests/lm_eval_task --apply_chat_template
              --output_path "$out/lm-eval")

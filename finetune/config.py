@@ -111,7 +111,7 @@ class TrainConfig:
     """Warm start (MARS with --lora): an adapter folder, e.g. assets/smollm2-mars, whose LoRA weights and mask row
     this run starts from instead of a fresh adapter; --base-model, --lora-r, --lora-alpha, --block-size and
     --train-mask-row must match it, and --gated-lora must be set exactly when it is a gated one
-    (mars-gated-lora-v1, written by finetune.export_adapter from a --gated-lora run). Optimizer and schedule
+    (mars-gated-lora-v1, written by finetune.recipes.export_adapter from a --gated-lora run). Optimizer and schedule
     start afresh. Empty: a fresh adapter."""
     skip_seen: str = ""
     """A data manifest (data_manifest.json, or a folder holding one: a run, a checkpoint, an exported adapter):
@@ -124,7 +124,7 @@ class TrainConfig:
     freeze_embeddings: bool = False
     """Full fine-tuning: keep the token embedding matrix (and so a tied LM head) as it is; with --train-mask-row the
     mask token's row still trains. The change then lies in the decoder layers only, which an SVD delta can ship
-    compactly (finetune.export_delta); a changed 49,152 x 576 embedding would not."""
+    compactly (finetune.recipes.export_delta); a changed 49,152 x 576 embedding would not."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end, on SIGINT/SIGTERM)."""
     keep_checkpoints: int = 2

@@ -289,7 +289,7 @@ def read_manifest(path: str | Path, flag: str = "--skip-seen") -> dict:
     p = manifest_path(path)
     if not p.is_file():
         raise ValueError(f"{flag} {str(path)!r}: no {MANIFEST_FILE} there; pass a manifest file or a run, checkpoint "
-                         "or adapter folder that holds one (python -m finetune.recipe_smollm2 --stages manifest writes "
+                         "or adapter folder that holds one (python -m finetune.recipes.recipe_smollm2 --stages manifest writes "
                          "one for the shipped adapter)")
     try:
         record = json.loads(p.read_text(encoding="utf-8"))
@@ -299,7 +299,7 @@ def read_manifest(path: str | Path, flag: str = "--skip-seen") -> dict:
           and all(isinstance(k, str) and len(k) == 16 for k in record["prompts"]))
     if not ok:
         raise ValueError(f"{flag} {str(p)!r} is not a {MANIFEST_FORMAT} manifest (a 'prompts' list of 16-digit keys): "
-                         "pass one that finetune.train or finetune.recipe_smollm2 wrote")
+                         "pass one that finetune.train or finetune.recipes.recipe_smollm2 wrote")
     return record
 
 

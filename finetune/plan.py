@@ -161,7 +161,7 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
     config, source = model_config(cfg.base_model)
     c = count(meta_module(cfg, config), cfg)
     n_examples, mean_len, data_source = example_stats(cfg, plan_examples)
-    from finetune.train import schedule
+    from finetune.schedule import schedule
 
     P, b, n = processes, cfg.batch_size, cfg.max_length
     global_batch = b * P * cfg.grad_accum

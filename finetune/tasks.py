@@ -12,7 +12,7 @@ Splits: an example belongs to "heldout" when a hash of its question falls in
 the lowest HELDOUT_PERCENT buckets, otherwise to "train"; the two splits can
 therefore never share a question, whatever the seed.
 
-API (what finetune.data, finetune.evaluate and the app use): FAMILIES, make_examples(split, n, seed),
+API (what finetune.data, finetune.evals.evaluate and the app use): FAMILIES, make_examples(split, n, seed),
 check_answer(example, response).
 """
 

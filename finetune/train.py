@@ -42,7 +42,8 @@ Shape follows nanoGPT/litgpt: ``main`` (flags, signal handlers) -> ``train``
 (status bookkeeping around) ``setup`` (model, data, optimizer, resume) and
 ``fit`` (the loop), with small helpers. The model, its loss wrapper and the ``Run`` live in
 ``finetune.train_model``, checkpoints in ``finetune.checkpoint``, status.json and metrics.jsonl in
-``finetune.status``.
+``finetune.status``, the step count and learning rate in ``finetune.schedule``, and claiming, starting and
+closing the run folder in ``finetune.run_dir``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -69,58 +69,25 @@ import torch
 from torch import nn
 
 from finetune.checkpoint import (
-    CONFIG_FILE, RESTART_FIX, all_checkpoints, check_resumable, keep_metrics, list_checkpoints, load_resume,
-    refuse_starting_over, save_checkpoint, set_rng_state, warn,
+    RESTART_FIX, all_checkpoints, check_resumable, list_checkpoints, load_resume, refuse_starting_over,
+    save_checkpoint, set_rng_state, warn,
 )
 from finetune import sharding
-from finetune.config import TrainConfig, native_bf16_cpu, parse_train_command, refuse_file_above
+from finetune.config import TrainConfig, native_bf16_cpu, parse_train_command
 from finetune.data import (
-    IGNORE_INDEX, MANIFEST_FILE, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
-    pad_id_of, prompt_key, read_manifest, write_manifest,
+    IGNORE_INDEX, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
+    pad_id_of, prompt_key, read_manifest,
 )
-from finetune.status import (
-    METRICS_FILE, STOP_REQUEST, RunClaim, RunStatus, StatusWriter, failed_status, read_metrics_rows,
-    read_status, write_json, write_status,
+from finetune.run_dir import (
+    check_output_dir, claim_run_dir, drop_stale_stop_request, start_run_dir, stop_exit, stopped_before_start,
+    write_failed_status,
 )
+from finetune.schedule import block_offset_at, get_lr, schedule
+from finetune.status import METRICS_FILE, RunStatus, StatusWriter, read_status
 from finetune.train_model import Run, StopFlag, WarmStart, load_base, make_optimizer, prepare_model, wrap_model
-from mars_core.models.storage import check_writable
 from mars_core.engine.threads import check_thread_count
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def block_offset_at(cfg: TrainConfig, index: int) -> int:
-    """The block grid's offset for micro-batch `index`: 0 (the paper's grid), or with --random-block-offset a draw in
-    [0, B) that depends only on the seed and the index, so a resumed run and every process agree on it."""
-    if not (cfg.random_block_offset and cfg.stage == "mars"):
-        return 0
-    return random.Random(cfg.seed * 1_000_003 + index).randrange(cfg.block_size)
-
-
-def get_lr(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine/linear/constant decay."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.decay == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    if cfg.decay == "cosine":
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
-    return cfg.lr - progress * (cfg.lr - min_lr)
-
-
 # ----------------------------------------------------------------------------- setup
-
-
-def check_output_dir(output_dir: str) -> Path:
-    """--output-dir is (or can become) a directory this process can write to; checked before any loading."""
-    out = Path(output_dir).expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {output_dir!r} is a file, not a directory: pass a new or existing directory")
-    refuse_file_above(out, f"--output-dir {output_dir!r}", "pass a directory path")
-    check_writable(output_dir, "--output-dir", "pass a directory you can write to", folder=True)
-    return out
 
 
 # TrainConfig's own defaults of the settings only the MARS loss reads
@@ -173,34 +140,6 @@ def uses_cpu() -> bool:
     # cpu=True is what turns a torchrun-style launch without GPUs into gloo data parallelism
     # (accelerate's MULTI_CPU); `accelerate launch --cpu` alone starts a single process.
     return not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-
-
-def has_history(out: Path) -> bool:
-    """Whether --output-dir holds an earlier run: a checkpoint folder (complete or not) or a logged step."""
-    return bool(all_checkpoints(out) or read_metrics_rows(out / METRICS_FILE))
-
-
-def claim_run_dir(out: Path, restart: bool) -> RunClaim | None:
-    """Take the run folder (the main process; the others follow it); with --restart, move an earlier run aside
-    first, by rename: nothing of it is deleted."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return None
-    claim = RunClaim(out).acquire()
-    if not (restart and has_history(out)):
-        return claim
-    try:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
-        while aside.exists():
-            n += 1
-            aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
-        os.rename(out, aside)   # the claim's lock file goes with it, so no one enters the old run meanwhile
-        claim.moved_to(aside)
-        fresh = RunClaim(out).acquire()
-    finally:
-        claim.release()
-    print(f"[finetune.train] --restart: moved the earlier run to {aside}", file=sys.stderr)
-    return fresh
 
 
 def setup(cfg: TrainConfig, out: Path, use_cpu: bool, fresh: bool = False) -> Run:
@@ -272,18 +211,6 @@ def start_accelerator(cfg: TrainConfig, use_cpu: bool):
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=use_cpu)
     set_seed(cfg.seed)
     return accelerator
-
-
-def schedule(cfg: TrainConfig, n_examples: int, num_processes: int) -> tuple[int, int]:
-    """(micro-batches per epoch, optimizer steps in the run)."""
-    global_batch = cfg.batch_size * num_processes
-    micro_per_epoch = n_examples // global_batch
-    if micro_per_epoch < 1:
-        raise ValueError(
-            f"{n_examples} examples are fewer than one global batch of {global_batch} "
-            f"(--batch-size {cfg.batch_size} x {num_processes} processes): lower --batch-size or add data"
-        )
-    return micro_per_epoch, cfg.max_steps or max(1, math.ceil(cfg.epochs * micro_per_epoch / cfg.grad_accum))
 
 
 def resume_from(run: Run, state: dict, checkpoint: Path) -> None:
@@ -503,31 +430,6 @@ def end_fit(run: Run, status: StatusWriter, step: int, state: str, elapsed: floa
 # ----------------------------------------------------------------------------- entry points
 
 
-def write_failed_status(cfg: TrainConfig, out: Path, exc: BaseException) -> None:
-    """Setup failed before a Run existed: still tell the app why (main process only; called only while this
-    process holds the run folder, so it never overwrites another trainer's status.json)."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    try:
-        before = read_status(out)   # a refused resume keeps the run's real step and checkpoint
-        checkpoints = list_checkpoints(out)
-        last = str(checkpoints[-1]) if checkpoints else None
-        write_status(out, failed_status(before, cfg.max_steps, last, f"{type(exc).__name__}: {exc}"))
-    except OSError:  # an unwritable --output-dir is what failed: the error message says so
-        pass
-
-
-def drop_stale_stop_request(out: Path) -> None:
-    """A Stop request older than this command was left by an earlier run in this folder (one that died before
-    reading it): not this run's. A newer one is: the app's Stop can come while this process still imports torch."""
-    request = out / STOP_REQUEST
-    try:
-        if request.stat().st_mtime < STARTED_AT - 60:   # the launcher's own start-up comes before ours
-            request.unlink()
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg, flags = parse_train_command(argv)
     if flags.dry_run:
@@ -551,7 +453,7 @@ def train(cfg: TrainConfig, stop: StopFlag, restart: bool = False) -> int:
     out = preflight(cfg, use_cpu)
     claim = claim_run_dir(out, restart)
     try:
-        drop_stale_stop_request(out)
+        drop_stale_stop_request(out, STARTED_AT)
         # Stopped while starting: no model is loaded for nothing. (Several processes first agree, in fit.)
         if stop.requested and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return stopped_before_start(cfg, out, stop)
@@ -585,57 +487,6 @@ def train_run(run: Run) -> int:
         return stop_exit(run.out, run.stop, status.record.step, run.start_step, run.total_steps,
                          status.record.last_checkpoint, acc.is_main_process)
     return 0
-
-
-def stopped_before_start(cfg: TrainConfig, out: Path, stop: StopFlag) -> int:
-    """Signalled before setup: record "stopped" where the run stands (step 0, or a resumable checkpoint's)."""
-    main_process = int(os.environ.get("RANK", "0")) == 0
-    before = read_status(out) or RunStatus()
-    step = before.step or 0
-    checkpoints = list_checkpoints(out)
-    last = str(checkpoints[-1]) if checkpoints else None
-    if main_process:
-        write_status(out, RunStatus.of_this_process("stopped", step, before.max_steps or cfg.max_steps, last))
-    return stop_exit(out, stop, step, step, before.max_steps or cfg.max_steps, last, main_process)
-
-
-def stop_exit(out: Path, stop: StopFlag, step: int, start_step: int, total_steps, last_checkpoint,
-              main_process: bool) -> int:
-    """One line and 130 (SIGINT) / 143 (SIGTERM), as every command stopped by a signal; 0 when the app's Stop
-    asked for it (a requested end is a normal end)."""
-    requested = (out / STOP_REQUEST).exists()
-    if requested and int(os.environ.get("WORLD_SIZE", "1")) == 1:   # (other processes may still have to read it)
-        (out / STOP_REQUEST).unlink(missing_ok=True)   # read: a later run in this folder must not take it as its own
-    if step == start_step:
-        where = f"before step {step + 1}: nothing to save" + (f"; {last_checkpoint} is as it was"
-                                                                if last_checkpoint else "")
-    else:
-        where = f"after step {step} of {total_steps}; last checkpoint: {last_checkpoint}"
-    if requested:
-        if main_process:
-            print(f"[finetune.train] stopped ({stop.signal_name}) {where}", file=sys.stderr)
-        return 0
-    if main_process:
-        print(f"interrupted ({stop.signal_name}) {where}: rerun the same command to resume", file=sys.stderr)
-    return 143 if stop.signal_name == "SIGTERM" else 130
-
-
-def start_run_dir(run: Run) -> None:
-    """Write the run's config, drop metrics logged after the resumed checkpoint (about to be redone), and say
-    what is about to happen."""
-    run.out.mkdir(parents=True, exist_ok=True)
-    write_json(run.out / CONFIG_FILE, run.cfg.to_dict())
-    if run.manifest is not None:
-        write_manifest(run.out / MANIFEST_FILE, *run.manifest)
-    keep_metrics(run.out / METRICS_FILE, run.out / METRICS_FILE, run.start_step)
-    where = f"resuming from {run.resumed_from} at step {run.start_step}" if run.resumed_from else "starting"
-    n_params = sum(p.numel() for p in run.module.parameters())
-    n_train = sum(p.numel() for p in run.module.parameters() if p.requires_grad)
-    print(
-        f"[finetune.train] {where}; {len(run.examples)} examples, {run.total_steps} steps, "
-        f"{run.accelerator.num_processes} process(es), {n_train:,}/{n_params:,} trainable parameters",
-        file=sys.stderr,
-    )
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@ native kernels), models/ (loading, sources, tokens, adapters, export) and tools/
 timing). Each part imports only the parts listed before it.
 
 The names below load on first use (PEP 562), so `import mars_core.models.catalogue` or `mars_core.models.textfile`
-does not import torch: `python -m finetune.evaluate --help` and the app's startup stay quick."""
+does not import torch: `python -m finetune.evals.evaluate --help` and the app's startup stay quick."""
 import importlib
 
 _HOMES = {
     "DecodeConfig": "decode.config", "TauControl": "decode.config",
-    "accept_counts": "decode.decoding", "draft_acceptance": "decode.decoding", "generate": "decode.decoding",
-    "generate_stream": "decode.decoding", "propose": "decode.decoding", "reference_generate": "decode.decoding",
+    "accept_counts": "decode.step", "draft_acceptance": "decode.decoding", "generate": "decode.decoding",
+    "generate_stream": "decode.decoding", "propose": "decode.step", "reference_generate": "decode.decoding",
     "RowStep": "decode.events", "SequenceResult": "decode.events", "StepEvent": "decode.events",
     "LoadedModel": "models.loading", "load_model": "models.loading", "wrap_model": "models.loading",
     "DEFAULT_MODEL": "models.sources", "KNOWN_MODELS": "models.sources",

@@ -1,4 +1,4 @@
-"""finetune.ab (the fixed-budget A/B harness), its scoring (finetune.ab_score) and gated LoRA, on a tiny model."""
+"""finetune.recipes.ab (the fixed-budget A/B harness), its scoring (finetune.recipes.ab_score) and gated LoRA, on a tiny model."""
 
 import subprocess
 import sys
@@ -33,7 +33,7 @@ def loaded(model, tokenizer, mask_id):
 
 
 def test_mask_slots_count_the_masks_after_the_last_real_token_in_each_block():
-    from finetune.ab_score import mask_slots
+    from finetune.recipes.ab_score import mask_slots
 
     labels = torch.tensor([[-100, -100, -100, 5, 6, 7, 8, 9, 1, 2, -100, -100]])   # prompt 0..2, answer 3..9, pad
     assert mask_slots(labels, 4, 0).tolist() == [[0, 0, 0, 1, 1, 2, 3, 4, 1, 2, 0, 0]]
@@ -41,7 +41,7 @@ def test_mask_slots_count_the_masks_after_the_last_real_token_in_each_block():
 
 
 def test_held_out_mask_ce_is_the_training_loss_mask_and_agreement_is_per_slot(tiny):
-    from finetune.ab_score import MaskTally, mask_metrics, tally_batch
+    from finetune.recipes.ab_score import MaskTally, mask_metrics, tally_batch
     from finetune.data import build_examples, collate, load_conversations
     from finetune.losses import mars_loss
     from finetune.train_model import load_base
@@ -64,7 +64,7 @@ def test_held_out_mask_ce_is_the_training_loss_mask_and_agreement_is_per_slot(ti
 
 
 def test_gated_lora_keeps_the_one_token_path_the_base_model_and_changes_the_masks(tiny, gated_run):
-    from finetune.ab_score import trained_model
+    from finetune.recipes.ab_score import trained_model
     from finetune.train_model import load_base
     from mars_core import DecodeConfig, generate
 
@@ -97,7 +97,7 @@ def test_gated_lora_needs_lora_and_mars():
 
 def run_ab(*args):
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    return subprocess.run([sys.executable, "-m", "finetune.ab", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "finetune.recipes.ab", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
 
 
@@ -168,7 +168,7 @@ def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untraine
 
 
 def test_the_table_pairs_each_arm_with_the_first_prompt_by_prompt():
-    from finetune.ab import format_table
+    from finetune.recipes.ab import format_table
 
     def arm(name, each):
         return {"arm": name, "settings": {}, "steps": 3, "train_elapsed_s": 60.0, "train_mask_ce": 3.0, "mask_ce": 3.1,
@@ -221,7 +221,7 @@ def test_lora_layers_is_checked_against_the_model_and_needs_lora(tiny):
 def test_a_gated_adapter_is_scored_as_served_and_warm_gated_trains_from_it(tiny, tmp_path):
     import json
 
-    from finetune.export_adapter import export_adapter
+    from finetune.recipes.export_adapter import export_adapter
 
     model_dir, data = tiny
     first = tmp_path / "first"

@@ -375,7 +375,7 @@ def test_missing_smollm2_mars_names_the_recipe(tmp_path, monkeypatch):
 
 
 def test_bench_default_prompts_for_smollm2_mars_are_natural_heldout():
-    from finetune.natural import natural_prompts
+    from finetune.evals.natural import natural_prompts
     from mars_core.tools.bench import GENERAL_PROMPTS, default_prompts
 
     prompts = default_prompts("smollm2-mars")

@@ -618,8 +618,8 @@ def test_picker_lists_smollm2_mars_only_when_its_adapter_exists(tmp_path, monkey
 
 
 def test_example_prompts_are_natural_for_smollm2_and_task_prompts_for_tiny():
-    from finetune.natural import natural_prompts
-    from finetune.structured import prompt_table
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.structured import prompt_table
     from finetune.tasks import make_examples
     # held-out prompts of both catalogues: smollm2-mars's teaching prompts include structured ones
     natural = set(natural_prompts("heldout")) | {p for _, _, p in prompt_table("heldout")}

@@ -217,8 +217,8 @@ def test_examples_and_the_example_prompt_follow_the_model():
 
 # ----------------------------------------------------------------------------- state that is always current
 def test_the_teaching_examples_are_development_prompts_and_a_real_language_model_gets_a_note():
-    from finetune.natural import natural_prompts
-    from finetune.structured import structured_prompts
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.structured import structured_prompts
     from app import pick_examples
     dev = (natural_prompts("heldout", 200, seed=pick_examples.DEV_SEED)
            + structured_prompts("heldout", 200, seed=pick_examples.DEV_SEED))

@@ -481,7 +481,7 @@ def test_a_stale_running_status_reads_as_interrupted(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--html", "--json"])
 def test_evaluate_checks_output_paths_before_the_sweep(tmp_path, flag):
-    from finetune.evaluate import main as evaluate_main
+    from finetune.evals.evaluate import main as evaluate_main
 
     bad = str(out_is_file(tmp_path) / "plot.html")
     with pytest.raises(ValueError, match=f"{flag} .*lies under .*which is a file"):
@@ -489,7 +489,7 @@ def test_evaluate_checks_output_paths_before_the_sweep(tmp_path, flag):
 
 
 def test_evaluate_checks_every_model_name_before_the_first_sweep(tmp_path):
-    from finetune.evaluate import main as evaluate_main
+    from finetune.evals.evaluate import main as evaluate_main
 
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         evaluate_main(["--models", "tiny-mars", "no-such-model", "--n", "1"])
@@ -498,8 +498,8 @@ def test_evaluate_checks_every_model_name_before_the_first_sweep(tmp_path):
 def test_evaluate_and_distill_exit_2_without_traceback(tmp_path):
     bad = str(out_is_file(tmp_path) / "x")
     prompts = prompts_file(tmp_path, b"What is 1 + 1?\n")
-    for argv in (["finetune.evaluate", "--models", NO_MODEL, "--html", bad],
-                 ["finetune.distill", "--model", NO_MODEL, "--prompts", prompts, "--out", bad]):
+    for argv in (["finetune.evals.evaluate", "--models", NO_MODEL, "--html", bad],
+                 ["finetune.recipes.distill", "--model", NO_MODEL, "--prompts", prompts, "--out", bad]):
         out = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert out.returncode == 2 and "which is a file" in out.stderr, (argv, out.stderr)
         no_traceback(out.stderr)

@@ -1,6 +1,6 @@
 """mars_core.models.catalogue: one record per built-in model, and every list of models in the project read from it.
 
-Sources, bench, finetune.evaluate, the app's picker and example prompts, and the Finetune tab must agree with
+Sources, bench, finetune.evals.evaluate, the app's picker and example prompts, and the Finetune tab must agree with
 the catalogue (and so with each other) on every property they share; no model is loaded here.
 """
 import ast
@@ -86,7 +86,7 @@ def test_sources_read_the_catalogue():
 def test_app_evaluate_and_bench_agree_with_the_catalogue():
     """For every record: the prompt set and MARS training each caller acts on are the record's."""
     from app import models, notices
-    from finetune import evaluate, evaluate_natural
+    from finetune.evals import evaluate, evaluate_natural
     from mars_core.tools import bench
 
     tasks_file = bench.read_prompts(str(sources.ASSETS / "prompts" / "tasks-heldout.txt"))
@@ -132,7 +132,7 @@ def test_app_picker_and_finetune_bases_are_the_catalogues():
 def test_the_lists_are_what_they_were_before_the_catalogue():
     """Pinned: the catalogue replaced these literal lists without changing one of them."""
     from app import finetune_ui, models
-    from finetune import evaluate
+    from finetune.evals import evaluate
 
     assert [n for _, n in models.BUILTIN_MODELS] == ["tiny-mars", "tiny-ar-sft", "smollm2"]
     assert models.SMOLLM2_MARS == "smollm2-mars" and models.TASK_MODEL == "tiny-mars"

@@ -1,4 +1,4 @@
-"""finetune.distill: prompts in, the model's own greedy answers out as chat JSONL."""
+"""finetune.recipes.distill: prompts in, the model's own greedy answers out as chat JSONL."""
 
 import json
 
@@ -18,7 +18,7 @@ def _tiny_model_dir(path):
 
 
 def test_distill_writes_the_models_greedy_answers(tmp_path):
-    from finetune.distill import main
+    from finetune.recipes.distill import main
     from mars_core import DecodeConfig, generate, load_model
 
     model_dir = _tiny_model_dir(tmp_path / "m")
@@ -39,7 +39,7 @@ def test_distill_writes_the_models_greedy_answers(tmp_path):
 
 
 def test_truncated_answers_are_dropped_by_default(tmp_path):
-    from finetune.distill import distill
+    from finetune.recipes.distill import distill
     from mars_core import load_model
 
     lm = load_model(str(_tiny_model_dir(tmp_path / "m")), device="cpu")
@@ -78,8 +78,8 @@ def test_prompt_lines_are_stripped_and_escaped_and_binary_files_refused(tmp_path
 
 
 def test_distill_resumes_without_repeating_a_prompt(tmp_path, monkeypatch):
-    import finetune.distill as distill_mod
-    from finetune.distill import dropped_path, main
+    import finetune.recipes.distill as distill_mod
+    from finetune.recipes.distill import dropped_path, main
 
     model_dir = _tiny_model_dir(tmp_path / "m")
     prompts = tmp_path / "prompts.txt"
@@ -113,7 +113,7 @@ def test_distill_resumes_without_repeating_a_prompt(tmp_path, monkeypatch):
 
 
 def test_out_equal_to_the_prompts_file_is_refused_and_the_prompts_survive(tmp_path):
-    from finetune.distill import main
+    from finetune.recipes.distill import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is 2 + 3?\n")
@@ -125,7 +125,7 @@ def test_out_equal_to_the_prompts_file_is_refused_and_the_prompts_survive(tmp_pa
 
 
 def test_looping_answers_are_recognised():
-    from finetune.distill import repeats_itself
+    from finetune.evals.evaluate_common import repeats_itself
 
     assert repeats_itself([1, 2, 3, 4, 5, 6, 7, 8] * 3)
     assert not repeats_itself(list(range(40)))

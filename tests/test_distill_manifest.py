@@ -1,9 +1,9 @@
-"""finetune.distill --skip-seen: prompts a data manifest lists (an adapter's earlier rounds) are not distilled again."""
+"""finetune.recipes.distill --skip-seen: prompts a data manifest lists (an adapter's earlier rounds) are not distilled again."""
 
 import pytest
 
 from finetune.data import prompt_text_key, write_manifest
-from finetune.distill import parse_args, prompts_to_do
+from finetune.recipes.distill import parse_args, prompts_to_do
 
 
 def test_prompts_in_the_manifest_are_skipped_and_the_rest_kept_in_order(tmp_path, capsys):

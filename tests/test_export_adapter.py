@@ -1,4 +1,4 @@
-"""finetune.export_adapter: a LoRA checkpoint as an adapter folder; a --gated-lora run's as mars-gated-lora-v1,
+"""finetune.recipes.export_adapter: a LoRA checkpoint as an adapter folder; a --gated-lora run's as mars-gated-lora-v1,
 which mars_core decodes as training ran it and a later gated run warm-starts from. Tiny models only."""
 import json
 import subprocess
@@ -20,7 +20,7 @@ GATED = ["--stage", "mars", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--t
 @pytest.fixture(scope="module")
 def gated_export(tiny, tmp_path_factory):
     """(checkpoint of a 3-step gated run, the adapter exported from it in fp32)."""
-    from finetune.export_adapter import export_adapter
+    from finetune.recipes.export_adapter import export_adapter
 
     root = tmp_path_factory.mktemp("gated")
     main(train_flags(tiny, root / "run", *GATED, "--max-steps", "3"))
@@ -31,7 +31,7 @@ def gated_export(tiny, tmp_path_factory):
 
 
 def _training_model(tiny, checkpoint):
-    from finetune.ab_score import trained_model
+    from finetune.recipes.ab_score import trained_model
     from finetune.train_model import load_base
 
     return trained_model(checkpoint, load_base(str(tiny[0]))).eval()
@@ -88,7 +88,7 @@ def test_a_gated_adapter_does_not_warm_start_a_plain_run(tiny, gated_export, tmp
 
 def test_the_cli_names_a_folder_that_is_no_checkpoint_in_one_line(tmp_path):
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    done = subprocess.run([sys.executable, "-m", "finetune.export_adapter", str(tmp_path), "--out", str(tmp_path / "a")],
+    done = subprocess.run([sys.executable, "-m", "finetune.recipes.export_adapter", str(tmp_path), "--out", str(tmp_path / "a")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

@@ -1,11 +1,11 @@
-"""finetune.export_delta: a full fine-tune's change as a low-rank mars-lora-v1 adapter that today's loader merges."""
+"""finetune.recipes.export_delta: a full fine-tune's change as a low-rank mars-lora-v1 adapter that today's loader merges."""
 
 import json
 
 import pytest
 import torch
 
-from finetune.export_delta import low_rank, main
+from finetune.recipes.export_delta import low_rank, main
 from finetune.train import main as train_main
 from tests.tiny_fixtures import train_flags
 

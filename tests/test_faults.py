@@ -142,7 +142,7 @@ TAUS = ["0.95", "0.9", "0.85", "0.8", "0.75", "0.7", "0.65", "0.6", "0.55", "0.5
 
 
 def evaluate(out: Path, *extra: str) -> subprocess.Popen:
-    return start("finetune.evaluate", "--models", "tiny-mars", "--device", "cpu", "--threads", "1", "--n", "24",
+    return start("finetune.evals.evaluate", "--models", "tiny-mars", "--device", "cpu", "--threads", "1", "--n", "24",
                  "--timing-prompts", "0", "--taus", *TAUS, "--json", str(out), *extra)
 
 
@@ -166,7 +166,7 @@ def test_evaluate_sigint_saves_partial_rows_and_resume_finishes(tmp_path):
     assert partial["partial"] is True and 1 <= len(partial["rows"]) < len(TAUS)
     assert f"after {len(partial['rows'])} of {len(TAUS)} rows" in line and "--resume" in line
 
-    again = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--models", "tiny-mars", "--json", str(out)],
+    again = subprocess.run([sys.executable, "-m", "finetune.evals.evaluate", "--models", "tiny-mars", "--json", str(out)],
                            cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "add --resume" in again.stderr    # the finished rows are not overwritten
     assert json.loads(out.read_text()) == partial
@@ -183,7 +183,7 @@ def test_evaluate_resume_refuses_other_settings_and_needs_json(tmp_path):
            "tau": 0.9, "n": 5, "block_size": 4}
     out.write_text(json.dumps({"partial": True, "rows": [row]}))
     for flags, message in ((["--json", str(out), "--resume"], "n=5"), (["--resume"], "--json FILE")):
-        res = subprocess.run([sys.executable, "-m", "finetune.evaluate", "--models", "tiny-mars", "--n", "8",
+        res = subprocess.run([sys.executable, "-m", "finetune.evals.evaluate", "--models", "tiny-mars", "--n", "8",
                               "--device", "cpu", *flags], cwd=REPO, env=run_env(), capture_output=True, text=True,
                              timeout=120)
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
@@ -193,7 +193,7 @@ def test_distill_sigterm_keeps_rows_and_rerun_resumes(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"What is {i} + {i + 1}?" for i in range(60)) + "\n")
     out = tmp_path / "data.jsonl"
-    cmd = ("finetune.distill", "--model", "tiny-mars", "--device", "cpu", "--threads", "1", "--batch-size", "1",
+    cmd = ("finetune.recipes.distill", "--model", "tiny-mars", "--device", "cpu", "--threads", "1", "--batch-size", "1",
            "--max-new-tokens", "48", "--keep-truncated", "--prompts", str(prompts), "--out", str(out))
 
     def answered() -> int:
@@ -352,7 +352,7 @@ def test_check_free_space_refuses_before_writing(tmp_path, monkeypatch):
 
 
 def test_distill_full_disk_leaves_no_empty_file_and_no_torn_batch(tmp_path, monkeypatch):
-    from finetune import distill
+    from finetune.recipes import distill
 
     out = tmp_path / "out.jsonl"
     monkeypatch.setattr(distill.os, "fsync", enospc)

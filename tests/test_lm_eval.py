@@ -1,4 +1,4 @@
-"""lm-eval with our decoder (finetune/lm_eval_mars.py): the local tasks in tests/lm_eval_task (generate_until,
+"""lm-eval with our decoder (finetune/evals/lm_eval_mars.py): the local tasks in tests/lm_eval_task (generate_until,
 multiple choice, rolling log-likelihood) on the embedded tiny-mars, offline. τ = 1 scores exactly like AR, lossless
 MARS too; generation at τ = 1 equals lm-eval's own transformers model (`--model hf`), and so do the
 log-likelihoods; the command prints tokens per forward and writes them into the results JSON."""
@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (the [eval] extr
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from finetune import lm_eval_mars  # noqa: E402  (registers --model mars)
+from finetune.evals import lm_eval_mars  # noqa: E402  (registers --model mars)
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "tests" / "lm_eval_task"
@@ -136,7 +136,7 @@ def test_generation_and_log_likelihoods_equal_lm_evals_own_transformers_model(ru
 @pytest.mark.slow
 def test_the_command_runs_lm_evals_cli_with_mars_registered_and_prints_tokens_per_forward(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "finetune.lm_eval_mars", "--model", "mars", "--model_args",
+        [sys.executable, "-m", "finetune.evals.lm_eval_mars", "--model", "mars", "--model_args",
          "model=tiny-mars,tau=0.95,block_size=4,mode=mars,dtype=float32", "--tasks", "mars_tiny_gen",
          "--include_path", str(TASK_DIR), "--apply_chat_template", "--limit", "3", "--output_path", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})

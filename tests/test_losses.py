@@ -271,7 +271,7 @@ def test_skipping_prompt_blocks_is_exact_on_a_shifted_grid_and_the_grid_changes_
 @torch.no_grad()
 def test_random_block_offsets_reach_the_loss_and_depend_only_on_seed_and_step(model):
     from finetune.config import TrainConfig
-    from finetune.train import block_offset_at
+    from finetune.schedule import block_offset_at
     from finetune.train_model import TrainModule
 
     cfg = TrainConfig(stage="mars", block_size=4, random_block_offset=True, seed=3)

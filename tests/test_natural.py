@@ -1,12 +1,12 @@
-"""finetune.natural: the natural-prompt generator and its splits; finetune.checkable: the checkable set's checker."""
+"""finetune.evals.natural: the natural-prompt generator and its splits; finetune.evals.checkable: the checkable set's checker."""
 
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from finetune.checkable import CheckItem, check, checkable_set
-from finetune.natural import CATEGORIES, main, natural_prompts, prompt_table, split_of
+from finetune.evals.checkable import CheckItem, check, checkable_set
+from finetune.evals.natural import CATEGORIES, main, natural_prompts, prompt_table, split_of
 
 
 def test_the_two_splits_share_no_prompt_and_no_subject():

@@ -254,7 +254,7 @@ def test_the_later_of_two_conversions_of_one_gguf_uses_the_first_ones_folder(tmp
 
 
 def test_export_adapter_replaces_the_adapter_whole_and_keeps_other_files(tiny, tmp_path, monkeypatch):
-    from finetune.export_adapter import export_adapter
+    from finetune.recipes.export_adapter import export_adapter
     from mars_core.models import adapter
 
     run = tmp_path / "run"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import model_cards, recipe
+from finetune.recipes import model_cards, recipe
 from finetune.config import config_from_args
 
 
@@ -146,7 +146,7 @@ def test_card_timing_names_the_recipe_invocations_the_runs_came_from():
 
 @pytest.mark.slow
 def test_the_whole_recipe_at_a_tiny_scale_trains_the_ablation_only_when_asked(tmp_path, monkeypatch):
-    # Every stage for real (subprocesses of finetune.train and finetune.evaluate), a few steps each.
+    # Every stage for real (subprocesses of finetune.train and finetune.evals.evaluate), a few steps each.
     monkeypatch.setattr(recipe, "TIMING_PROMPTS", 1)
     out, work, arw0 = tmp_path / "out", tmp_path / "work", tmp_path / "arw0"
     common = ["--out", str(out), "--work", str(work), "--ablation-dir", str(arw0), "--scale", "0.001",

@@ -1,4 +1,4 @@
-"""finetune.recipe_smollm2 end to end at a tiny scale: the embedded tiny-ar-sft stands in for SmolLM2."""
+"""finetune.recipes.recipe_smollm2 end to end at a tiny scale: the embedded tiny-ar-sft stands in for SmolLM2."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_flags_are_checked_before_any_stage_runs():
-    from finetune.recipe_smollm2 import parse_args
+    from finetune.recipes.recipe_smollm2 import parse_args
 
     assert parse_args(["--stages", "prompts, train"]).stages == ["prompts", "train"]
     with pytest.raises(ValueError, match=r"--stages names \['nope'\]"):
@@ -22,7 +22,7 @@ def test_flags_are_checked_before_any_stage_runs():
 
 
 def test_export_takes_the_newest_complete_checkpoint(tmp_path):
-    from finetune.recipe_smollm2 import final_checkpoint
+    from finetune.recipes.recipe_smollm2 import final_checkpoint
 
     with pytest.raises(SystemExit, match="no checkpoint"):
         final_checkpoint(tmp_path)
@@ -38,7 +38,7 @@ def test_the_recipe_distils_trains_exports_evaluates_and_resumes(tmp_path):
     from mars_core import DecodeConfig, generate, load_model
 
     work, out = tmp_path / "work", tmp_path / "tiny-mars-lora"
-    cmd = [sys.executable, "-m", "finetune.recipe_smollm2", "--base", "tiny-ar-sft", "--work", str(work),
+    cmd = [sys.executable, "-m", "finetune.recipes.recipe_smollm2", "--base", "tiny-ar-sft", "--work", str(work),
            "--out", str(out), "--prompts", "24", "--steps", "2", "--n-natural", "2", "--humaneval", "0",
            "--n-checkable", "8", "--threads", "2"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

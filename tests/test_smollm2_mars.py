@@ -26,7 +26,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def natural():
-    from finetune.natural import natural_prompts
+    from finetune.evals.natural import natural_prompts
 
     return natural_prompts("heldout", 12, seed=3)
 
@@ -65,7 +65,7 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
     """At τ = 0.95 the trained masks commit several tokens on some steps and stay close to the one-token
     answer; base SmolLM2 in MARS mode keeps ~13% of it (junk at 1.10 tokens/forward on these prompts).
     The adapter reaches 1.02 tokens/forward here, under the 1.3 the issue asked for: docs/smollm2-mars.md."""
-    from finetune.evaluate import prefix_share
+    from finetune.evals.evaluate import prefix_share
 
     prompts = natural[4:12]
     one = generate(lm, prompts, DecodeConfig(mode="ar", max_new_tokens=64))

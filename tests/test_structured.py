@@ -1,11 +1,11 @@
-"""finetune.structured: the five structured categories, their splits, their balance and the category tags."""
+"""finetune.evals.structured: the five structured categories, their splits, their balance and the category tags."""
 
 from collections import Counter
 
 import pytest
 
-from finetune.natural import natural_prompts
-from finetune.structured import CATEGORIES, category_of, main, prompt_table, structured_prompts
+from finetune.evals.natural import natural_prompts
+from finetune.evals.structured import CATEGORIES, category_of, main, prompt_table, structured_prompts
 
 
 def test_held_out_subjects_never_appear_in_training_prompts_of_their_category():

@@ -6,7 +6,7 @@ import pytest
 
 from app import models
 from app.pick_examples import PAGE_MAX_NEW
-from finetune.distill import repeats_itself
+from finetune.evals.evaluate_common import repeats_itself
 from mars_core import DecodeConfig, generate
 
 

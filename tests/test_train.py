@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from finetune.recipe import CXX
+from finetune.recipes.recipe import CXX
 from finetune.train import main
 from tests.tiny_fixtures import train_flags, train_metrics
 
@@ -265,7 +265,7 @@ def test_config_file_keys_are_overridden_by_flags_and_bad_values_name_the_fix(tm
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     from finetune.config import TrainConfig
-    from finetune.train import get_lr
+    from finetune.schedule import get_lr
 
     cfg = TrainConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1, decay="cosine")
     warm = [get_lr(s, cfg, 20) for s in range(4)]
@@ -312,7 +312,7 @@ def test_the_training_loop_trains_on_the_random_grid_it_draws(tiny, tmp_path):
     """--random-block-offset reaches the loss inside the loop: the first step (same weights, same batch) logs a
     different mask loss than on the fixed grid whenever the grid drawn for it is shifted, and the same AR loss."""
     from finetune.config import TrainConfig
-    from finetune.train import block_offset_at
+    from finetune.schedule import block_offset_at
 
     seed = next(s for s in range(100) if block_offset_at(TrainConfig(stage="mars", random_block_offset=True, seed=s), 0))
     first = {}
@@ -395,7 +395,7 @@ def test_a_second_signal_aborts_with_the_signal_it_actually_was(first, second, e
 def test_an_output_dir_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch):
     import errno
 
-    from finetune.train import check_output_dir
+    from finetune.run_dir import check_output_dir
     from mars_core.models import storage
 
     assert check_output_dir(str(tmp_path / "new" / "run")) == (tmp_path / "new" / "run").resolve()

@@ -199,9 +199,9 @@ def test_skip_seen_refuses_a_missing_or_foreign_manifest(tiny, tmp_path):
 
 
 def test_the_recipes_manifest_stage_lists_every_distilled_prompt(tmp_path):
-    """A prompts file's manifest leaves out exactly the conversations finetune.distill makes from those prompts."""
+    """A prompts file's manifest leaves out exactly the conversations finetune.recipes.distill makes from those prompts."""
     from finetune.data import leave_out_seen, read_manifest
-    from finetune.recipe_smollm2 import stage_manifest
+    from finetune.recipes.recipe_smollm2 import stage_manifest
 
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()

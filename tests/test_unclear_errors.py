@@ -326,7 +326,7 @@ def test_finetune_tools_name_stdout_and_end_quietly_on_a_closed_pipe(monkeypatch
     import errno
 
     from finetune.config import run_main
-    full = subprocess.run(f"{sys.executable} -m finetune.evaluate --help > /dev/full", shell=True,
+    full = subprocess.run(f"{sys.executable} -m finetune.evals.evaluate --help > /dev/full", shell=True,
                           capture_output=True, text=True, timeout=120)
     assert full.returncode == 2 and "stdout could not be written" in full.stderr and "Traceback" not in full.stderr
 

@@ -135,7 +135,7 @@ def test_w8a16_is_refused_with_the_fix_where_the_kernel_is_off(monkeypatch):
 def test_smollm2_mars_in_w8a16_lossless_and_a_batch_equal_its_ar():
     """The format dtype="auto" may serve on an AVX2 CPU, on the real model: held-out natural prompts, lossless
     (linear and tree) == AR == τ = 1, and a batch == each row alone."""
-    from finetune.natural import natural_prompts
+    from finetune.evals.natural import natural_prompts
     from mars_core import DecodeConfig, generate, load_model
 
     lm = load_model("smollm2-mars", device="cpu", dtype="w8a16")

@@ -12,7 +12,7 @@ A folder holds
                         config's dtype; optionally "mask_row" [hidden] in float32, the trained embedding
                         row of the mask token, and "<module>.norm_weight" [hidden] in float32: the new weight
                         of a normalisation layer (a full fine-tune changes those 1-D weights, which no low-rank
-                        delta can hold; finetune.export_delta writes them)
+                        delta can hold; finetune.recipes.export_delta writes them)
   adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id", "mask_token",
                          "block_size", "dtype", ...extra}
   README.md             (optional) how it was made
@@ -42,7 +42,7 @@ NORM_SUFFIX = "norm_weight"   # "<module>.norm_weight": a normalisation layer's 
 REQUIRED_KEYS = ("format", "base", "r", "alpha", "mask_id", "mask_token", "block_size", "dtype")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEFT_PREFIX = "base_model.model."
-RECIPE_HINT = "rebuild it with its recipe (`python -m finetune.recipe_smollm2` for smollm2-mars)"
+RECIPE_HINT = "rebuild it with its recipe (`python -m finetune.recipes.recipe_smollm2` for smollm2-mars)"
 
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 _PEFT_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])\.weight")

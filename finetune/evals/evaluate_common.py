@@ -1,7 +1,8 @@
-"""What both suites of finetune.evaluate share: batched decoding, the model labels and the τ curves.
+"""What both suites of finetune.evals.evaluate share: batched decoding, the loop check, the model labels and the τ
+curves.
 
-A module of its own so that the natural suite (finetune.evaluate_natural) and the task suite with the CLI
-(finetune.evaluate) can both use them without importing each other.
+A module of its own so that the natural suite (finetune.evals.evaluate_natural) and the task suite with the CLI
+(finetune.evals.evaluate) can both use them without importing each other.
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ def decode_batches(lm, prompts: list[list[int]], cfg, batch_size: int):
     for i in range(0, len(prompts), batch_size):
         out.extend(generate(lm, prompts[i: i + batch_size], cfg))
     return out
+
+
+def repeats_itself(ids: list[int], n: int = 8, times: int = 3) -> bool:
+    """True when some run of `n` tokens occurs `times` times or more: a decoding loop, not an answer."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(ids) - n + 1):
+        key = tuple(ids[i: i + n])
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] >= times:
+            return True
+    return False
 
 
 def mean_positions_per_forward(results) -> float | None:

@@ -6,7 +6,7 @@ data. Answers cut off by --max-new-tokens are dropped (they would teach the
 model to stop mid-answer) unless --keep-truncated, and so are answers that
 repeat themselves (a loop, not an answer); the dropped prompts are counted.
 
-    python -m finetune.distill --model smollm2 --prompts prompts.txt --out data.jsonl
+    python -m finetune.recipes.distill --model smollm2 --prompts prompts.txt --out data.jsonl
     python -m finetune.train --stage mars --data data.jsonl ...
 
 Decoding is batched (--batch-size rows, left-padded by the project's own AR
@@ -30,20 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.evals.evaluate_common import repeats_itself   # no torch there either: --help stays quick
 from mars_core.models.storage import storage_error   # standard library only: --help stays quick
 
 MAX_NEW_TOKENS = 256
-
-
-def repeats_itself(ids: list[int], n: int = 8, times: int = 3) -> bool:
-    """True when some run of `n` tokens occurs `times` times or more: a decoding loop, not an answer."""
-    counts: dict[tuple[int, ...], int] = {}
-    for i in range(len(ids) - n + 1):
-        key = tuple(ids[i: i + n])
-        counts[key] = counts.get(key, 0) + 1
-        if counts[key] >= times:
-            return True
-    return False
 
 
 def drop_reason(res, keep_truncated: bool = False) -> str | None:
@@ -146,7 +136,7 @@ def _append(path: Path, rows: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m finetune.distill", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipes.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model name or directory (see mars_core.load_model)")
     ap.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl)")
@@ -194,7 +184,7 @@ def prompts_to_do(args: argparse.Namespace) -> list[str]:
         todo = [p for p in todo if prompt_text_key(p) not in trained]
         note = f", {before - len(todo)} in the --skip-seen manifest"
     done = sum(p in seen for p in prompts)
-    print(f"[finetune.distill] {len(prompts)} prompts, {done} already done{note}, {len(todo)} to go", file=sys.stderr)
+    print(f"[finetune.recipes.distill] {len(prompts)} prompts, {done} already done{note}, {len(todo)} to go", file=sys.stderr)
     return todo
 
 
@@ -225,7 +215,7 @@ def answer(args: argparse.Namespace, todo: list[str]) -> None:
         raise type(exc)(f"after {kept + dropped} of {len(todo)} prompts; {kept} rows are in {str(out)!r}: rerun "
                         "the same command to resume") from None
     bar.close()
-    print(f"[finetune.distill] wrote {kept} rows to {out}; dropped {dropped} (see {dropped_path(out).name}); "
+    print(f"[finetune.recipes.distill] wrote {kept} rows to {out}; dropped {dropped} (see {dropped_path(out).name}); "
           f"{tokens} tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

@@ -1,6 +1,6 @@
-"""The recipe's model shape and stage settings (finetune.recipe), and what its evaluation times.
+"""The recipe's model shape and stage settings (finetune.recipes.recipe), and what its evaluation times.
 
-Apart from finetune.recipe so that finetune.model_cards can quote them without importing the recipe, which
+Apart from finetune.recipes.recipe so that finetune.recipes.model_cards can quote them without importing the recipe, which
 writes the cards.
 """
 
@@ -33,7 +33,7 @@ AR_SFT_2 = dict(stage="ar-sft", lr=1e-3, warmup_steps=50, max_steps=1000, batch_
 # stage-1 model would flatter it ("Measured: the shipped tiny models").
 STAGE2 = dict(lr=1e-3, warmup_steps=30, max_steps=3000, batch_size=32, builtin_examples=96000, weight_decay=0.1,
               min_lr_ratio=0.1, builtin_weights="word_problem=3,compare=3,sorting=3,units=2,reverse=2", seed_offset=2,
-              compile=True, **FAST)   # compile: unless --compile says otherwise (finetune.recipe.CXX)
+              compile=True, **FAST)   # compile: unless --compile says otherwise (finetune.recipes.recipe.CXX)
 AR_SFT_3 = dict(stage="ar-sft", **STAGE2)
 # ar_weight 5, not the paper's 1: at this size the mask loss competes with the one-token path, and weighting the
 # AR term up keeps it. The block grid is shifted by a random r in [0, B) at every step (not in the paper): on a
@@ -43,6 +43,6 @@ ABLATION = dict(MARS, ar_weight=0.0)   # the paper's "no SFT loss"
 
 TIMING_PROMPTS = 8   # held-out prompts timed at batch 1 for the model cards' speedup column
 # The stage-1 checkpoint's own rows for the AR card. The recipe does not evaluate stage 1 itself (one more
-# evaluation in the hour); write them with `python -m finetune.evaluate --models WORK/tiny-ar-sft-2/final
+# evaluation in the hour); write them with `python -m finetune.evals.evaluate --models WORK/tiny-ar-sft-2/final
 # --n 400 --taus 1.0 --timing-prompts 0 --json WORK/eval-stage1.json`, and the card quotes them.
 STAGE1_ROWS = "eval-stage1.json"

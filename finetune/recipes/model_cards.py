@@ -1,6 +1,6 @@
 """The embedded models' cards (OUT/<model>/README.md): shape, training runs, evaluation table and notes.
 
-Written from the recipe's settings (finetune.recipe_settings), its stage records (WORK/recipe_info.json) and this
+Written from the recipe's settings (finetune.recipes.recipe_settings), its stage records (WORK/recipe_info.json) and this
 run's evaluation rows, so a card never repeats the numbers of an earlier run.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.recipe_settings import AR_SFT, AR_SFT_2, MARS, MODEL, TIMING_PROMPTS
+from finetune.recipes.recipe_settings import AR_SFT, AR_SFT_2, MARS, MODEL, TIMING_PROMPTS
 
 STAGE1_RUNS = ["tiny-ar-sft-1", "tiny-ar-sft-2"]
 CARD_RUNS = {"tiny-ar-sft": STAGE1_RUNS + ["tiny-ar-sft"], "tiny-mars": STAGE1_RUNS + ["tiny-mars", "tiny-mars-arw0"]}
@@ -103,7 +103,7 @@ def card_notes(name: str, rows: dict[str, list[dict]], recipe_stage1: bool = Tru
                  "5,500-step stage-1 model of earlier recipe versions, 1,000 fp32 steps, 400 held-out: τ = 1 85.0% "
                  "at ar_weight 1, 87.5% at 2, 89.5% at 3, 90.2% at 5"
                  + ("; the table's \"1,000 fp32 steps\" rows" if "extra" in rows else "") + "). Other confidence "
-                 "criteria: `python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin`.")
+                 "criteria: `python -m finetune.evals.evaluate --models tiny-mars --criteria prob entropy margin`.")
     return "".join(parts)
 
 
@@ -178,7 +178,7 @@ def recipe_seconds(name: str, info: dict) -> tuple[float, str]:
 def model_card(name: str, what: str, info: dict, runs: list[str], rows: list[dict], command: str,
                notes: str = "", timing_prompts: int = TIMING_PROMPTS) -> str:
     """README.md of an embedded model: shape, data, training runs, reproduction, evaluation table, notes."""
-    from finetune.evaluate import format_table
+    from finetune.evals.evaluate import format_table
     from finetune.tasks import FAMILIES, HELDOUT_PERCENT
 
     training = training_lines(info, runs)

@@ -3,8 +3,8 @@
 - `natural_prompts(split, n, seed)`: everyday instructions (explain, define, compare, how-to, list,
   summarise, rewrite, translate, write an email / note / poem / story opening, Python / SQL / shell
   snippets, short math word problems, everyday questions) built from templates and subject lists. The
-  distilled answers to the train split are the MARS training data of smollm2-mars (`finetune.distill`).
-- The checkable question set (`checkable_set`, `check`) lives in `finetune.checkable`.
+  distilled answers to the train split are the MARS training data of smollm2-mars (`finetune.recipes.distill`).
+- The checkable question set (`checkable_set`, `check`) lives in `finetune.evals.checkable`.
 
 The first 16 held-out prompts (seed 0) ship as assets/prompts/natural-heldout.txt, written by `main`: bench's
 default prompts for smollm2-mars, read there without importing finetune (tests/test_natural.py keeps them equal).
@@ -414,10 +414,10 @@ def natural_prompts(split: str, n: int | None = None, seed: int = 0) -> list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write prompts of one split to a text file (one per line), e.g. for `finetune.distill`."""
+    """Write prompts of one split to a text file (one per line), e.g. for `finetune.recipes.distill`."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m finetune.natural", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m finetune.evals.natural", description=main.__doc__)
     ap.add_argument("--split", choices=SPLITS, default="train")
     ap.add_argument("--n", type=int, default=None, help="how many prompts (default: the whole split)")
     ap.add_argument("--seed", type=int, default=0)
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_prompt_file(prompts: list[str], out, what: str) -> None:
-    """One prompt per line (newlines inside a prompt written as \\n), as finetune.distill reads them."""
+    """One prompt per line (newlines inside a prompt written as \\n), as finetune.recipes.distill reads them."""
     import sys
     from pathlib import Path
 

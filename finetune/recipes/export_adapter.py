@@ -2,7 +2,7 @@
 --init-adapter read: mars-lora-v1 (merged into the base when loaded), or mars-gated-lora-v1 for a --gated-lora
 run (applied at mask positions only, so real tokens stay the base model's: mars_core.engine.gated).
 
-    python -m finetune.export_adapter runs/ab-gated/gated/train/checkpoint-285 --out runs/gated-adapter
+    python -m finetune.recipes.export_adapter runs/ab-gated/gated/train/checkpoint-285 --out runs/gated-adapter
 
 The checkpoint's own train_config.json says which base, rank, alpha, block size and gate it was trained with;
 its data manifest, if it has one, travels with the adapter (so a later --skip-seen round can read it).
@@ -79,7 +79,7 @@ def keep_other_files(old: Path, new: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m finetune.export_adapter", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipes.export_adapter", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint folder of a finetune.train MARS LoRA run")
     ap.add_argument("--out", required=True, help="the adapter folder to write")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, help="the base name the adapter records (default: the run's)")
     args = ap.parse_args(argv)
     done = export_adapter(args.checkpoint, args.out, args.dtype, args.base)
-    print(f"[finetune.export_adapter] {done['format']} at step {done['step']}, {done['bytes']} bytes: {args.out}",
+    print(f"[finetune.recipes.export_adapter] {done['format']} at step {done['step']}, {done['bytes']} bytes: {args.out}",
           file=sys.stderr)
     return 0
 

@@ -6,9 +6,9 @@ speedup over AR decoding with a KV cache (AR time ÷ MARS time on the same
 prompts, batch size and max_new_tokens, both warmed up, measured alternately in
 one process).
 
-    python -m finetune.evaluate                       # tiny-ar-sft, tiny-mars (+ ablation if present)
-    python -m finetune.evaluate --models tiny-mars runs/mars-arw0 --n 200 --json rows.json --html pareto.html
-    python -m finetune.evaluate --models tiny-mars --criteria prob entropy margin   # one curve per criterion
+    python -m finetune.evals.evaluate                       # tiny-ar-sft, tiny-mars (+ ablation if present)
+    python -m finetune.evals.evaluate --models tiny-mars runs/mars-arw0 --n 200 --json rows.json --html pareto.html
+    python -m finetune.evals.evaluate --models tiny-mars --criteria prob entropy margin   # one curve per criterion
 
 The confidence criterion (docs/algorithm.md) decides what "confidence >= τ" means: prob = q(t), the paper's;
 entropy = exp(-H(q)), so τ = 0.95 accepts when H <= 0.051 nats; margin = top-1 minus top-2 probability.
@@ -19,14 +19,14 @@ draws the --html plot.
 Natural suite (`--suite natural`): real-language models, by default SmolLM2-135M-Instruct taught MARS
 (smollm2-mars) and its base (smollm2), at τ in {1.0, 0.95, 0.9, 0.8, 0.7}:
 
-    python -m finetune.evaluate --suite natural                         # smollm2 (AR) + smollm2-mars, all sets
-    python -m finetune.evaluate --suite natural --models smollm2-mars runs/smol-mars --seed 1 --json nat.json
-    python -m finetune.evaluate --suite natural --html natural.html --dtype bfloat16 --batch-size 32
-    python -m finetune.evaluate --suite natural --humaneval 0 --n-natural 16 --n-checkable 40   # quick look
+    python -m finetune.evals.evaluate --suite natural                         # smollm2 (AR) + smollm2-mars, all sets
+    python -m finetune.evals.evaluate --suite natural --models smollm2-mars runs/smol-mars --seed 1 --json nat.json
+    python -m finetune.evals.evaluate --suite natural --html natural.html --dtype bfloat16 --batch-size 32
+    python -m finetune.evals.evaluate --suite natural --humaneval 0 --n-natural 16 --n-checkable 40   # quick look
 
-Per (model, τ): tokens/forward (mean over sequences) on held-out natural prompts (finetune.natural, split
+Per (model, τ): tokens/forward (mean over sequences) on held-out natural prompts (finetune.evals.natural, split
 "heldout") and on HumanEval's prompts; HumanEval pass@1 (greedy, one sample per problem); accuracy on the
-checkable question set (finetune.checkable.check); and agreement with the same model's τ = 1 answers on the
+checkable question set (finetune.evals.checkable.check); and agreement with the same model's τ = 1 answers on the
 natural prompts and checkable questions: the share of identical answers, and the mean share of tokens before
 the first difference (÷ the longer answer, so 1.0 only for identical answers). τ = 1.0 is added when --taus
 lacks it, since agreement needs it. --seed draws the natural prompts and the checkable questions (it is printed
@@ -36,7 +36,7 @@ problems in file order. Models not trained for MARS (smollm2 by default, see --a
 model does with masks.
 
 WARNING: --humaneval EXECUTES MODEL-WRITTEN CODE on this machine, each program in a `python -I` subprocess in a
-temporary directory with a timeout (finetune.humaneval). That is not a sandbox; use --humaneval 0 to skip it.
+temporary directory with a timeout (finetune.evals.humaneval). That is not a sandbox; use --humaneval 0 to skip it.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from finetune.evaluate_common import (
+from finetune.evals.evaluate_common import (
     ABLATION_DIR, RowLog, curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve,
 )
-from finetune.evaluate_natural import (
+from finetune.evals.evaluate_natural import (
     NATURAL_MAX_NEW_TOKENS, NATURAL_MODELS, NATURAL_TAUS, add_natural_args, format_natural_table, main_natural,
     natural_pareto_figure,
 )
 # Re-exported: callers and tests import the natural suite's pieces from here, where they lived before.
-from finetune.evaluate_natural import (  # noqa: F401
+from finetune.evals.evaluate_natural import (  # noqa: F401
     BASE_MODELS, CHECKABLE_MAX_NEW_TOKENS, N_NATURAL, NATURAL_ROW_KEYS, agreement, natural_sweep, natural_taus,
     prefix_share, score_checkable,
 )
@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     from mars_core.decode.config import CRITERIA
     from mars_core.decode.drafts import LAYOUTS
 
-    ap = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m finetune.evals.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=SUITES, default="tasks",
                     help="tasks (default): the built-in held-out task suite; natural: real-language models on "

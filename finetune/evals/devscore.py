@@ -1,4 +1,4 @@
-"""Score models on development prompts, per category: ``python -m finetune.devscore --model A --model B``.
+"""Score models on development prompts, per category: ``python -m finetune.evals.devscore --model A --model B``.
 
 For choosing training settings (smollm2-mars v3's learning-rate and step probe) without touching the report set:
 prompts are ``natural_prompts("heldout", n, seed)`` plus ``structured_prompts("heldout", n, seed)`` with a
@@ -7,7 +7,7 @@ development seed (77 by default; the report seed 1 is refused). Per model and ca
 - tokens per forward of lossy MARS at each τ and the share of those answers identical to the model's own τ = 1
   (AR) answer,
 - tokens per forward of lossless MARS (tree drafts at draft threshold 0.3; its answer is AR's, checked),
-- loops: answers that repeat an 8-token run 3 times (finetune.distill.repeats_itself) where AR's does not.
+- loops: answers that repeat an 8-token run 3 times (finetune.evals.evaluate_common.repeats_itself) where AR's does not.
 
 Every decode is batched (``--batch-size``) in one format (``--dtype``); one JSON line per model goes to ``--out``.
 """
@@ -26,8 +26,8 @@ REPORT_SEED = 1
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False) -> list[tuple[str, str]]:
     """(category, prompt) pairs: natural then structured held-out prompts of a development seed, or with `report`
     of the report seed (for the final report only, once the settings are chosen)."""
-    from finetune.natural import natural_prompts
-    from finetune.structured import category_of, structured_prompts
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.structured import category_of, structured_prompts
 
     if report:
         seed = REPORT_SEED
@@ -41,7 +41,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
 
 def group_of(category: str) -> str:
     """'structured' for the five structured categories, else 'natural'."""
-    from finetune.structured import CATEGORIES
+    from finetune.evals.structured import CATEGORIES
 
     return "structured" if category in CATEGORIES else "natural"
 
@@ -49,15 +49,15 @@ def group_of(category: str) -> str:
 def score_model(lm, items: list[tuple[str, str]], taus: list[float], *, block_size: int, max_new_tokens: int,
                 batch_size: int) -> dict:
     """Per-prompt results of AR, lossy MARS at each τ and lossless tree MARS, summarised per group."""
-    from finetune.distill import repeats_itself
-    from finetune.evaluate_common import decode_batches
+    from finetune.evals.evaluate_common import repeats_itself
+    from finetune.evals.evaluate_common import decode_batches
     from mars_core import DecodeConfig
 
     ids = [lm.encode(p) for _, p in items]
     runs = {"ar": DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=max_new_tokens)}
     for tau in taus:
         runs[f"tau{tau}"] = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
-    # verify mode's τ picks which mask guesses become drafts (τ >= 1: none); 0.3 as finetune.ab scores lossless
+    # verify mode's τ picks which mask guesses become drafts (τ >= 1: none); 0.3 as finetune.recipes.ab scores lossless
     runs["tree"] = DecodeConfig(mode="verify", tau=0.3, block_size=block_size, max_new_tokens=max_new_tokens,
                                 draft_layout="tree")
     out = {name: decode_batches(lm, ids, cfg, batch_size) for name, cfg in runs.items()}
@@ -92,7 +92,7 @@ def format_table(name: str, summary: dict, taus: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m finetune.devscore", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m finetune.evals.devscore", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", required=True, help="model name or folder (repeatable)")
     ap.add_argument("--natural", type=int, default=24, help="natural held-out prompts")
     ap.add_argument("--structured", type=int, default=20, help="structured held-out prompts")

@@ -1,11 +1,11 @@
-"""Fixed-budget A/B of MARS training options: ``python -m finetune.ab --data DATA.jsonl --steps 150``.
+"""Fixed-budget A/B of MARS training options: ``python -m finetune.recipes.ab --data DATA.jsonl --steps 150``.
 
 Every arm is one ``finetune.train`` run of the same N steps on the same examples in the same order with the same
-seed (today's smollm2 recipe, ``finetune.recipe_smollm2.TRAIN``, with the arm's settings on top), trained from
+seed (today's smollm2 recipe, ``finetune.recipes.recipe_smollm2.TRAIN``, with the arm's settings on top), trained from
 the base model, then scored on development data only:
 
 - held-out examples: the first ``--dev-examples`` rows of --data, never trained on: mask CE (as training logs
-  it), AR CE, and the per-slot agreement of the mask top-1 with AR's top-1 (finetune.ab_score.mask_metrics);
+  it), AR CE, and the per-slot agreement of the mask top-1 with AR's top-1 (finetune.recipes.ab_score.mask_metrics);
 - development prompts: ``natural_prompts("heldout", --prompts, seed=--prompt-seed)`` (seed 77 by default; the
   report seed 1 is refused): tokens/forward of lossless MARS at τ 0.3 and lossy MARS at τ 0.95.
 
@@ -18,7 +18,7 @@ One command, one markdown table (printed and written to WORK/table.md; every arm
 WORK/<arm>/score.json). Resumable: a finished arm is not trained again (an interrupted one resumes from its last
 checkpoint), and a scored arm is not scored again unless the scoring settings changed.
 
-    nohup nice -n 19 python -m finetune.ab --data runs/ab29/data.jsonl --work runs/ab29 --steps 150 \\
+    nohup nice -n 19 python -m finetune.recipes.ab --data runs/ab29/data.jsonl --work runs/ab29 --steps 150 \\
         --arms baseline,soft,gated --threads 1 > runs/ab29/ab.log 2>&1 &
 """
 
@@ -48,17 +48,17 @@ ARMS = {
     "warm-gated": {"init_adapter": WARM, "gated_lora": True},         # gated, from a gated --init-adapter
 }
 UNTRAINED = ("shipped",)
-REPORT_SEED = 1   # the seed of the published tables (finetune.recipe_smollm2.EVAL_SEED): never tuned on
+REPORT_SEED = 1   # the seed of the published tables (finetune.recipes.recipe_smollm2.EVAL_SEED): never tuned on
 
 
 def log(msg: str) -> None:
-    print(f"[finetune.ab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[finetune.recipes.ab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m finetune.ab", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipes.ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="chat JSONL (finetune.distill's output); its first rows are dev")
+    ap.add_argument("--data", required=True, help="chat JSONL (finetune.recipes.distill's output); its first rows are dev")
     ap.add_argument("--work", default="runs/ab", help="run folder: the split, one folder per arm, table.md")
     ap.add_argument("--base", default="smollm2", help="the model every arm starts from")
     ap.add_argument("--arms", default="baseline,soft", help=f"comma-separated, from {','.join(ARMS)}")
@@ -87,7 +87,7 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: use 1 or more")
     if not Path(args.data).is_file():
-        raise ValueError(f"--data {args.data!r} is not a file: pass finetune.distill's chat JSONL")
+        raise ValueError(f"--data {args.data!r} is not a file: pass finetune.recipes.distill's chat JSONL")
     warm = [a for a in args.arms if ARMS[a].get("init_adapter") == WARM]
     if warm and not args.init_adapter:
         raise ValueError(f"arms {','.join(warm)} start from an adapter: pass --init-adapter (e.g. assets/smollm2-mars)")
@@ -133,7 +133,7 @@ def arm_options(arm: str, init_adapter: str = "") -> dict:
 def arm_settings(arm: str, steps: int, init_adapter: str = "") -> dict:
     """The recipe's finetune.train settings for this CPU, N steps, the arm's options on top."""
     from finetune.config import native_bf16_cpu
-    from finetune.recipe_smollm2 import train_settings
+    from finetune.recipes.recipe_smollm2 import train_settings
 
     settings = train_settings(False, native_bf16_cpu(), steps, 1.0)
     settings.update(arm_options(arm, init_adapter), keep_checkpoints=1)
@@ -142,7 +142,7 @@ def arm_settings(arm: str, steps: int, init_adapter: str = "") -> dict:
 
 def train_arm(args, arm: str, train_data: Path) -> dict:
     """Train (or resume) the arm; returns its status and wall time. A finished run is left alone."""
-    from finetune.recipe_smollm2 import flags
+    from finetune.recipes.recipe_smollm2 import flags
     from finetune.status import read_status
 
     if arm in UNTRAINED:
@@ -189,11 +189,11 @@ def score_arm(args, arm: str, dev_data: Path) -> dict:
     """The arm's score.json, computed unless a saved one has the same key."""
     import torch
 
-    from finetune.ab_score import decode_metrics, mask_metrics, trained_model
+    from finetune.recipes.ab_score import decode_metrics, mask_metrics, trained_model
     from finetune.checkpoint import list_checkpoints
     from finetune.config import native_bf16_cpu
     from finetune.data import build_examples, load_conversations, pad_id_of
-    from finetune.natural import natural_prompts
+    from finetune.evals.natural import natural_prompts
     from finetune.train_model import load_base
     from mars_core.models.loading import wrap_model
     from mars_core.models.storage import atomic_write_text

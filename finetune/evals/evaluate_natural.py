@@ -1,9 +1,9 @@
-"""The natural-prompt suite of finetune.evaluate (`--suite natural`): decoding, scoring, tables and figures.
+"""The natural-prompt suite of finetune.evals.evaluate (`--suite natural`): decoding, scoring, tables and figures.
 
-Real-language models on held-out natural prompts (finetune.natural), its checkable questions and HumanEval
-(finetune.humaneval); the CLI and what each row measures are described in finetune.evaluate.
+Real-language models on held-out natural prompts (finetune.evals.natural), its checkable questions and HumanEval
+(finetune.evals.humaneval); the CLI and what each row measures are described in finetune.evals.evaluate.
 
-WARNING: HumanEval scoring EXECUTES MODEL-WRITTEN CODE on this machine (finetune.humaneval): not a sandbox.
+WARNING: HumanEval scoring EXECUTES MODEL-WRITTEN CODE on this machine (finetune.evals.humaneval): not a sandbox.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Callable
 
-from finetune.evaluate_common import curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve
+from finetune.evals.evaluate_common import curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve
 from mars_core.models import catalogue
 
 NATURAL_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
@@ -25,8 +25,8 @@ CHECKABLE_MAX_NEW_TOKENS = 64          # checkable answers are a word or a numbe
 
 
 def score_checkable(items: list, texts: list[str]) -> tuple[float | None, dict[str, float]]:
-    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.checkable.check); None when empty."""
-    from finetune.checkable import check
+    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.evals.checkable.check); None when empty."""
+    from finetune.evals.checkable import check
 
     hits: dict[str, list[bool]] = {}
     for item, text in zip(items, texts, strict=True):
@@ -84,8 +84,8 @@ def _timed_decode(lm, prompts: list[list[int]], cfg, batch_size: int):
 
 
 def _humaneval_passes(problems: list[dict], results, runner) -> tuple[list[bool], float]:
-    """Which problems each decoded reply solves (runs model-written code: see finetune.humaneval), and seconds."""
-    from finetune.humaneval import completion_program
+    """Which problems each decoded reply solves (runs model-written code: see finetune.evals.humaneval), and seconds."""
+    from finetune.evals.humaneval import completion_program
 
     t0 = time.perf_counter()
     passes = [runner(p, completion_program(p, r.text)) for p, r in zip(problems, results, strict=True)]
@@ -99,16 +99,16 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
                   seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
                   draft_layout: str = "linear", prompt_lookup: int = 0,
                   progress: Callable[[float, str], None] | None = None) -> list[dict]:
-    """One row per τ on natural prompts, checkable `items` (finetune.checkable.CheckItem) and HumanEval `problems`.
+    """One row per τ on natural prompts, checkable `items` (finetune.evals.checkable.CheckItem) and HumanEval `problems`.
 
-    HumanEval replies are EXECUTED (finetune.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
-    code) -> bool` replaces it, e.g. a shared finetune.humaneval.RunCache). τ = 1.0 is decoded first and added when
+    HumanEval replies are EXECUTED (finetune.evals.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
+    code) -> bool` replaces it, e.g. a shared finetune.evals.humaneval.RunCache). τ = 1.0 is decoded first and added when
     missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"` sweeps
     lossless MARS instead of lossy (its τ = 1 row is AR as well). Natural prompts and HumanEval
     get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. `draft_layout` and `prompt_lookup` are
     DecodeConfig's (verify mode only). Row keys: see NATURAL_ROW_KEYS.
     """
-    from finetune.humaneval import RunCache, build_prompt
+    from finetune.evals.humaneval import RunCache, build_prompt
     from mars_core import DecodeConfig
 
     if not (prompts or items or problems):
@@ -242,7 +242,7 @@ def natural_pareto_figure(rows: list[dict]):
 
 
 def add_natural_args(ap: argparse.ArgumentParser) -> None:
-    """The natural suite's flags, as their own group of finetune.evaluate's parser."""
+    """The natural suite's flags, as their own group of finetune.evals.evaluate's parser."""
     nat = ap.add_argument_group("natural suite (--suite natural)")
     nat.add_argument("--n-natural", type=int, default=N_NATURAL,
                      help=f"held-out natural prompts (default {N_NATURAL}; 0: skip)")
@@ -263,9 +263,9 @@ def add_natural_args(ap: argparse.ArgumentParser) -> None:
 
 def natural_inputs(args) -> tuple[list[str], list, list[dict]]:
     """The held-out natural prompts, checkable questions (both drawn with --seed) and HumanEval problems."""
-    from finetune.humaneval import load_problems
-    from finetune.checkable import checkable_set
-    from finetune.natural import natural_prompts
+    from finetune.evals.humaneval import load_problems
+    from finetune.evals.checkable import checkable_set
+    from finetune.evals.natural import natural_prompts
 
     for flag, value in (("--n-natural", args.n_natural), ("--n-checkable", args.n_checkable),
                         ("--humaneval", args.humaneval)):
@@ -283,7 +283,7 @@ def main_natural(args, log, saved=None) -> list[dict]:
     """The natural suite: one natural_sweep per (model, criterion); AR-only models get one AR row. Rows are saved
     per finished sweep (`saved`, evaluate_common.RowLog); a resumed run skips the sweeps whose rows it has all and
     redoes a sweep it has only part of (agreement needs that sweep's τ = 1 answers)."""
-    from finetune.evaluate_common import RowLog
+    from finetune.evals.evaluate_common import RowLog
 
     if args.block_phase:
         raise ValueError("--block-phase measures the task suite's mask loss: drop it or use --suite tasks")
@@ -316,7 +316,7 @@ def main_natural(args, log, saved=None) -> list[dict]:
 
 def _sweep_models(args, log, saved, plan, taus, inputs) -> list[dict]:
     """Run `plan` ([(model, label, sweeps)]), skipping the sweeps `saved` has all rows of."""
-    from finetune.humaneval import RunCache
+    from finetune.evals.humaneval import RunCache
     from mars_core import load_model
 
     prompts, items, problems = inputs

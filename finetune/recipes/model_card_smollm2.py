@@ -11,7 +11,7 @@ def _fmt(value, pattern: str = "{:.2f}") -> str:
 
 
 def eval_table(rows: list[dict]) -> str:
-    """One line per (model, τ): the natural-suite columns of finetune.evaluate --suite natural."""
+    """One line per (model, τ): the natural-suite columns of finetune.evals.evaluate --suite natural."""
     head = ["model", "τ", "tokens/forward (natural)", "tokens/forward (HumanEval)", "HumanEval pass@1",
             "checkable accuracy", "same answer as τ = 1", "tokens before first difference"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -56,7 +56,7 @@ def data_section(distill: dict) -> str:
     dropped = distill.get("dropped", {})
     return f"""## Data
 {distill.get('kept', '?')} chat examples: SmolLM2's own greedy answers (bf16, at most 256 new tokens) to natural
-instructions of the train split of `finetune.natural` (explain, define, compare, how-to, list, rewrite,
+instructions of the train split of `finetune.evals.natural` (explain, define, compare, how-to, list, rewrite,
 translate, emails, poems, stories, Python / SQL / shell, word problems, everyday questions). Dropped:
 {', '.join(f'{v} {k}' for k, v in sorted(dropped.items())) or 'none'} ("length": hit the cap; "repeat": a loop).
 """
@@ -90,7 +90,7 @@ every stage):
 def evaluation_section(rows: list[dict]) -> str:
     """The natural-suite table and the model's limits."""
     return f"""## Evaluation
-`python -m finetune.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions), drawn
+`python -m finetune.evals.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions), drawn
 with report seed 1. No setting was chosen on this sample: the recipe's settings came from training losses and
 from development checks drawn with other seeds from the same held-out split (which can share a few prompts). HumanEval runs model-written code in a
 subprocess with a timeout. "Same answer as τ = 1": the share of natural and checkable answers identical to the

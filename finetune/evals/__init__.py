@@ -1,0 +1,1 @@
+"""Evaluation suites and their data: what finetune/ measures a trained model with (imports the library only)."""

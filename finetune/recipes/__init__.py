@@ -1,0 +1,1 @@
+"""Experiment drivers: recipes, A/B runs, distillation, exports and model cards (import the library and evals)."""
