@@ -410,8 +410,8 @@ class BackgroundPreparer:
         elif state == "failed":
             text = f"⚠ {name} failed: {error} — free text stays on {TASK_MODEL}"
         elif state == "not-available":
-            text = (f"{name} is not available here (no adapter in assets/{name}; `python -m finetune.recipes.recipe_smollm2` "
-                    f"builds it): free text runs on {TASK_MODEL}")
+            text = (f"{name} is not available here (no adapter in assets/{name}; "
+                    f"`python -m finetune.recipes.recipe_smollm2` builds it): free text runs on {TASK_MODEL}")
         else:
             text = ""
         return {"state": state, "elapsed_s": elapsed, "error": error, "text": text}

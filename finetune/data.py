@@ -289,8 +289,8 @@ def read_manifest(path: str | Path, flag: str = "--skip-seen") -> dict:
     p = manifest_path(path)
     if not p.is_file():
         raise ValueError(f"{flag} {str(path)!r}: no {MANIFEST_FILE} there; pass a manifest file or a run, checkpoint "
-                         "or adapter folder that holds one (python -m finetune.recipes.recipe_smollm2 --stages manifest writes "
-                         "one for the shipped adapter)")
+                         "or adapter folder that holds one (python -m finetune.recipes.recipe_smollm2 --stages "
+                         "manifest writes one for the shipped adapter)")
     try:
         record = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -1,4 +1,5 @@
-"""finetune.recipes.ab (the fixed-budget A/B harness), its scoring (finetune.recipes.ab_score) and gated LoRA, on a tiny model."""
+"""finetune.recipes.ab (the fixed-budget A/B harness), its scoring (finetune.recipes.ab_score) and gated LoRA, on a
+tiny model."""
 
 import subprocess
 import sys

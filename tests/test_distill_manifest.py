@@ -1,4 +1,5 @@
-"""finetune.recipes.distill --skip-seen: prompts a data manifest lists (an adapter's earlier rounds) are not distilled again."""
+"""finetune.recipes.distill --skip-seen: prompts a data manifest lists (an adapter's earlier rounds) are not distilled
+again."""
 
 import pytest
 

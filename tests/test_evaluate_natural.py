@@ -1,5 +1,5 @@
-"""finetune.evals.humaneval and the natural suite of finetune.evals.evaluate (finetune.evals.evaluate_natural), on a tiny random
-model built here.
+"""finetune.evals.humaneval and the natural suite of finetune.evals.evaluate (finetune.evals.evaluate_natural), on a
+tiny random model built here.
 
 The HumanEval tests EXECUTE code (HumanEval's canonical solutions and a few deliberately wrong programs) in
 `python -I` subprocesses, as the real evaluation executes model-written code.

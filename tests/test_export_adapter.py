@@ -88,7 +88,8 @@ def test_a_gated_adapter_does_not_warm_start_a_plain_run(tiny, gated_export, tmp
 
 def test_the_cli_names_a_folder_that_is_no_checkpoint_in_one_line(tmp_path):
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    done = subprocess.run([sys.executable, "-m", "finetune.recipes.export_adapter", str(tmp_path), "--out", str(tmp_path / "a")],
+    done = subprocess.run([sys.executable, "-m", "finetune.recipes.export_adapter", str(tmp_path),
+                           "--out", str(tmp_path / "a")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

@@ -1,4 +1,5 @@
-"""finetune.recipes.export_delta: a full fine-tune's change as a low-rank mars-lora-v1 adapter that today's loader merges."""
+"""finetune.recipes.export_delta: a full fine-tune's change as a low-rank mars-lora-v1 adapter that today's loader
+merges."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""finetune.evals.natural: the natural-prompt generator and its splits; finetune.evals.checkable: the checkable set's checker."""
+"""finetune.evals.natural: the natural-prompt generator and its splits; finetune.evals.checkable: the checkable set's
+checker."""
 
 from collections import Counter
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""How finetune.recipes.ab scores one trained arm: the mask stream on held-out examples, and decoding on development prompts.
+"""How finetune.recipes.ab scores one trained arm: the mask stream on held-out examples, and decoding on development
+prompts.
 
 - ``mask_metrics``: teacher-forced, one [noisy | clean] forward per batch and block grid offset (every offset
   r in [0, B), so every position is seen in every slot): the hard mask CE as training logs it (``loss_mask``), the

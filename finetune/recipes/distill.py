@@ -184,7 +184,8 @@ def prompts_to_do(args: argparse.Namespace) -> list[str]:
         todo = [p for p in todo if prompt_text_key(p) not in trained]
         note = f", {before - len(todo)} in the --skip-seen manifest"
     done = sum(p in seen for p in prompts)
-    print(f"[finetune.recipes.distill] {len(prompts)} prompts, {done} already done{note}, {len(todo)} to go", file=sys.stderr)
+    print(f"[finetune.recipes.distill] {len(prompts)} prompts, {done} already done{note}, {len(todo)} to go",
+          file=sys.stderr)
     return todo
 
 

@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     info_path = work / "recipe_info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {"stages": {}}
-    command = "python -m finetune.recipes.recipe --out " + str(args.out) + ("" if args.scale == 1 else f" --scale {args.scale}") + (
+    command = "python -m finetune.recipes.recipe --out " + str(args.out) + (
+        "" if args.scale == 1 else f" --scale {args.scale}") + (
         "" if args.stage2_steps == STAGE2["max_steps"] else f" --stage2-steps {args.stage2_steps}")
     t_all = time.time()
     invocation = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(t_all))   # names this run in the cards' timing

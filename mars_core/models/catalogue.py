@@ -1,7 +1,7 @@
 """The built-in models, one record each: the single place their names and properties are written down.
 
-`mars_core.models.sources` (what a name loads), `mars_core.tools.bench` (default prompts), `finetune.evals.evaluate` (default
-sweeps), `app.models` (the picker, example prompts) and `app.finetune_ui` (fine-tuning bases) all read these
+`mars_core.models.sources` (what a name loads), `mars_core.tools.bench` (default prompts), `finetune.evals.evaluate`
+(default sweeps), `app.models` (the picker, example prompts) and `app.finetune_ui` (fine-tuning bases) all read these
 records instead of keeping their own lists. Imports nothing from the project and no torch, so any of them can
 use it cheaply.
 """
