@@ -212,7 +212,8 @@ def plain_model(train_module: TrainModule, lora: bool) -> nn.Module:
 
 
 def trainer_state(run: Run, train_module: TrainModule, step: int, elapsed: float) -> dict:
-    """What a resume reads back. No schedule state: the learning rate is a function of the step (``get_lr``)."""
+    """What a resume reads back. No schedule state: the learning rate is a function of the step
+    (``finetune.schedule.get_lr``)."""
     mask_row = train_module.mask_row
     return {
         "step": step,

@@ -93,6 +93,14 @@ def test_no_import_circles_among_finetune_modules():
             visit(name, [name])
 
 
+def test_the_wheel_lists_every_part():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    parts = {f"finetune.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")}
+    assert parts == {"finetune.evals", "finetune.recipes"} and parts | {"finetune"} <= set(packages), packages
+
+
 def test_no_finetune_module_is_over_500_lines():
     long = [f"{p.relative_to(REPO)}: {n} lines" for p in _modules()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
