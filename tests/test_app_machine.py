@@ -62,7 +62,7 @@ def test_a_job_closed_while_it_waits_leaves_the_line():
 def slowed(lm, seconds: float):
     """Every forward of `lm` `seconds` slower while inside, as on a real model: tiny-mars alone is too fast on some
     CPUs for a test to close a page in the middle of its work."""
-    from mars_core.decode.decoding import net
+    from mars_core.decode.backend import net
     hook = net(lm).register_forward_pre_hook(lambda *_: time.sleep(seconds))
     try:
         yield

@@ -283,7 +283,7 @@ def test_empty_and_too_long_prompts_are_rejected(llama_lm):
 
 
 def test_the_mask_id_is_never_proposed_at_a_mask_position_but_q0_is_untouched():
-    from mars_core.decode.decoding import never_propose_mask
+    from mars_core.decode.step import never_propose_mask
 
     logits = torch.zeros(1, 4, 10)
     logits[0, :, 3] = 5.0                  # the mask id (3) is everyone's argmax
@@ -329,7 +329,7 @@ def test_near_the_context_limit_one_token_mode_writes_as_many_tokens_as_ar(llama
 
 
 def test_argmax_is_torchs_first_index_of_the_largest_value_on_ties_slices_and_infinities():
-    from mars_core.decode.decoding import argmax
+    from mars_core.decode.step import argmax
 
     torch.manual_seed(0)
     x = torch.randn(2, 7, 1000)
@@ -344,14 +344,14 @@ def test_argmax_is_torchs_first_index_of_the_largest_value_on_ties_slices_and_in
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "row of -inf"])
 def test_a_nan_an_inf_or_a_row_of_minus_inf_anywhere_in_a_steps_logits_is_refused(bad):
-    from mars_core.decode.decoding import _check_finite
+    from mars_core.decode.step import check_finite
 
     logits = torch.randn(2, 5, 300)
     logits[:, 3:, 7] = float("-inf")            # the mask id ruled out: legitimate
-    assert torch.equal(_check_finite(logits.clone(), None, 0), logits.argmax(dim=-1))
+    assert torch.equal(check_finite(logits.clone(), None, 0), logits.argmax(dim=-1))
     if bad == "row of -inf":
         logits[1, 4] = float("-inf")
     else:
         logits[1, 2, 100] = bad
     with pytest.raises(FloatingPointError, match="NaN/inf logits at step 3"):
-        _check_finite(logits, None, 3)
+        check_finite(logits, None, 3)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, generate_stream, load_model, reference_generate
-from mars_core.decode.decoding import never_propose_mask
+from mars_core.decode.step import never_propose_mask
 from mars_core.models.loading import wrap_model
 from tests.conftest import PROMPTS
 from tests.tiny_fixtures import make_model

@@ -207,7 +207,7 @@ def test_the_planner_appends_masks_only_as_deep_as_their_drafts_pay():
 
 
 def test_the_planner_counts_how_deep_a_groups_masks_draft():
-    from mars_core.decode.decoding import _Settled
+    from mars_core.decode.step import Settled as _Settled
     from mars_core.decode.drafts import DraftPlanner
 
     planner, row = DraftPlanner(None, 3), _Row(0, 50, [1])

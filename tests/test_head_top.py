@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.decode.decoding import net
+from mars_core.decode.backend import net
 from mars_core.engine.lean import LeanLM
 from mars_core.engine.w8a8 import W8A8Linear
 from tests.tiny_fixtures import make_tiny_model_dir, own_w8a8_kernels
@@ -19,7 +19,7 @@ kernels = pytest.mark.parametrize("kernel", KERNELS or [pytest.param("vnni", mar
 
 def _expected(y: torch.Tensor, exclude: int, period: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder's own rule on the returned logits: the mask column set to -inf at the excluded rows
-    (never_propose_mask), then numpy's argmax (mars_core.decode.decoding.argmax) and the value there."""
+    (never_propose_mask), then numpy's argmax (mars_core.decode.step.argmax) and the value there."""
     ruled = y.clone()
     if exclude >= 0:
         rows = [m for m in range(y.shape[0]) if m % period >= first]

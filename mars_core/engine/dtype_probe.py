@@ -58,16 +58,14 @@ def forward_ms(models: dict, rows: tuple[int, ...] = (1, MARS_ROWS), rounds: int
     """{(name, r): fastest ms} of a cached forward of r new tokens after a `context`-token prefix, the models
     and row counts taking turns every round so drift hits all alike; this thread's CPU time with one torch
     thread, so other processes do not decide the choice."""
-    from transformers import DynamicCache
-
-    new_cache = lambda m: m.new_cache() if hasattr(m, "new_cache") else DynamicCache(config=m.config)
+    from mars_core.decode.backend import as_backend
     now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times = {(name, r): [] for name in models for r in rows}
     for i in range(rounds + 1):   # round 0 warms up
         for name, model in models.items():
             ids = torch.arange(1, context + 1)[None] % model.config.vocab_size
             for r in rows:
-                cache = new_cache(model)
+                cache = as_backend(model).new_cache()
                 model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 t0 = now()
                 model(input_ids=ids[:, -r:], cache=cache, use_cache=True, logits_to_keep=min(r, 4))

@@ -186,15 +186,16 @@ class LeanCache:
 
 
 class LeanLM(torch.nn.Module):
-    """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring)."""
+    """The decoding forward of a Llama-family causal LM in one weight format (see the module docstring); a
+    mars_core.decode.backend.Backend with all three capabilities."""
 
-    takes_draft_tail = True   # forward() accepts draft_tail (mars_core.decode.decoding.draft_tail)
+    takes_draft_tail = True   # forward() accepts draft_tail (mars_core.decode.backend: a capability)
     builds_causal_mask = True  # attention_mask=None is the causal mask, built in a few ops (_mask_fill)
 
     @property
     def takes_head_top(self) -> bool:
         """Whether forward(head_top=...) gathers the top in the head (a w8a8 head on our own kernels): a decoding
-        step then reads its logits once less (mars_core.decode.decoding.head_top)."""
+        step then reads its logits once less (mars_core.decode.decoding._options)."""
         return getattr(self.head, "gives_top", False)
 
     def __init__(self, model, fmt: str = "float", dtype: torch.dtype = torch.float32, script: bool = True,

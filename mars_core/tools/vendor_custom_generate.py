@@ -18,7 +18,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 DECODE = PACKAGE / "decode"
 # in dependency order: a module's definitions may use the ones of the modules before it
-MODULES = ("drafts", "config", "events", "batch", "decoding")
+MODULES = ("drafts", "config", "events", "batch", "backend", "step", "decoding")
 ROOTS = ("DecodeConfig", "generate_stream")
 TARGET = PACKAGE.parent / "custom_generate" / "mars_step.py"
 HEADER = '''"""MARS decoding for custom_generate/generate.py: mars_core's decoder, copied so that this folder needs only
