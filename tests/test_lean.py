@@ -13,7 +13,8 @@ from transformers import DynamicCache
 
 from mars_core import DecodeConfig, generate, load_model
 from mars_core.decode.batch import step_attention
-from mars_core.engine.lean import GROW, LeanCache, LeanLM, unsupported
+from mars_core.engine.lean import LeanLM, unsupported
+from mars_core.engine.lean_cache import GROW, LeanCache
 from mars_core.models.formats import pick_backend
 from mars_core.models.loading import wrap_model
 from mars_core.engine.w8a8 import OWN, W8A8Linear, w8a8_supported

@@ -12,9 +12,8 @@ arithmetic with fewer ops, in the manner of gpt-fast's `model.py`:
   * attention takes the decoder's own 4D mask, and the LM head runs only on the kept positions;
   * with our w8a8 kernels every layer is one C++ call (mars_core/engine/w8a8_layers.h), the small ops as plain loops.
 
-It takes its weights from a loaded transformers model (which stays usable beside it) and answers the call the
-decoder makes of `lm.net`: `net(input_ids=, attention_mask=, position_ids=, cache=, logits_to_keep=)` with
-`.logits`, plus `new_cache()`. The weight formats are `mars_core.engine.int8` (int8 weights, bf16 activations),
+It takes its weights from a loaded transformers model (which stays usable beside it) and is a backend as the
+decoder defines it (mars_core.decode.backend), with all three capabilities. The weight formats are `mars_core.engine.int8` (int8 weights, bf16 activations),
 `mars_core.engine.w8a8` (int8 weights and activations) and plain float. Inference only.
 """
 from __future__ import annotations
@@ -25,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from mars_core.engine.gated import GatedLinear, gate_of
+from mars_core.engine.lean_cache import LeanCache
 from mars_core.engine.lean_script import _rms, layers
 from mars_core.engine.w8a8 import NATIVE   # our kernels, which skip the second pass on a lossless step's masks
 
 ARCHITECTURES = ("llama", "qwen2")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # tables that do not change with the sequence length
 FORMATS = ("float", "int8", "w8a8")
-GROW = 256   # cache columns added at a time
 PRODUCTS = ("qkv", "o", "gate_up", "down")   # a layer's products, in the layer loops' order
 
 
@@ -136,53 +135,6 @@ class LeanOutput:
     logits: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None = None   # (largest logit, its column) [b, k], when asked for
     conf: torch.Tensor | None = None   # [b, k] softmax probability of that column, where asked for and gathered
-
-
-class LeanCache:
-    """Keys and values of every layer, [layers, batch, kv_heads, capacity, head_dim], and how many columns are
-    filled. Columns are appended in place and dropped by moving `length`; the tensors grow by GROW columns."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, limit: int,
-                 key_tiles: bool = False):
-        self.shape, self.dtype, self.device, self.limit = (layers, kv_heads, head_dim), dtype, device, limit
-        # keys as [layers, batch, kv_heads, capacity / 16, head_dim, 16]: tiles of 16 columns stored by dimension,
-        # which the native stack reads in order (mars_core/engine/w8a8_layers.h, `scores`)
-        self.key_tiles = key_tiles
-        self.k = self.v = None
-        self.length = 0
-
-    def reserve(self, batch: int, columns: int) -> None:
-        """Room for `columns` more columns at this batch size."""
-        need = self.length + columns
-        if self.v is not None and self.v.shape[3] >= need:
-            return
-        layers, heads, dim = self.shape
-        cap = max(need, min(self.limit, need + GROW))   # GROW spare columns, never past the context
-        if self.key_tiles:
-            cap = -(-cap // 16) * 16
-        v = torch.empty(layers, batch, heads, cap, dim, dtype=self.dtype, device=self.device)
-        # zeros: the native stack also scores the last tile's columns past the filled ones (and discards them)
-        k = torch.zeros(layers, batch, heads, cap // 16, dim, 16, dtype=self.dtype, device=self.device) \
-            if self.key_tiles else torch.empty_like(v)
-        if self.k is not None:
-            if self.key_tiles:
-                tiles = -(-self.length // 16)
-                k[:, :, :, :tiles] = self.k[:, :, :, :tiles]
-            else:
-                k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
-            v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
-        self.k, self.v = k, v
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, n: int) -> None:
-        """As transformers' Cache.crop: n < 0 drops the last -n columns, n >= 0 keeps the first n."""
-        self.length = max(0, self.length + n if n < 0 else min(n, self.length))
-
-    def batch_select_indices(self, index: torch.Tensor) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, index], self.v[:, index]
 
 
 class LeanLM(torch.nn.Module):
