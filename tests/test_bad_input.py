@@ -174,11 +174,11 @@ def test_bench_refuses_binary_or_directory_prompts(capsys, tmp_path, content, wo
 
 
 def test_bench_refuses_a_batch_larger_than_the_prompts_in_the_library_too(tiny):
-    from mars_core.tools.bench import bench
+    from mars_core.tools.bench import BenchSettings, bench
 
     lm = load_model(str(tiny[0]), device="cpu")
     with pytest.raises(ValueError, match="batch size 64 is larger than the 2 prompts"):
-        bench(lm, ["What is 1?", "What is 2?"], batch_sizes=[1, 64], max_new_tokens=2, repeats=1, reference=False)
+        bench(lm, ["What is 1?", "What is 2?"], BenchSettings(batch_sizes=[1, 64], max_new_tokens=2, repeats=1, reference=False))
 
 
 # ----------------------------------------------------------------------------- train: values

@@ -133,15 +133,15 @@ def test_bench_decodes_with_the_chosen_criterion():
     # bench's MARS side must be the decoder under the same criterion: its tokens/forward equals generate()'s,
     # and on this model the criteria accept differently at τ = 0.5.
     from mars_core import DecodeConfig, generate, wrap_model
-    from mars_core.tools.bench import bench
+    from mars_core.tools.bench import BenchSettings, bench
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
     prompts = ["What is 2+3?", "Sort: c a b", "Hello"]
     tpf = {}
     for criterion in ("prob", "margin"):
-        (row,) = bench(lm, prompts, batch_sizes=(1,), tau=0.5, max_new_tokens=8, repeats=1, reference=False,
-                       criterion=criterion)
+        (row,) = bench(lm, prompts, BenchSettings(batch_sizes=(1,), tau=0.5, max_new_tokens=8, repeats=1,
+                                                 reference=False, criterion=criterion))
         want = generate(lm, prompts, DecodeConfig(tau=0.5, max_new_tokens=8, criterion=criterion))
         assert row.tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
         tpf[criterion] = row.tokens_per_forward
@@ -152,14 +152,14 @@ def test_bench_times_lossless_in_the_chosen_draft_layout():
     # the lossless side decodes with the layout asked for: AR's tokens, generate()'s tokens/forward, and the
     # quadratic layout feeds more columns per forward than the linear one
     from mars_core import DecodeConfig, generate, load_model
-    from mars_core.tools.bench import bench
+    from mars_core.tools.bench import BenchSettings, bench
 
     lm = load_model("tiny-mars", device="cpu")
     prompts = ["What is 17 + 25?", "Sort: pear fig apple", "Reverse the word: planet"]
     rows = {}
     for layout in ("linear", "quadratic"):
-        (row,) = bench(lm, prompts, batch_sizes=(1,), tau=0.3, max_new_tokens=24, repeats=1, reference=False,
-                       transformers=False, draft_layout=layout)
+        (row,) = bench(lm, prompts, BenchSettings(batch_sizes=(1,), tau=0.3, max_new_tokens=24, repeats=1,
+                                                 reference=False, transformers=False, draft_layout=layout))
         want = generate(lm, prompts, DecodeConfig(mode="verify", tau=0.3, max_new_tokens=24, draft_layout=layout))
         assert row.verify_equals_ar
         assert row.verify_tokens_per_forward == pytest.approx(sum(r.tokens_per_forward for r in want) / len(want))
@@ -250,7 +250,7 @@ def test_bench_other_runtime_without_its_package_is_one_clear_line(monkeypatch, 
 
     from mars_core.tools.cli import main
 
-    monkeypatch.setattr(importlib.import_module(f"mars_core.{module}"), "available", lambda: False)
+    monkeypatch.setattr(importlib.import_module(f"mars_core.tools.{module}"), "available", lambda: False)
     assert main(["bench", "--model", "tiny-mars", flag, "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fix in err

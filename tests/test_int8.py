@@ -106,11 +106,12 @@ def test_cli_generate_and_row_costs_run_in_int8(capsys):
 
 
 def test_bench_counts_our_ar_in_another_format_as_a_baseline_and_divides_by_the_fastest(lm_int8_fp32):
-    from mars_core.tools.bench import bench, format_table
+    from mars_core.tools.bench import BenchSettings, bench, format_table
 
     lm = load_model("tiny-mars", device="cpu", dtype="float32")
     texts = ["What is 12 + 30?", "Sort: 3 1 2", "Reverse the word hello."]
-    row = bench(lm, texts, batch_sizes=(1,), max_new_tokens=16, repeats=1, reference=False, other_ar=lm_int8_fp32)[0]
+    row = bench(lm, texts, BenchSettings(batch_sizes=(1,), max_new_tokens=16, repeats=1, reference=False),
+                other_ar=lm_int8_fp32)[0]
     ids = [lm.encode(t) for t in texts]
     ar16 = DecodeConfig(mode="ar", max_new_tokens=16)
     same = [a.token_ids == b.token_ids for a, b in zip(generate(lm, ids, ar16), generate(lm_int8_fp32, ids, ar16))]

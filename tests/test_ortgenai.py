@@ -24,14 +24,14 @@ class EchoRuntime:
 
 
 def test_other_runtimes_join_the_race_as_ar_baselines_per_token():
-    from mars_core.tools.bench import bench, format_table
+    from mars_core.tools.bench import BenchSettings, bench, format_table
 
     tok = make_tokenizer()
     lm = wrap_model(make_model("llama", len(tok)), tok)
     prompts = ["What is 2+3?", "Sort: c a b"]
     externals = {"llamacpp": EchoRuntime(lm), "onnxruntime": EchoRuntime(lm, short=True)}
-    row1, row2 = bench(lm, prompts, batch_sizes=(1, 2), tau=0.5, max_new_tokens=8, repeats=2, reference=False,
-                       transformers=False, externals=externals)
+    row1, row2 = bench(lm, prompts, BenchSettings(batch_sizes=(1, 2), tau=0.5, max_new_tokens=8, repeats=2,
+                                                     reference=False, transformers=False), externals=externals)
     assert set(row1.time_ranges) == {"ar", "mars", "verify", "llamacpp", "onnxruntime"}
     assert row1.external_labels == {"llamacpp": "echo (stand-in)", "onnxruntime": "echo (stand-in)"}
     assert row1.external_agreement == {"llamacpp": 1, "onnxruntime": 0}

@@ -83,7 +83,7 @@ def test_every_fastest_candidate_decodes_exactly_ar():
 
 def test_bench_races_the_fastest_lossless_layout_with_its_own_block_size(monkeypatch):
     from app import models
-    from mars_core.tools.bench import bench
+    from mars_core.tools.bench import BenchSettings, bench
     lm = models.get_model("tiny-mars")
     # make one mask + runner-ups the fastest whatever the machine: the others' decodes cost 1 s more on the clock
     real = fastest.generate
@@ -97,9 +97,9 @@ def test_bench_races_the_fastest_lossless_layout_with_its_own_block_size(monkeyp
     monkeypatch.setattr("mars_core.tools.bench.fastest_lossless",
                         lambda *a, **k: fastest.fastest_lossless(*a, **{**k, "clock": lambda: extra[0]}))
     said = []
-    rows = bench(lm, ["Sort in descending order: 91, 57, 59, 87"], batch_sizes=(1,), tau=0.6, block_size=4,
-                 max_new_tokens=24, repeats=1, reference=False, transformers=False, draft_layout="fastest",
-                 progress=said.append)
+    rows = bench(lm, ["Sort in descending order: 91, 57, 59, 87"],
+                 BenchSettings(batch_sizes=(1,), tau=0.6, block_size=4, max_new_tokens=24, repeats=1, reference=False,
+                               transformers=False, draft_layout="fastest"), progress=said.append)
     assert any("one mask + runner-ups" in s and s.startswith("lossless drafts: one mask + runner-ups") for s in said)
     assert rows[0].verify_equals_ar is True
     assert len(rows[0].draft_acceptance) == 1   # one mask a group: one draft slot

@@ -182,86 +182,118 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # process peak RSS (Linux: KiB)
 
 
-def bench(lm, prompts: list[str], batch_sizes=(1, 4), tau: float = 0.95, block_size: int = 4,
-          max_new_tokens: int = 64, repeats: int = 3, reference: bool = True, progress=None,
-          criterion: str = "prob", transformers: bool = True, verify: bool = True,
-          clock: str = "auto", other_ar=None, externals: dict | None = None, draft_layout: str = "linear",
-          prompt_lookup: int = 0, tree_width: int = 2) -> list[BenchRow]:
+@dataclass
+class BenchSettings:
+    """What `bench` races: one field per flag of `python -m mars_core bench`. `clock` (see `pick_clock`) decides
+    what every time in the rows measures; `draft_layout`, `prompt_lookup` and `tree_width` are lossless MARS's
+    (DecodeConfig), and `draft_layout="fastest"` times the candidate layouts first (mars_core.tools.fastest) and
+    races the fastest, with its own block size."""
+    batch_sizes: tuple = (1, 4)
+    tau: float = 0.95
+    block_size: int = 4
+    max_new_tokens: int = 64
+    repeats: int = 3
+    reference: bool = True       # the uncached reference beside them, run once
+    criterion: str = "prob"
+    transformers: bool = True    # transformers' own generate as a side
+    verify: bool = True          # lossless MARS as a side
+    clock: str = "auto"
+    draft_layout: str = "linear"
+    prompt_lookup: int = 0
+    tree_width: int = 2
+
+    def check(self, n_prompts: int) -> None:
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r} must be an integer >= 1 (--repeats)")
+        bad = [b for b in self.batch_sizes if not isinstance(b, int) or b < 1]
+        if bad:
+            raise ValueError(f"batch size {bad[0]!r} must be an integer >= 1 (--batch-sizes)")
+        if max(self.batch_sizes) > n_prompts:
+            raise ValueError(f"batch size {max(self.batch_sizes)} is larger than the {n_prompts} prompts: pass more "
+                             f"prompts (--n-prompts, --prompts) or a batch size <= {n_prompts}")
+
+
+@dataclass
+class _Timed:
+    """One batch size's alternating runs: each side's median time, every repeat's time, its last run's
+    (forwards, answers), and the uncached reference's time (None when not run)."""
+    med: dict
+    times: dict
+    runs: dict
+    ref_time: float | None
+
+
+def bench(lm, prompts: list[str], settings: BenchSettings | None = None, progress=None, other_ar=None,
+          externals: dict | None = None) -> list[BenchRow]:
     """Time transformers generate, our AR, MARS and lossless MARS side by side, alternating, per batch size.
-    `clock` (see `pick_clock`) decides what every time in the rows measures. `other_ar`, the same model
-    loaded in another weight format (e.g. dtype="int8"), adds our AR in that format to the race and to the
-    choice of the fastest AR, since a user would pick whichever format decodes fastest; its answers differ, and
-    the row says by how much. `externals` ({side: another runtime's AR}, e.g. "llamacpp":
-    mars_core.tools.llamacpp.LlamaCppAR, "onnxruntime": mars_core.tools.ortgenai.OrtGenAIAR) join at batch size 1 as speed
-    references and AR baselines: their weight formats and answers differ, so they are compared by time per token.
-    `draft_layout`, `prompt_lookup` and `tree_width` are lossless MARS's (DecodeConfig); `draft_layout="fastest"`
-    times the candidate layouts first (mars_core.tools.fastest) and races the fastest, with its own block size."""
-    clock = pick_clock(clock, lm.device)
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (--repeats)")
-    bad = [b for b in batch_sizes if not isinstance(b, int) or b < 1]
-    if bad:
-        raise ValueError(f"batch size {bad[0]!r} must be an integer >= 1 (--batch-sizes)")
+    `other_ar`, the same model loaded in another weight format (e.g. dtype="int8"), adds our AR in that format
+    to the race and to the choice of the fastest AR, since a user would pick whichever format decodes fastest;
+    its answers differ, and the row says by how much. `externals` ({side: another runtime's AR}, e.g.
+    "llamacpp": mars_core.tools.llamacpp.LlamaCppAR, "onnxruntime": mars_core.tools.ortgenai.OrtGenAIAR) join at
+    batch size 1 as speed references and AR baselines: their weight formats and answers differ, so they are
+    compared by time per token."""
+    s = settings or BenchSettings()
+    clock = pick_clock(s.clock, lm.device)
     ids = [lm.encode(p) for p in prompts]
-    if max(batch_sizes) > len(ids):
-        raise ValueError(f"batch size {max(batch_sizes)} is larger than the {len(ids)} prompts: pass more prompts "
-                         f"(--n-prompts, --prompts) or a batch size <= {len(ids)}")
-    verify_block = block_size
-    if verify and draft_layout == "fastest":   # mars_core.tools.fastest: timed here, on the first prompt
-        choice = fastest_lossless(lm, ids[0], tau, block_size, criterion, prompt_lookup, clock=NOW[clock])
-        if progress:
-            progress(choice.why)
-        draft_layout, tree_width, verify_block = choice.pick.layout, choice.pick.tree_width, choice.pick.block_size
-    cfgs = _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout, prompt_lookup,
-                         tree_width)
-    if verify:
-        cfgs["verify"].block_size = verify_block
+    s.check(len(ids))
+    cfgs = _side_configs(lm, ids[0], s, clock, progress)
     models = {side: lm for side in cfgs}
     if other_ar is not None:
         cfgs["other_ar"], models["other_ar"] = cfgs["ar"], other_ar
-    rows = []
-    ref_time = None
-    for bs in batch_sizes:
+    rows, ref_time = [], None
+    for bs in s.batch_sizes:
         batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
         if lm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(lm.device)
         sides = dict(cfgs)
         if bs == 1:   # other runtimes decode one prompt at a time
             for name, runtime in (externals or {}).items():
-                sides[name], models[name] = ExternalGreedy(max_new_tokens), runtime
-        for side, cfg in sides.items():                 # warm-up on one batch, every side
-            _timed_run(models[side], batches[:1], cfg, clock)
-        timed = {side: (lambda m=models[side], c=cfg: _timed_run(m, batches, c, clock)) for side, cfg in sides.items()}
-        for _, _, out in alternate(timed, repeats, NOW[clock]):   # mars_core.tools.timing: rotating order
-            if progress:
-                progress(f"batch {bs}: " + ", ".join(f"{side} {out[side][-1][0]:.2f}s" for side in sides))
-        # each run's own time (it syncs a GPU before it stops its clock), its forwards and answers
-        times = {side: [t for t, _, _ in out[side]] for side in sides}
-        runs = {side: out[side][-1][1:] for side in sides}
-        med = {side: statistics.median(t) for side, t in times.items()}
-        if reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
+                sides[name], models[name] = ExternalGreedy(s.max_new_tokens), runtime
+        med, times, runs = _race(models, sides, batches, s.repeats, clock, progress, bs)
+        if s.reference and ref_time is None:   # one row at a time whatever the batch: run it once, model warm
             t0 = NOW[clock]()
             reference_generate(lm, ids, cfgs["mars"])
             ref_time = NOW[clock]() - t0
         other = None if other_ar is None else f"ours, {weight_format(other_ar)}"
-        row = _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other)
+        row = _row(lm, bs, len(ids), batches, _Timed(med, times, runs, ref_time), cfgs, clock, other)
         _per_token(row, med, runs, {n: r.label for n, r in (externals or {}).items() if n in sides})
         rows.append(row)
     return rows
 
 
-def _side_configs(tau, block_size, max_new_tokens, criterion, verify, transformers, draft_layout,
-                  prompt_lookup, tree_width=2) -> dict:
-    """{side: how it decodes} for our AR, MARS, lossless MARS (`verify`) and transformers' generate."""
-    cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=max_new_tokens),
-            "mars": DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                 criterion=criterion)}
-    if verify:
-        cfgs["verify"] = DecodeConfig(mode="verify", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                                      criterion=criterion, draft_layout=draft_layout, prompt_lookup=prompt_lookup,
-                                      tree_width=tree_width)
-    if transformers:
-        cfgs["transformers"] = HFGreedy(max_new_tokens)
+def _race(models: dict, sides: dict, batches, repeats: int, clock: str, progress, bs: int):
+    """Every side warmed up on one batch, then timed over all batches in alternating runs (rotating order:
+    mars_core.tools.timing) -> (median time, every repeat's time, the last run's (forwards, answers)) per side.
+    Each run takes its own time (it syncs a GPU before it stops its clock)."""
+    for side, cfg in sides.items():
+        _timed_run(models[side], batches[:1], cfg, clock)
+    timed = {side: (lambda m=models[side], c=cfg: _timed_run(m, batches, c, clock)) for side, cfg in sides.items()}
+    for _, _, out in alternate(timed, repeats, NOW[clock]):
+        if progress:
+            progress(f"batch {bs}: " + ", ".join(f"{side} {out[side][-1][0]:.2f}s" for side in sides))
+    times = {side: [t for t, _, _ in out[side]] for side in sides}
+    runs = {side: out[side][-1][1:] for side in sides}
+    return {side: statistics.median(t) for side, t in times.items()}, times, runs
+
+
+def _side_configs(lm, first_ids: list[int], s: BenchSettings, clock: str, progress) -> dict:
+    """{side: how it decodes} for our AR, MARS, lossless MARS (`verify`) and transformers' generate; lossless's
+    layout timed first on the first prompt where it is "fastest"."""
+    layout, tree_width, verify_block = s.draft_layout, s.tree_width, s.block_size
+    if s.verify and layout == "fastest":
+        choice = fastest_lossless(lm, first_ids, s.tau, s.block_size, s.criterion, s.prompt_lookup, clock=NOW[clock])
+        if progress:
+            progress(choice.why)
+        layout, tree_width, verify_block = choice.pick.layout, choice.pick.tree_width, choice.pick.block_size
+    cfgs = {"ar": DecodeConfig(mode="ar", max_new_tokens=s.max_new_tokens),
+            "mars": DecodeConfig(mode="mars", tau=s.tau, block_size=s.block_size, max_new_tokens=s.max_new_tokens,
+                                 criterion=s.criterion)}
+    if s.verify:
+        cfgs["verify"] = DecodeConfig(mode="verify", tau=s.tau, block_size=verify_block,
+                                      max_new_tokens=s.max_new_tokens, criterion=s.criterion, draft_layout=layout,
+                                      prompt_lookup=s.prompt_lookup, tree_width=tree_width)
+    if s.transformers:
+        cfgs["transformers"] = HFGreedy(s.max_new_tokens)
     return cfgs
 
 
@@ -285,8 +317,9 @@ def weight_format(lm) -> str:
     return f"{lm.weight_format}, {lm.backend}"
 
 
-def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clock, other=None) -> BenchRow:
+def _row(lm, bs: int, n_prompts: int, batches, timed: _Timed, cfgs, clock: str, other=None) -> BenchRow:
     """One batch size's row; `other` labels our AR in another weight format (side "other_ar"), if it ran."""
+    med, times, runs, ref_time = timed.med, timed.times, timed.runs, timed.ref_time
     (ar_fwd, ar_res), (mars_fwd, mars_res) = runs["ar"], runs["mars"]
     ar_tokens = [r.token_ids for r in ar_res]
     baselines = {"ours": med["ar"], "transformers": med.get("transformers"), other: med.get("other_ar")}
@@ -296,7 +329,7 @@ def _row(lm, bs, ids, med, times, runs, ref_time, cfgs, batches, block_size, clo
     overhead = {side: decoder_overhead(lm, batches, cfgs[side], clock) for side in cfgs
                 if side not in ("transformers", "other_ar")}
     row = BenchRow(
-        batch_size=bs, prompts=len(ids),
+        batch_size=bs, prompts=n_prompts,
         tokens_per_forward=statistics.mean(r.tokens_per_forward for r in mars_res),
         ar_time=med["ar"], mars_time=med["mars"], speedup=med["ar"] / med["mars"],
         ar_forward_ms=ar_ms, mars_forward_ms=mars_ms, forward_cost=mars_ms / ar_ms,

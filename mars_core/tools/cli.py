@@ -14,8 +14,8 @@ from dataclasses import asdict
 
 import torch
 
-from mars_core.tools.bench import (bench, default_prompts, format_row_costs, format_table, read_prompts, row_costs,
-                             rows_as_dicts)
+from mars_core.tools.bench import (BenchSettings, bench, default_prompts, format_row_costs, format_table, read_prompts,
+                                   row_costs, rows_as_dicts)
 from mars_core.engine.cpu_layout import RowMajorLinear
 from mars_core.engine.dtype_probe import slow_decoding_warning
 from mars_core.decode.config import CRITERIA, DecodeConfig, interrupt_exit, sigterm_as_interrupt
@@ -230,11 +230,10 @@ def cmd_bench(args) -> int:
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     externals = {name: side for name, side in (("llamacpp", _llamacpp(args, lm)),
                                                ("onnxruntime", _onnxruntime(args, lm))) if side is not None}
-    rows = bench(lm, prompts, batch_sizes=args.batch_sizes, tau=args.tau, block_size=args.block_size,
-                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, reference=not args.no_reference,
-                 progress=say, criterion=args.criterion, transformers=not args.no_transformers,
-                 verify=not args.no_verify, clock=args.clock, other_ar=other_ar, externals=externals,
-                 draft_layout=args.draft_layout, prompt_lookup=args.prompt_lookup, tree_width=args.tree_width)
+    settings = BenchSettings(tuple(args.batch_sizes), args.tau, args.block_size, args.max_new_tokens, args.repeats,
+                             not args.no_reference, args.criterion, not args.no_transformers, not args.no_verify,
+                             args.clock, args.draft_layout, args.prompt_lookup, args.tree_width)
+    rows = bench(lm, prompts, settings, progress=say, other_ar=other_ar, externals=externals)
     meta = {**_model_meta(lm), "tau": args.tau, "criterion": args.criterion, "draft_layout": args.draft_layout,
             "tree_width": args.tree_width, "prompt_lookup": args.prompt_lookup,
             "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}

@@ -62,16 +62,15 @@ class FastestChoice:
 
 
 def fastest_lossless(lm, prompt_ids: list[int], tau: float, block_size: int, criterion: str = "prob",
-                     prompt_lookup: int = 0, tokens: int = CALIBRATE_TOKENS, repeats: int = REPEATS,
-                     clock: Callable[[], float] | None = None) -> FastestChoice:
-    """Time every candidate layout decoding `prompt_ids` (`tokens` new tokens, `repeats` alternating runs each, on
-    the model's clock: mars_core.tools.timing.clock_for) and return the fastest. A choice between layouts, not a
+                     prompt_lookup: int = 0, clock: Callable[[], float] | None = None) -> FastestChoice:
+    """Time every candidate layout decoding `prompt_ids` (CALIBRATE_TOKENS new tokens, REPEATS alternating runs
+    each, on the model's clock: mars_core.tools.timing.clock_for) and return the fastest. A choice between layouts, not a
     number to quote: each candidate's fastest run, the one least disturbed, decides."""
     if tau >= 1.0:
         raise ValueError(f"tau {tau} makes every lossless layout draft nothing: pick a layout only for tau < 1")
     layouts = candidates(block_size)
-    runs = {c: (lambda c=c: generate(lm, [prompt_ids], c.config(tau, tokens, criterion, prompt_lookup)))
+    runs = {c: (lambda c=c: generate(lm, [prompt_ids], c.config(tau, CALIBRATE_TOKENS, criterion, prompt_lookup)))
             for c in layouts}
-    times, _ = time_all(runs, repeats, clock or clock_for(lm)[0])
+    times, _ = time_all(runs, REPEATS, clock or clock_for(lm)[0])
     best = {c: Spread.of(times[c]).low for c in layouts}
-    return FastestChoice(min(layouts, key=best.__getitem__), best, tokens)
+    return FastestChoice(min(layouts, key=best.__getitem__), best, CALIBRATE_TOKENS)
