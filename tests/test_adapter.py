@@ -369,7 +369,7 @@ def test_bad_bases_are_refused(adapter, base_dir, tmp_path, monkeypatch):
 def test_missing_smollm2_mars_names_the_recipe(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "ASSETS", tmp_path)
     assert sources.KNOWN_MODELS["smollm2-mars"] == "adapter:smollm2-mars"
-    with pytest.raises(ValueError, match=r"smollm2-mars.*missing.*python -m finetune\.recipe_smollm2"):
+    with pytest.raises(ValueError, match=r"smollm2-mars.*missing.*python -m finetune\.recipes\.recipe_smollm2"):
         loading.load_model("smollm2-mars")
     assert not sources.is_prepared("smollm2-mars")
 

@@ -162,23 +162,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
     name_or_path = _model_name(name_or_path)   # a Path works as its text
     kind, where = resolve_source(name_or_path)
-    adapter_dir = where if kind == "adapter" else None
-    adapter_cfg = read_adapter_config(where) if kind == "adapter" else None
-    if adapter_cfg is not None:
-        if mask_token is not None and mask_token != adapter_cfg["mask_token"]:
-            raise ValueError(f"mask_token={mask_token!r} but {name_or_path!r} was trained with "
-                             f"{adapter_cfg['mask_token']!r}: leave mask_token unset for an adapter")
-        mask_token = adapter_cfg["mask_token"]
-    gated = adapter_cfg is not None and is_gated(adapter_cfg)
-    # the lean w8a8 forward applies a gated adapter in our own kernels' native stack only (asked only where w8a8
-    # may run: finding the kernel can mean building it)
-    may_w8a8 = dtype == "w8a8" or (dtype == "auto" and (name_or_path or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)
-    # w8a16 runs only on our AVX2 kernel (pick_dtype refuses it where that is missing), which has the native stack
-    native_gate = gated and (dtype == "w8a16" or (may_w8a8 and _own_w8a8_kernel()))
-    if gated and dtype == "w8a8" and backend == "lean" and not native_gate:
-        raise ValueError(f"{name_or_path!r} is a gated adapter, which the lean w8a8 forward applies only with our "
-                         "own w8a8 kernels (not available here): use backend='hf' (or auto) with w8a8, or dtype "
-                         "float32, bfloat16 or int8")
+    adapter = _Adapter.of(kind, where, name_or_path, mask_token, dtype, backend)
     dev = pick_device(device)   # cheap checks before any conversion or loading
     torch_dtype = pick_dtype(dtype, dev)
     where = _checkpoint_dir(kind, where, name_or_path)
@@ -186,18 +170,70 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     tokenizer = _load_tokenizer(where)
     quantized = dtype in ("int8",) + ACT_QUANTIZED   # weights rounded once, from fp32
     model = _load_weights(where, config, torch.float32 if quantized else torch_dtype, attn_implementation="sdpa")
-    if gated:   # before any change of layout or format, which keep the wrappers (mars_core.engine.gated)
+    if adapter.gated:   # before any change of layout or format, which keep the wrappers (mars_core.engine.gated)
         from mars_core.models.adapter import attach_gated
 
-        attach_gated(model, adapter_dir)
+        attach_gated(model, adapter.folder)
     model.to(dev).eval()
-    lean = pick_backend(backend, model, dev) == "lean" and not (gated and dtype == "w8a8" and not native_gate)
-    net = None
     n_params = sum(p.numel() for p in model.parameters())
-    if dev.type == "cpu" and dtype == "auto" and gated and not native_gate:   # no lean w8a8 forward for the gate
+    lean = pick_backend(backend, model, dev) == "lean" and not (adapter.gated and dtype == "w8a8"
+                                                                and not adapter.native_gate)
+    float_gate = adapter.gated and not adapter.native_gate   # no lean w8a8 forward for the gate
+    source = (name_or_path or DEFAULT_MODEL, str(where))
+    net = _serve(model, tokenizer, source, dtype, dev, lean, float_gate, cpu_layout)
+    mask_id, source = resolve_mask_id(tokenizer, model, adapter.mask_token)
+    if adapter.config is not None and mask_id != adapter.config["mask_id"]:
+        raise ValueError(f"{name_or_path!r}: {adapter.mask_token!r} is id {mask_id} in the base tokenizer but the "
+                         f"adapter was trained with mask_id={adapter.config['mask_id']}: it belongs to another base; "
+                         "rebuild it")
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
+        path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
+        context_length=getattr(config, "max_position_embeddings", 2048), net=net, n_params=n_params,
+    )
+
+
+@dataclass
+class _Adapter:
+    """What an adapter source changes in a load: its folder and config (None: not an adapter), the mask token it
+    was trained with, whether it is gated, and whether our kernels' native stack applies the gate."""
+    folder: str | None = None
+    config: dict | None = None
+    mask_token: str | None = None
+    gated: bool = False
+    native_gate: bool = False
+
+    @classmethod
+    def of(cls, kind: str, where: str, name: str, mask_token: str | None, dtype: str, backend: str) -> "_Adapter":
+        if kind != "adapter":
+            return cls(mask_token=mask_token)
+        cfg = read_adapter_config(where)
+        if mask_token is not None and mask_token != cfg["mask_token"]:
+            raise ValueError(f"mask_token={mask_token!r} but {name!r} was trained with "
+                             f"{cfg['mask_token']!r}: leave mask_token unset for an adapter")
+        gated = is_gated(cfg)
+        # the lean w8a8 forward applies a gated adapter in our own kernels' native stack only (asked only where
+        # w8a8 may run: finding the kernel can mean building it)
+        may_w8a8 = dtype == "w8a8" or (dtype == "auto" and (name or DEFAULT_MODEL) in W8A8_KEEPS_QUALITY)
+        # w8a16 runs only on our AVX2 kernel (pick_dtype refuses it where that is missing), which has the stack
+        native_gate = gated and (dtype == "w8a16" or (may_w8a8 and _own_w8a8_kernel()))
+        if gated and dtype == "w8a8" and backend == "lean" and not native_gate:
+            raise ValueError(f"{name!r} is a gated adapter, which the lean w8a8 forward applies only with our "
+                             "own w8a8 kernels (not available here): use backend='hf' (or auto) with w8a8, or dtype "
+                             "float32, bfloat16 or int8")
+        return cls(where, cfg, cfg["mask_token"], gated, native_gate)
+
+
+def _serve(model, tokenizer, source: tuple[str, str], dtype: str, dev, lean: bool, float_gate: bool,
+           cpu_layout: bool):
+    """Put the loaded model in the format it decodes in; returns the lean forward (None: the decoder runs the
+    transformers model). dtype="auto" on a CPU picks the fastest exact format (formats.auto_cpu_format) for
+    `source` (name, folder), float32 for a gated adapter whose gate only float runs (`float_gate`)."""
+    net, torch_dtype = None, pick_dtype(dtype, dev)
+    if dev.type == "cpu" and dtype == "auto" and float_gate:
         dtype = "float32"
     elif dev.type == "cpu" and dtype == "auto":
-        dtype, net = auto_cpu_format(model, tokenizer, name_or_path or DEFAULT_MODEL, str(where), lean)
+        dtype, net = auto_cpu_format(model, tokenizer, *source, lean)
         torch_dtype = pick_dtype(dtype, dev)
     if lean and net is None:
         net = lean_net(model, dtype, torch_dtype, tokenizer)
@@ -212,15 +248,7 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
         quantize_w8a8(model, WIDE if dtype == "w8a16" else None)
     elif dev.type == "cpu" and cpu_layout:
         cpu_decoding_layout(model)
-    mask_id, source = resolve_mask_id(tokenizer, model, mask_token)
-    if adapter_cfg is not None and mask_id != adapter_cfg["mask_id"]:
-        raise ValueError(f"{name_or_path!r}: {mask_token!r} is id {mask_id} in the base tokenizer but the adapter "
-                         f"was trained with mask_id={adapter_cfg['mask_id']}: it belongs to another base; rebuild it")
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, mask_id=mask_id, eos_ids=end_of_turn_ids(tokenizer, model),
-        path=str(where), name=name_or_path or DEFAULT_MODEL, device=dev, mask_source=source,
-        context_length=getattr(config, "max_position_embeddings", 2048), net=net, n_params=n_params,
-    )
+    return net
 
 
 def wrap_model(model, tokenizer, name: str = "in-memory", mask_token: str | None = None,
