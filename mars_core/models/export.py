@@ -90,26 +90,7 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
         torch_dtype = _saved_dtype(sources._stock_config(folder))
     lm = loading.load_model(model, device="cpu", dtype=torch_dtype, mask_token=mask_token, cpu_layout=False)
     net, tok = lm.model, lm.tokenizer
-
-    config = net.config
-    if hasattr(config, "auto_map"):
-        del config.auto_map                              # nothing in the export needs remote code
-    config.mask_token_id = lm.mask_id
-    config.pard_token = lm.mask_id     # the key vLLM's parallel drafting reads a draft model's mask id from
-    block = _block_size(folder, source)
-    if block is not None:
-        config.mars_block_size = block
-    mask_text = tok.convert_ids_to_tokens(lm.mask_id)
-    if tok.mask_token != mask_text:
-        tok.mask_token = mask_text                       # an existing token: declared, not added
-    if tok.mask_token_id != lm.mask_id:
-        raise ValueError(f"the tokenizer of {model!r} maps {mask_text!r} to {tok.mask_token_id}, not the mask id "
-                         f"{lm.mask_id}: pass --mask-token with the token the model was trained with")
-    gen = net.generation_config
-    gen.eos_token_id = lm.eos_ids[0] if len(lm.eos_ids) == 1 else list(lm.eos_ids)
-    if gen.pad_token_id is None and tok.pad_token_id is not None:
-        gen.pad_token_id = tok.pad_token_id
-
+    config, mask_text, block = _declare_mask(lm, model, folder, source)
     info = {"source": model or sources.DEFAULT_MODEL, "source_dir": lm.path, "architecture": type(net).__name__,
             "model_type": config.model_type, "mask_token_id": lm.mask_id, "mask_token": mask_text,
             "mask_source": lm.mask_source, "mars_block_size": block, "eos_token_ids": list(lm.eos_ids),
@@ -132,6 +113,32 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {**info, "out": str(out.resolve())}
+
+
+
+def _declare_mask(lm, model: str | None, folder, source) -> tuple:
+    """Write the mask id (and B, where the source knows it) into the model's config and tokenizer, and the end of
+    turn into its generation config, in place; -> (config, the mask token's text, B or None)."""
+    net, tok = lm.model, lm.tokenizer
+    config = net.config
+    if hasattr(config, "auto_map"):
+        del config.auto_map                              # nothing in the export needs remote code
+    config.mask_token_id = lm.mask_id
+    config.pard_token = lm.mask_id     # the key vLLM's parallel drafting reads a draft model's mask id from
+    block = _block_size(folder, source)
+    if block is not None:
+        config.mars_block_size = block
+    mask_text = tok.convert_ids_to_tokens(lm.mask_id)
+    if tok.mask_token != mask_text:
+        tok.mask_token = mask_text                       # an existing token: declared, not added
+    if tok.mask_token_id != lm.mask_id:
+        raise ValueError(f"the tokenizer of {model!r} maps {mask_text!r} to {tok.mask_token_id}, not the mask id "
+                         f"{lm.mask_id}: pass --mask-token with the token the model was trained with")
+    gen = net.generation_config
+    gen.eos_token_id = lm.eos_ids[0] if len(lm.eos_ids) == 1 else list(lm.eos_ids)
+    if gen.pad_token_id is None and tok.pad_token_id is not None:
+        gen.pad_token_id = tok.pad_token_id
+    return config, mask_text, block
 
 
 def _temp_folder(out: Path, net, what: str) -> Path:
