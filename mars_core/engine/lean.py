@@ -190,13 +190,7 @@ class LeanLM(torch.nn.Module):
             norm, head = norm / s, head * s
         self.norm = norm.to(self.dtype)
         self.head = make_linear(head, getattr(model.lm_head, "bias", None), fmt, dtype, kernel=self.kernel)
-        rotary = model.model.rotary_emb
-        angles = torch.outer(torch.arange(self.context, dtype=torch.float32), rotary.inv_freq.float().cpu())
-        table = torch.polar(torch.full_like(angles, float(rotary.attention_scaling)), angles)
-        self.register_buffer("rope", table.to(self.embed.device), persistent=False)
-        # q's rows also carry the attention scale 1/sqrt(d), so the scores need no extra multiply
-        scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
-        self.register_buffer("rope_scale", scale[:, None], persistent=False)
+        self._rope_tables(model.model.rotary_emb)
         self.scripted, self._script_weights = None, ()   # w8a8 and fp32: the layer loop compiled by TorchScript
         self.huge_pages = False   # whether the packed weights asked for 2 MB pages (and the OS took the advice)
         if self.kernel in NATIVE:
@@ -211,6 +205,15 @@ class LeanLM(torch.nn.Module):
         self.native = self.scripted is not None and self.kernel in NATIVE
         exact_rows = fmt == "w8a8" or (fmt == "float" and self.dtype == torch.bfloat16 and packed_bf16_supported())
         self.attention_dtype = torch.float64 if exact_rows and not self.native else torch.float32
+
+    def _rope_tables(self, rotary) -> None:
+        """RoPE as one complex multiply: the rotation of every position, and per head row the attention scale that
+        q's rows also carry (1/sqrt(d)), so the scores need no extra multiply."""
+        angles = torch.outer(torch.arange(self.context, dtype=torch.float32), rotary.inv_freq.float().cpu())
+        table = torch.polar(torch.full_like(angles, float(rotary.attention_scaling)), angles)
+        self.register_buffer("rope", table.to(self.embed.device), persistent=False)
+        scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, device=self.embed.device)
+        self.register_buffer("rope_scale", scale[:, None], persistent=False)
 
     def _onto_huge_pages(self) -> None:
         """Our w8a8 kernels' packed weights, moved into one buffer on 2 MB pages where the OS grants them: a
