@@ -85,7 +85,7 @@ void quantize(const float* u, int16_t* q, int64_t k, float inverse) {
 }
 
 // One row of the layer input -> its quantized row (and, at a `second` row index >= 0, the quantized remainder of
-// the first rounding), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
+// the first rounding), as mars_core.engine.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
 void prepare(const float* x, int64_t k, int64_t kp, int64_t m, int64_t second, float inverse, float step,
              int16_t* a, float* mags, float* r_mags, std::vector<float>& u) {
   x += m * k;

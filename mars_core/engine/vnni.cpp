@@ -1,6 +1,6 @@
 // w8a8's product on an AVX512-VNNI CPU, built by mars_core/engine/vnni.py; the Python side says why it exists.
 //
-// It computes, bitwise, what mars_core.w8a8.W8A8Linear.forward computes through fbgemm: each row scaled to
+// It computes, bitwise, what mars_core.engine.w8a8.W8A8Linear.forward computes through fbgemm: each row scaled to
 // [-1, 1] by its largest magnitude and quantized as fbgemm quantizes it (round(fma(u, 1/scale, 128)), uint8),
 // exact int32 sums against the per-channel int8 weights, then fbgemm's float rescale raw * (a_scale * w_scale)
 // and the same fp32 epilogue (second pass, magnitude, bias) in the same order. Built with -ffp-contract=off so
@@ -100,7 +100,7 @@ inline void divide(const float* x, float d, float* out, int64_t k) {
 }
 
 // One row of the layer input -> its quantized row (and, at a `second` row index >= 0, the quantized remainder of the
-// first rounding), as mars_core.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
+// first rounding), as mars_core.engine.w8a8 does op for op: u = x / magnitude; r = u - round(u * inverse) * step.
 void prepare(const float* x, int64_t m, int64_t second, int64_t k, int64_t kp, float inverse, float step,
              int8_t* a, int32_t* sums, float* mags, float* r_mags, float* u) {
   x += m * k;
