@@ -28,7 +28,8 @@ def check_tau(tau) -> float:
     try:
         value = float(tau)
     except (TypeError, ValueError):
-        raise ValueError(f"tau={tau!r} is not a number: use a value in (0, 1), or 1.0 for one-token (AR) mode") from None
+        raise ValueError(f"tau={tau!r} is not a number: use a value in (0, 1), "
+                         "or 1.0 for one-token (AR) mode") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"tau={tau!r} is out of range: use a value in (0, 1), or 1.0 for one-token (AR) mode")
     return value
@@ -64,7 +65,8 @@ class DecodeConfig:
         for name in ("block_size", "max_new_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1" + (" (the paper uses 4)" if name == "block_size" else ""))
+                raise ValueError(f"{name}={value!r} must be an integer >= 1"
+                                 + (" (the paper uses 4)" if name == "block_size" else ""))
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

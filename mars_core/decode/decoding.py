@@ -62,7 +62,8 @@ def _prompt_ids(lm, prompts) -> list[list[int]]:
             raise ValueError("a prompt has no tokens: pass a non-empty prompt")
         _check_has_text(lm, ids)
         if len(ids) + 2 > lm.context_length:
-            raise ValueError(f"a prompt of {len(ids)} tokens does not fit the context of {lm.context_length}: shorten it")
+            raise ValueError(f"a prompt of {len(ids)} tokens does not fit the context of {lm.context_length}: "
+                             "shorten it")
         out.append(ids)
     return out
 
@@ -194,7 +195,8 @@ def _trim_at_stop(lm, generated: list[int], accepted: list[int], stops: tuple[st
     return True
 
 
-def generate(lm, prompts, cfg: DecodeConfig | None = None, tau_control: TauControl | None = None) -> list[SequenceResult]:
+def generate(lm, prompts, cfg: DecodeConfig | None = None,
+             tau_control: TauControl | None = None) -> list[SequenceResult]:
     """Run `generate_stream` to the end and collect one SequenceResult per prompt."""
     prompt_ids = _prompt_ids(lm, prompts)
     results = collect(lm, prompt_ids, generate_stream(lm, prompt_ids, cfg, tau_control))

@@ -19,7 +19,8 @@ cropping its last columns, as in the linear layout.
 
 Prompt lookup (`prompt_lookup=n`): when the last n..1 tokens of prompt + output occurred before, the tokens
 that followed their latest occurrence are offered as drafts; they replace the mask drafts when the masks offer
-none, or when they start with the masks' first draft and run longer (lookup_wins). Drafts only change how many tokens a forward confirms, never which tokens.
+none, or when they start with the masks' first draft and run longer (lookup_wins). Drafts only change how
+many tokens a forward confirms, never which tokens.
 """
 from __future__ import annotations
 
@@ -202,11 +203,13 @@ class DraftPlanner:
         positions: all of them), so on a CPU whose forward grows with its positions a step drafts only as deep as
         its confirmation rates carry."""
         positions = max(len(r.pending) + len(r.leaves) for r in rows)
-        used = sum(self.reach(r.n_drafts + 1) for r in rows) / len(rows)   # chance the group behind the last draft counts
+        # the chance that the group behind the last draft counts
+        used = sum(self.reach(r.n_drafts + 1) for r in rows) / len(rows)
         m = 0
         while m < most:
             offer = self.offer(m + 1)   # its draft exists only if its confidence and all before it reach tau
-            added = self.cost(positions + m + 1) - self.cost(positions + m) + offer * (self.cost(m + 2) - self.cost(m + 1))
+            added = (self.cost(positions + m + 1) - self.cost(positions + m)
+                     + offer * (self.cost(m + 2) - self.cost(m + 1)))
             if not self._pays(used * offer * self.reach(m + 2), added):
                 break
             m += 1

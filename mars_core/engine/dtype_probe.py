@@ -142,6 +142,6 @@ def slow_decoding_warning(lm, step_seconds: list[float], block_size: int = 4) ->
     ms = 1000 * statistics.median(step_seconds[1:])
     if ms <= SLOW * probe:
         return None
-    return (f"warning: a forward took {ms:.0f} ms, {ms / probe:.0f}x this machine's probe of this model ({probe:.0f} ms, "
-            f"one thread, {name}): other processes are using the cores, or --threads {torch.get_num_threads()} "
-            "oversubscribes them; try --threads 1 or stop the other work")
+    return (f"warning: a forward took {ms:.0f} ms, {ms / probe:.0f}x this machine's probe of this model "
+            f"({probe:.0f} ms, one thread, {name}): other processes are using the cores, "
+            f"or --threads {torch.get_num_threads()} oversubscribes them; try --threads 1 or stop the other work")

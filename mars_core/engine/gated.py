@@ -7,10 +7,11 @@ model computes. Hence τ >= 1 (no masks) is the base model's greedy answer in an
 too wherever the base's own lossless equals its AR (float32, and w8a8 on our own kernels, whose native layer
 stack adds the deltas itself: mars_core/engine/w8a8_layers.h); only the drafts and MARS guesses come from the adapter.
 
-`apply_gated` (reached through mars_core.models.adapter.attach_gated for a folder) wraps the adapted `nn.Linear` modules of a transformers model in place and hooks its input
-embedding to read which positions are masks. `mars_core.engine.lean.LeanLM` built from that model finds the wrappers and
-carries the same deltas into its fused products. The trained mask row, if any, replaces the mask token's input
-embedding only: a tied LM head keeps the base's row, so the logits of real positions stay the base model's.
+`apply_gated` (reached through mars_core.models.adapter.attach_gated for a folder) wraps the adapted `nn.Linear`
+modules of a transformers model in place and hooks its input embedding to read which positions are masks.
+`mars_core.engine.lean.LeanLM` built from that model finds the wrappers and carries the same deltas into its fused
+products. The trained mask row, if any, replaces the mask token's input embedding only: a tied LM head keeps the
+base's row, so the logits of real positions stay the base model's.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ arithmetic with fewer ops, in the manner of gpt-fast's `model.py`:
   * with our w8a8 kernels every layer is one C++ call (mars_core/engine/w8a8_layers.h), the small ops as plain loops.
 
 It takes its weights from a loaded transformers model (which stays usable beside it) and is a backend as the
-decoder defines it (mars_core.decode.backend), with all three capabilities. The weight formats are `mars_core.engine.int8` (int8 weights, bf16 activations),
-`mars_core.engine.w8a8` (int8 weights and activations) and plain float. Inference only.
+decoder defines it (mars_core.decode.backend), with all three capabilities. The weight formats are
+`mars_core.engine.int8` (int8 weights, bf16 activations), `mars_core.engine.w8a8` (int8 weights and activations)
+and plain float. Inference only.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def packed_bf16_supported() -> bool:
     whatever the rows, and each row's result independent of the others (tests/test_lean.py checks it here)."""
     try:
         return (torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     except (AttributeError, RuntimeError):
         return False
 
@@ -180,8 +182,9 @@ class LeanLM(torch.nn.Module):
         if mask_row is not None:   # the mask token's input row only; a tied head keeps the base's
             self.embed = self.embed.clone()
             self.embed[self.gate.mask_id] = mask_row.to(self.embed.device, self.dtype)
-        self.layers = torch.nn.ModuleList(self._layer(layer, fmt, dtype, None if ranges is None else ranges["layers"][i])
-                                          for i, layer in enumerate(model.model.layers))
+        self.layers = torch.nn.ModuleList(
+            self._layer(layer, fmt, dtype, None if ranges is None else ranges["layers"][i])
+            for i, layer in enumerate(model.model.layers))
         norm, head = model.model.norm.weight.detach().float(), model.lm_head.weight.detach().float()
         if ranges is not None:   # the head's input is the final norm's output: fold 1/s into that norm
             from mars_core.engine.w8a8 import smoothing
@@ -198,8 +201,8 @@ class LeanLM(torch.nn.Module):
         if script and (fmt == "w8a8" or (fmt == "float" and self.dtype == torch.float32)):
             self._script()
         # w8a8's products are exact per row, so attention is what could make a row depend on its batch or on the
-        # number of positions fed. Our native stack (mars_core/engine/w8a8_layers.h) computes each query in a fixed order
-        # whatever shares its call, so float32 is exact there (and it reads keys in tiles: LeanCache); in torch,
+        # number of positions fed. Our native stack (mars_core/engine/w8a8_layers.h) computes each query in a fixed
+        # order whatever shares its call, so float32 is exact there (and it reads keys in tiles: LeanCache); in torch,
         # float64 scores and sums make those last-bit differences vanish in fp32 (the same holds for bf16's packed
         # products on an AMX CPU)
         self.native = self.scripted is not None and self.kernel in NATIVE

@@ -1,7 +1,7 @@
 """Which weight format and backend a model decodes in: `pick_dtype`, `pick_backend`, and `dtype="auto"`'s choice
 on a CPU (the fastest exact format: w8a8 or w8a16 for models cleared for them, float32 otherwise;
-mars_core/engine/dtype_probe.py times the candidates). `mars_core.models.loading.load_model` calls these before and after it
-loads the weights."""
+mars_core/engine/dtype_probe.py times the candidates). `mars_core.models.loading.load_model` calls these before
+and after it loads the weights."""
 from __future__ import annotations
 
 import torch

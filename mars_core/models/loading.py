@@ -53,7 +53,8 @@ class LoadedModel:
 
     @property
     def weight_format(self) -> str:
-        """"w8a8", "w8a16", "int8", or the float dtype the decoder computes in: what tells two loads of one model apart."""
+        """"w8a8", "w8a16", "int8", or the float dtype the decoder computes in: what tells two loads of one model
+        apart."""
         from mars_core.engine.int8 import Int8Linear
         from mars_core.engine.w8a8 import WIDE, W8A8Linear
 
@@ -123,7 +124,8 @@ def _load_tokenizer(where: str):
     folder = Path(where)
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{where} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the "
-                         "tokenizer next to the weights (tokenizer.save_pretrained(folder)) or copy it from the base model")
+                         "tokenizer next to the weights (tokenizer.save_pretrained(folder)) "
+                         "or copy it from the base model")
     try:
         return AutoTokenizer.from_pretrained(where)
     except Exception as exc:
@@ -153,8 +155,8 @@ def load_model(name_or_path: str | None = None, *, device: str = "auto", dtype: 
     On a CPU the linear layers are stored transposed for faster few-row GEMMs (`cpu_decoding_layout`);
     `cpu_layout=False` keeps the stock modules. `dtype="int8"` (CPU only) stores the linear weights as int8
     with a scale per row and computes in bf16 where the CPU has native bf16, else fp32 (`mars_core.engine.int8`);
-    `dtype="w8a8"` (CPU only) also quantizes the activations, per row (`mars_core.engine.w8a8`); `dtype="w8a16"` (CPU with
-    AVX2) to int16 levels in one pass, on our AVX2 kernel.
+    `dtype="w8a8"` (CPU only) also quantizes the activations, per row (`mars_core.engine.w8a8`); `dtype="w8a16"`
+    (CPU with AVX2) to int16 levels in one pass, on our AVX2 kernel.
     `backend`: what the decoder runs (`LoadedModel.net`): "lean" (mars_core.engine.lean, Llama-family only), "hf" (the
     transformers model) or "auto" (lean on a CPU where the architecture allows, else hf).
     """

@@ -43,7 +43,8 @@ def find_assets() -> Path:
 
 
 ASSETS = find_assets()
-ASSETS_HINT = "set MARS_ASSETS to a folder holding the embedded models (a checkout's assets/), or reinstall mars-playground"
+ASSETS_HINT = ("set MARS_ASSETS to a folder holding the embedded models (a checkout's assets/), "
+               "or reinstall mars-playground")
 
 # Short names a user can type, from mars_core.models.catalogue. Values are asset folders ("assets:<dir>"),
 # "gguf:<package>/<file>", or adapter folders under assets/ ("adapter:<dir>": a mars_core.models.adapter over the base
@@ -157,7 +158,8 @@ def gguf_to_checkpoint(gguf_path: str) -> str:
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as exc:   # not a GGUF, truncated, an architecture transformers cannot read
         raise ValueError(f"{src} could not be read as a GGUF model ({_first_line(exc)}): check the file (a "
-                         "complete .gguf of an architecture transformers supports), or pass a checkpoint folder") from None
+                         "complete .gguf of an architecture transformers supports), "
+                         "or pass a checkpoint folder") from None
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -213,10 +215,11 @@ def _stock_config(path: str):
     try:
         raw = json.loads(file.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(f"{file} is not UTF-8 text (byte offset {e.start}): restore the checkpoint's config.json") from None
+        raise ValueError(f"{file} is not UTF-8 text (byte offset {e.start}): "
+                         "restore the checkpoint's config.json") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}): restore the "
-                         "checkpoint's config.json") from None
+        raise ValueError(f"{file} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, "
+                         f"column {e.colno}): restore the checkpoint's config.json") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{file} holds {type(raw).__name__}, not a JSON object: restore the checkpoint's config.json")
     model_type = raw.get("model_type", "")
@@ -240,7 +243,8 @@ def _from_pretrained(where: str, config, dtype: torch.dtype, **kwargs):
     model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
                                                        **kwargs)
     missing = [k for k in info.get("missing_keys", []) if not k.startswith("lm_head")]
-    if missing:  # weights named differently (a custom class we mapped onto a stock one): refuse, never run random weights
+    # weights named differently (a custom class we mapped onto a stock one): refuse, never run random weights
+    if missing:
         raise ValueError(f"{where} does not fit {type(model).__name__}: missing weights {missing[:5]}; "
                          "this checkpoint needs its own model class")
     return model

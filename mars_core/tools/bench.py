@@ -75,7 +75,8 @@ class BenchRow:
     clock: str = "wall"            # what the times measure: wall (perf_counter) or thread (this thread's CPU time)
     hf_time: float | None = None   # transformers generate(do_sample=False), same model and batches
     hf_equals_ar: bool | None = None
-    fastest_ar: str = "ours"       # the AR baseline every speedup below divides: "ours", "transformers" or other_ar_label
+    # the AR baseline every speedup below divides: "ours", "transformers" or other_ar_label
+    fastest_ar: str = "ours"
     mars_speedup: float = 0.0      # fastest AR time / MARS time
     verify_time: float | None = None          # lossless MARS (mode="verify")
     verify_tokens_per_forward: float | None = None
@@ -113,8 +114,8 @@ class HFGreedy:
 
 @dataclass
 class ExternalGreedy:
-    """Another runtime's greedy AR (mars_core.tools.llamacpp.LlamaCppAR, mars_core.tools.ortgenai.OrtGenAIAR): one prompt at a
-    time, batch size 1 only."""
+    """Another runtime's greedy AR (mars_core.tools.llamacpp.LlamaCppAR, mars_core.tools.ortgenai.OrtGenAIAR): one
+    prompt at a time, batch size 1 only."""
     max_new_tokens: int
 
 
@@ -362,8 +363,8 @@ def _row(lm, bs: int, n_prompts: int, batches, timed: _Timed, cfgs, clock: str, 
 
 def format_table(rows: list[BenchRow]) -> str:
     head = ("batch", "transformers s", "AR s", "MARS s", "tok/fwd", "speedup", "same as AR", "lossless s",
-            "lossless tok/fwd", "lossless speedup", "lossless pos/fwd", "lossless fwd cost", "AR ms/fwd", "MARS ms/fwd", "fwd cost", "MARS overhead",
-            "no-cache s", "peak MB")
+            "lossless tok/fwd", "lossless speedup", "lossless pos/fwd", "lossless fwd cost", "AR ms/fwd", "MARS ms/fwd",
+            "fwd cost", "MARS overhead", "no-cache s", "peak MB")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     opt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
@@ -380,7 +381,8 @@ def format_table(rows: list[BenchRow]) -> str:
         ]))
     notes = []
     for r in rows:
-        notes.append(f"batch {r.batch_size}: times are {r.clock} seconds; speedups divide the fastest AR ({r.fastest_ar}); "
+        notes.append(f"batch {r.batch_size}: times are {r.clock} seconds; "
+                     f"speedups divide the fastest AR ({r.fastest_ar}); "
                      f"transformers == our AR: {r.hf_equals_ar}; lossless == AR: {r.verify_equals_ar}; "
                      "lossless drafts confirmed per slot: "
                      + (", ".join("-" if a is None else f"{a:.0%}" for a in r.draft_acceptance or []) or "-")
@@ -466,5 +468,6 @@ def format_row_costs(rows: list[RowCost], block_size: int = 4) -> str:
     full = next((r for r in rows if r.rows == 2 * block_size - 1), None)
     if full is not None:
         lines.append(f"A MARS step after accepting all B = {block_size} feeds {full.rows} rows: it costs "
-                     f"{full.cost:.2f} AR steps, so at {block_size} tokens/forward the speedup is at most {block_size / full.cost:.2f}x.")
+                     f"{full.cost:.2f} AR steps, so at {block_size} tokens/forward the speedup is at most "
+                     f"{block_size / full.cost:.2f}x.")
     return "\n".join(lines)

@@ -37,14 +37,21 @@ def _common(p: argparse.ArgumentParser) -> None:
                         f"local checkpoint or adapter folder, .gguf or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is one-token (AR) mode")
     p.add_argument("--criterion", choices=CRITERIA, default="prob",
-                   help="what must reach τ: prob (the candidate's probability, the paper's), entropy (exp(-H)), margin (p1 - p2)")
+                   help="what must reach τ: prob (the candidate's probability, the paper's), entropy (exp(-H)), "
+                        "margin (p1 - p2)")
     p.add_argument("--block-size", type=int, default=4, help="B: candidates per forward pass")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA; on a CPU the faster exact format a one-time probe finds: w8a8 for models whose quality in it was measured, else float32), float32, bfloat16, float16, int8 (CPU only: int8 weights with a scale per row, bf16 or fp32 activations; lossy), w8a8 (CPU only: int8 weights and per-row int8 activations, through our AVX512-VNNI or AVX2 kernel, else fbgemm; rows independent, so lossless equals AR in it), or w8a16 (CPU with AVX2: w8a8 with int16 activation levels in one pass, on our AVX2 kernel; exact the same way)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA; on a CPU the faster exact format a one-time probe finds: w8a8 for models "
+                        "whose quality in it was measured, else float32), float32, bfloat16, float16, int8 (CPU only: "
+                        "int8 weights with a scale per row, bf16 or fp32 activations; lossy), w8a8 (CPU only: int8 "
+                        "weights and per-row int8 activations, through our AVX512-VNNI or AVX2 kernel, else fbgemm; "
+                        "rows independent, so lossless equals AR in it), or w8a16 (CPU with AVX2: w8a8 with int16 "
+                        "activation levels in one pass, on our AVX2 kernel; exact the same way)")
     p.add_argument("--backend", choices=("auto", "hf", "lean"), default="auto",
-                   help="what the decoder runs: lean (mars_core/engine/lean.py, the Llama family: fewer ops per layer, its "
-                        "own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
+                   help="what the decoder runs: lean (mars_core/engine/lean.py, the Llama family: fewer ops per "
+                        "layer, its own KV cache), hf (the transformers model), auto (lean on a CPU where supported)")
     p.add_argument("--draft-layout", choices=(*LAYOUTS, "fastest"), default="linear",
                    help="lossless MARS (--mode verify; bench: its lane): linear = masks after the last draft, "
                         "quadratic = a mask group after every draft, so a rejection still leaves drafts; fastest = "
@@ -80,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.set_defaults(max_new_tokens=64)
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    b.add_argument("--prompts", default=None, help="text file, one prompt per line ('#' lines skipped), or a .jsonl file of {\"prompt\": ...} rows (default: built-in set)")
+    b.add_argument("--prompts", default=None,
+                   help="text file, one prompt per line ('#' lines skipped), or a .jsonl file of {\"prompt\": ...} "
+                        "rows (default: built-in set)")
     b.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="alternating AR/MARS runs; the median is reported")
     b.add_argument("--no-reference", action="store_true", help="skip the slow uncached reference")
@@ -317,7 +326,8 @@ def check_bench_args(args) -> None:
     if args.prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup {args.prompt_lookup} must be >= 0 (0: off; 3 is a good start)")
     if args.tree_width < 1:
-        raise ValueError(f"--tree-width {args.tree_width} must be >= 1 (tokens tried per draft slot; 1: no alternatives)")
+        raise ValueError(f"--tree-width {args.tree_width} must be >= 1 "
+                         "(tokens tried per draft slot; 1: no alternatives)")
     if getattr(args, "llamacpp", None) is not None:
         from mars_core.tools.llamacpp import check_usable
 

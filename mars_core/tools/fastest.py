@@ -64,8 +64,8 @@ class FastestChoice:
 def fastest_lossless(lm, prompt_ids: list[int], tau: float, block_size: int, criterion: str = "prob",
                      prompt_lookup: int = 0, clock: Callable[[], float] | None = None) -> FastestChoice:
     """Time every candidate layout decoding `prompt_ids` (CALIBRATE_TOKENS new tokens, REPEATS alternating runs
-    each, on the model's clock: mars_core.tools.timing.clock_for) and return the fastest. A choice between layouts, not a
-    number to quote: each candidate's fastest run, the one least disturbed, decides."""
+    each, on the model's clock: mars_core.tools.timing.clock_for) and return the fastest. A choice between layouts,
+    not a number to quote: each candidate's fastest run, the one least disturbed, decides."""
     if tau >= 1.0:
         raise ValueError(f"tau {tau} makes every lossless layout draft nothing: pick a layout only for tau < 1")
     layouts = candidates(block_size)
