@@ -240,7 +240,8 @@ def _sweep_values(spec: dict, source: str, lossless: bool, stop):
         yield f"◔ loading **{name}** …", gr.skip(), gr.skip(), gr.skip()
         lm = models.get_model(name)   # a load is not cut short: it is cached for the next job
         with stop_at_forward([lm], stop):
-            yield f"◔ sweeping: row 1 of {total} …{first_row_estimate(pace_key, total)}", gr.skip(), gr.skip(), gr.skip()
+            yield (f"◔ sweeping: row 1 of {total} …{first_row_estimate(pace_key, total)}",
+                   gr.skip(), gr.skip(), gr.skip())
             started = time.perf_counter()
             for row in _sweep_rows(lm, spec, source, lossless):
                 rows.append(same_as_ar(row))
@@ -346,7 +347,8 @@ def pareto_figure(rows: list[dict]) -> go.Figure:
             fig.add_trace(go.Scatter(x=[100 * r["quality"] for r in pts], y=[r[key] for r in pts],
                                      mode="lines+markers", name=name, legendgroup=mode, showlegend=col == 1,
                                      line=dict(color=colour, dash=dash),
-                                     marker=dict(size=10, color=colour, symbol="circle" if mode == "mars" else "diamond"),
+                                     marker=dict(size=10, color=colour,
+                                                 symbol="circle" if mode == "mars" else "diamond"),
                                      hovertext=[f"{name} {_tau_label(r)}: {qname} {100 * r['quality']:.1f}%, "
                                                 f"{r[key]:.2f}" for r in pts], hoverinfo="text"),
                           row=1, col=col)

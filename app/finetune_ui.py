@@ -251,7 +251,8 @@ def status_html(st: dict | None) -> str:
     step, total = st.get("step") or 0, st.get("max_steps") or 0
     frac = min(1.0, step / total) if total else 0.0
     state = st["state"]
-    colour = {"running": "#2563eb", "finished": "#16a34a", "stopped": "#d97706", "interrupted": "#d97706"}.get(state, "#dc2626")
+    colour = {"running": "#2563eb", "finished": "#16a34a", "stopped": "#d97706",
+              "interrupted": "#d97706"}.get(state, "#dc2626")
     extra = ""
     if state == "running":
         extra = f" · ETA {_fmt_eta(st.get('eta_s'))}"

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 YIELD_EVERY_S = 0.05  # coalesce page updates; the race itself is not slowed down
 TIMING_STARTS = "◔ timing the decoders again for a speedup you can quote …"   # the status until a repeat ends
-# What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA (mars_core.decode.config, which imports torch,
-# so they are named here; tests/test_app.py checks they are the same, in the same order), labelled for the page.
+# What "confidence ≥ τ" measures (docs/algorithm.md): the decoder's CRITERIA (mars_core.decode.config, which imports
+# torch, so they are named here; tests/test_app.py checks they are the same, in the same order), labelled for the page.
 _CRITERION_LABELS = {"prob": "probability", "entropy": "exp(−entropy)", "margin": "margin p1−p2"}
 CRITERION_CHOICES = [(label, c) for c, label in _CRITERION_LABELS.items()]
 

@@ -106,7 +106,8 @@ def effective_tau(tau, tau_off, notes: list[str] | None = None) -> float:
             raise ValueError(f"τ is {'empty' if tau in (None, '') else repr(tau)}: type a number in "
                              f"{TAU_MIN}..{TAU_MAX}") from None
         if not TAU_MIN <= value <= TAU_MAX:
-            raise ValueError(f"τ {value:g} is out of range; use {TAU_MIN}..{TAU_MAX} (or tick 'off' for one-token mode)")
+            raise ValueError(f"τ {value:g} is out of range; use {TAU_MIN}..{TAU_MAX} "
+                             "(or tick 'off' for one-token mode)")
         return value
     value = clamp(tau, TAU_MIN, TAU_MAX, "τ", notes, fmt="{:.2f}")
     if notes and notes[-1].startswith("τ ") and value >= 1.0:

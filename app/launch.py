@@ -60,7 +60,8 @@ def main(argv=None):
     demo = ui.build_ui(args.model, runs_dir=args.runs_dir or ui.RUNS_DIR)
     demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, share=False, show_error=False, ssr_mode=False,
-        max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, head=ui.HEAD, footer_links=[], prevent_thread_lock=True)
+        max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, head=ui.HEAD, footer_links=[],
+        prevent_thread_lock=True)
     # The page answers now, before torch and transformers are imported (neither is needed to build it): on a
     # 2-core CPU they cost 4-5 s of CPU, and importing them beside gradio's import and the page's build (one
     # GIL) delayed the page by as much. They load now, then the start-up model, then smollm2-mars; a race asked

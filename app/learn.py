@@ -25,16 +25,18 @@ blocks are absolute, `block(i) = i // B`. The four regions of the mask (row = qu
 - **noisy → clean**: only *earlier* blocks — a block predicts its tokens from the clean past, never from itself.
 - **clean → noisy**: never — the clean stream stays an ordinary causal LM.
 
-Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight = 1` is the paper's MARS; the embedded tiny-mars used 5, see its model card).
+Loss = CE(noisy) + `ar_weight` · CE(clean) over the response tokens (`ar_weight = 1` is the paper's MARS; the
+embedded tiny-mars used 5, see its model card).
 """
 
 STEP_TEXT = """
 **One inference step = one forward pass.** The input is the committed tokens not yet in the KV cache
 followed by masks (numbered 1, 2, … below). The output at the last committed token is the ordinary
 next-token distribution `q₀`; the output at mask *j* predicts position *+j* (`q_j`). The paper appends B
-masks; the output at the last one is never used, so the decoder appends B−1 and gets the same candidates. Each candidate `t_j` has a confidence
-`c_j`. `t₀` is always accepted; `t_j` is accepted while every earlier one was and `c_j ≥ τ`. The masks
-are then cropped from the cache and the accepted tokens enter at the next step — no extra forward.
+masks; the output at the last one is never used, so the decoder appends B−1 and gets the same candidates.
+Each candidate `t_j` has a confidence `c_j`. `t₀` is always accepted; `t_j` is accepted while every earlier one
+was and `c_j ≥ τ`. The masks are then cropped from the cache and the accepted tokens enter at the next step — no
+extra forward.
 """
 
 
@@ -251,7 +253,8 @@ def step_html(lm, prompt: str, event, show_last: int = 10, context_ids: list[int
                     f"<td>t{j} = <b>{e(_tok(lm, t))}</b></td><td>{c:.3f}</td><td>{e(verdict)}</td></tr>")
     accepted = "".join(f'<div class="cell accepted">{e(_tok(lm, t))}</div>' for t in row.accepted_ids)
     return (f"<div class='learn-step'>"
-            f"<div class='lane'><span class='lane-label'>forward input (…last {len(shown)} committed + {B - 1} masks)</span>"
+            f"<div class='lane'><span class='lane-label'>"
+            f"forward input (…last {len(shown)} committed + {B - 1} masks)</span>"
             f"<div class='cells'>{committed}{masks}</div></div>"
             f"<table><thead><tr><th>output</th><th>predicts</th><th>candidate</th><th>confidence</th>"
             f"<th>verdict (τ = {tau:.2f})</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"

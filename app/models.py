@@ -29,9 +29,10 @@ SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
 
 
 def find_assets() -> Path:
-    """mars_core.models.sources.find_assets, the same rule without importing mars_core.models.sources: that module imports torch
-    and transformers (4-5 s of CPU here), which the page's start no longer waits for (tests/test_app.py checks
-    the two agree). $MARS_ASSETS if set; else the copy inside the installed package; else this checkout's."""
+    """mars_core.models.sources.find_assets, the same rule without importing mars_core.models.sources: that module
+    imports torch and transformers (4-5 s of CPU here), which the page's start no longer waits for
+    (tests/test_app.py checks the two agree). $MARS_ASSETS if set; else the copy inside the installed package; else
+    this checkout's."""
     if os.environ.get("MARS_ASSETS", "").strip():   # empty (or blank) counts as unset
         return Path(os.environ["MARS_ASSETS"]).expanduser().resolve()
     package = Path(mars_core.__file__).resolve().parent
@@ -270,10 +271,10 @@ def _trained_on_builtin(name: str) -> bool:
 
 
 def example_prompts(name: str, n: int = 6) -> list[str]:
-    """Prompts that suit the model (resolved, see Resolver): held-out task prompts for the tiny models and anything trained on the
-    built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general prompts (first,
-    for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts (`finetune.evals.natural`:
-    subjects no training prompt mentions); general prompts otherwise."""
+    """Prompts that suit the model (resolved, see Resolver): held-out task prompts for the tiny models and anything
+    trained on the built-in suite; for the real-language models (smollm2-mars, smollm2) a few curated general
+    prompts (first, for a MARS-trained one, TEACHING_PROMPTS) followed by natural held-out prompts
+    (`finetune.evals.natural`: subjects no training prompt mentions); general prompts otherwise."""
     if name in TINY_MODELS or (name not in NATURAL_MODELS and _trained_on_builtin(name)):
         try:
             from finetune.tasks import make_examples

@@ -21,7 +21,8 @@ _N = r"-?\d+"
 _SUITE_PATTERNS = [
     rf"What is {_N} \+ {_N}\?", rf"Compute {_N} \+ {_N}\.", rf"Add {_N} and {_N}\.",
     rf"What is {_N} × {_N}\?", rf"Compute {_N} × {_N}\.", rf"Multiply {_N} by {_N}\.",
-    rf"[A-Z][a-z]+ has {_N} [a-z]+\.( (Then )?[A-Z][a-z]+ [a-z]+( [a-z]+)? {_N}( more)?\.)+ How many [a-z]+ does [A-Z][a-z]+ have now\?",
+    rf"[A-Z][a-z]+ has {_N} [a-z]+\.( (Then )?[A-Z][a-z]+ [a-z]+( [a-z]+)? {_N}( more)?\.)+"
+    rf" How many [a-z]+ does [A-Z][a-z]+ have now\?",
     rf"Sort in (ascending|descending) order: {_N}(, {_N})*",
     r"Reverse the letters: [a-z]( [a-z])*", r"Write these letters backwards: [a-z]( [a-z])*",
     rf"Convert {_N} [A-Za-z]+ to [A-Za-z]+\.", rf"How many [A-Za-z]+ are in {_N} [A-Za-z]+\?",

@@ -106,7 +106,8 @@ class SideRecord:
         drafts = list(getattr(row, "drafts", []) or [])
         confirmed_text = ""
         if self.mode == "verify" and confirmed:
-            confirmed_text = decode(accepted[:confirmed]) if decode else "".join(token_text(t) for t in accepted[:confirmed])
+            confirmed_text = (decode(accepted[:confirmed]) if decode
+                              else "".join(token_text(t) for t in accepted[:confirmed]))
         self.steps.append(StepRecord(
             step=int(event.step), tau=float(event.tau), step_time=float(event.step_time),
             tokens=[token_text(t) for t in accepted], token_ids=accepted,

@@ -29,7 +29,8 @@ STAT_DEFINITIONS = (
     "decoders again on the same prompt (alternating, warmed up; median and min–max; on a CPU by the decoding thread's "
     "CPU time, so other processes' turns on a shared machine do not count). Called a speedup only when the "
     "answer is the same as AR's. The **bound** is what the model's forward costs allow: tokens/forward × cost(1 "
-    "position) ÷ cost(positions a step feeds), from forward costs measured right after (`mars_core.tools.bench.row_costs`)."
+    "position) ÷ cost(positions a step feeds), from forward costs measured right after "
+    "(`mars_core.tools.bench.row_costs`)."
 )
 
 
@@ -351,7 +352,8 @@ def _checked_html(s: StepRecord, prev: StepRecord | None, checked: list) -> tupl
                     f"<td class='tok'>{_esc(_visible(ar_tok)) if ar_tok else '—'}</td><td>{_esc(verdict)}</td></tr>")
     bonus = ""
     if s.rejected is None and len(s.tokens) > s.confirmed:
-        bonus = (f"<div class='why'>Then AR's own next token <b class='tok'>{_esc(_visible(s.tokens[s.confirmed]))}</b> "
+        bonus = (f"<div class='why'>Then AR's own next token "
+                 f"<b class='tok'>{_esc(_visible(s.tokens[s.confirmed]))}</b> "
                  f"(from the output at the last {'draft' if checked else 'committed token'}) is committed too.</div>")
     checked_html = (f"<table class='checked'><thead><tr><th>checked</th><th>draft (step {s.step - 1})</th>"
                     f"<th>AR's token</th><th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -397,8 +399,8 @@ def _proposals_html(side: SideRecord, s: StepRecord) -> str:
                       f"every draft; these are the proposals of the group behind the last token this pass "
                       f"committed.</div>{props_html}")
     if copied:
-        props_html += (f"<div class='why'>Prompt lookup: the last tokens occurred earlier in the text, so what followed "
-                       f"them there is drafted instead: <b class='tok from-prompt'>"
+        props_html += (f"<div class='why'>Prompt lookup: the last tokens occurred earlier in the text, "
+                       f"so what followed them there is drafted instead: <b class='tok from-prompt'>"
                        f"{_esc(' '.join(_visible(t) for t in s.drafts))}</b></div>")
     return props_html
 

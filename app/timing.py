@@ -3,11 +3,11 @@
 The streaming race runs each decoder once, interleaved with the others and with page updates, so a few
 milliseconds of noise decide a short race. `measure()` therefore times the same decoders again on the
 same prompt (the race was their warm-up), by the CPU time of the decoding thread where that is the decoder's
-own compute (one torch thread on a CPU; see mars_core.tools.timing), else by the wall clock: alternating (the order rotates every repeat, so drift on a
-shared machine hits every lane alike), enough repeats for about `target_s` of compute or `min_repeats`,
-whichever is more, but only as many as fit in `budget_s` (a long answer gets fewer repeats, at least one), and
-a job waiting for the machine ends them early. Each repeat gives AR time ÷ lane time; the page shows the median
-with its min–max as the repeats arrive.
+own compute (one torch thread on a CPU; see mars_core.tools.timing), else by the wall clock: alternating (the
+order rotates every repeat, so drift on a shared machine hits every lane alike), enough repeats for about
+`target_s` of compute or `min_repeats`, whichever is more, but only as many as fit in `budget_s` (a long answer
+gets fewer repeats, at least one), and a job waiting for the machine ends them early. Each repeat gives AR time
+÷ lane time; the page shows the median with its min–max as the repeats arrive.
 
 The bound is what the model's forward costs allow (mars_core.tools.bench.row_costs: the decoder's cached forward
 alone, for 1, 2, ... new positions): AR feeds 1 position per step, a MARS step feeds the tokens it accepted

@@ -61,7 +61,8 @@ table.stats thead th {background: #f9fafb;}
 .learn-step .maskcell {background: #fef3c7; border-color: #f59e0b;}
 .learn-step .accepted {background: #dcfce7; border-color: #22c55e;}
 .race-text .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
-.race-text .verified.from-prompt, .lane-key .from-prompt, .ledger .from-prompt {text-decoration: underline 2px dashed #059669; text-underline-offset: 3px;}
+.race-text .verified.from-prompt, .lane-key .from-prompt, .ledger .from-prompt {
+  text-decoration: underline 2px dashed #059669; text-underline-offset: 3px;}
 .lane-key {font-size: 12px; color: #4b5563; margin-top: 4px;}
 .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}
 del.rejected {color: #b91c1c; text-decoration: line-through 2px #b91c1c; background: #fee2e2; border-radius: 3px;}
@@ -120,7 +121,8 @@ CSS += """
 """
 
 # The replay's controls (app/replay.js runs them in the browser; a race must have finished first).
-REPLAY_BAR = """<div id="replay-bar" title="Replays the finished race without the model: k forward passes in every lane">
+REPLAY_BAR = """<div id="replay-bar"
+title="Replays the finished race without the model: k forward passes in every lane">
 <b>Replay</b><button id="replay-start" disabled>|◀ start</button><button id="replay-back" disabled>◀ back</button>
 <button id="replay-play" disabled>▶ play</button><button id="replay-step" disabled>step ▶</button>
 <button id="replay-end" disabled>all ▶|</button>
@@ -144,7 +146,8 @@ RUNS_DIR = Path(__file__).resolve().parent.parent / "runs"
 INTRO = """**MARS Playground** · several tokens per forward pass: the guesses behind
 <span class="gloss" title="mask: a placeholder token after the text; the model guesses the token behind it">masks</span>
 are kept while their confidence ≥
-<span class="gloss" title="τ: the confidence a guess needs to be kept; τ off (1) is exactly ordinary greedy decoding">τ</span>
+<span class="gloss"
+title="τ: the confidence a guess needs to be kept; τ off (1) is exactly ordinary greedy decoding">τ</span>
 (glossary below)"""
 
 PANE_TITLES = {"ar": "AR baseline", "verify": "MARS lossless", "mars": "MARS"}
@@ -212,7 +215,8 @@ def _model_bar(jobs, start_model: str, picked: bool) -> SimpleNamespace:
                               min_width=160, max_length=300, max_lines=1,
                               placeholder="path or owner/model (overrides the list)")
         # names only: the model picker beside it describes them, and a narrow field cuts a description
-        bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)] + [(n, n) for n in models.builtin_names()],
+        bar.ar_choice = gr.Dropdown([("same model, τ off", models.SAME_MODEL)]
+                                    + [(n, n) for n in models.builtin_names()],
                                     value=models.SAME_MODEL, label="AR baseline", scale=2, min_width=160,
                                     elem_id="ar-picker")
         bar.load_btn = gr.Button("Load model", scale=1, min_width=100)
@@ -575,7 +579,8 @@ def _wire_finetune(demo, bar, ft, jobs) -> None:
     ft.data_source.change(finetune_ui.data_source_changed, [ft.data_source, ft.upload],
                           [ft.upload, ft.data_report, ft.msg], show_progress="hidden", **PRIVATE)
     demo.load(preview, ft.inputs, ft.command, **PRIVATE)
-    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg, show_progress="hidden", api_name="finetune_start")
+    ft.start_btn.click(partial(finetune_ui.start, jobs), ft.inputs, ft.msg, show_progress="hidden",
+                       api_name="finetune_start")
     ft.stop_btn.click(partial(finetune_ui.stop, jobs), None, ft.msg, show_progress="hidden", api_name="finetune_stop")
     ft.kill_btn.click(partial(finetune_ui.kill, jobs), None, ft.msg, show_progress="hidden", api_name="finetune_kill")
     # a finished run joins both model lists: the picker above and the base models here
