@@ -1,5 +1,5 @@
-"""mars_core/engine/avx2.cpp, w8a8's AVX2 kernel: exact int32 sums, so it must give bit for bit what the definition gives
-(fbgemm's quantization and rescale, W8A8Linear's epilogue) and what the VNNI kernel and fbgemm give on an
+"""mars_core/engine/avx2.cpp, w8a8's AVX2 kernel: exact int32 sums, so it must give bit for bit what the definition
+gives (fbgemm's quantization and rescale, W8A8Linear's epilogue) and what the VNNI kernel and fbgemm give on an
 AVX512-VNNI CPU; the second pass skipped on exactly the tail positions; and a machine where it cannot be built
 falls back, saying why."""
 import pytest

@@ -178,7 +178,8 @@ def test_bench_refuses_a_batch_larger_than_the_prompts_in_the_library_too(tiny):
 
     lm = load_model(str(tiny[0]), device="cpu")
     with pytest.raises(ValueError, match="batch size 64 is larger than the 2 prompts"):
-        bench(lm, ["What is 1?", "What is 2?"], BenchSettings(batch_sizes=[1, 64], max_new_tokens=2, repeats=1, reference=False))
+        bench(lm, ["What is 1?", "What is 2?"],
+              BenchSettings(batch_sizes=[1, 64], max_new_tokens=2, repeats=1, reference=False))
 
 
 # ----------------------------------------------------------------------------- train: values
@@ -378,7 +379,8 @@ def test_the_apps_upload_check_refuses_what_the_trainer_refuses(tmp_path):
     path = tmp_path / "up.jsonl"
     path.write_bytes(good.encode() + b"\n" + b'{"messages": "caf\xe9"}\n' + blank.encode() + b"\n")
     ok, report = validate_jsonl(str(path))
-    assert not ok and "line 2: not UTF-8 (byte 0xe9" in report and "line 3: the last assistant message is empty" in report
+    assert not ok and "line 2: not UTF-8 (byte 0xe9" in report
+    assert "line 3: the last assistant message is empty" in report
 
 
 # ----------------------------------------------------------------------------- train: runs

@@ -39,7 +39,8 @@ def test_queries():
     assert catalogue.names(kind=TINY) == ("tiny-mars", "tiny-ar-sft")
     assert catalogue.names(prompts=NATURAL, mars=True) == ("smollm2-mars",)
     assert catalogue.names(kind=SMOLLM2, aliases=False) == ("smollm2", "smollm2-mars")
-    assert catalogue.sweep(TASKS) == ("tiny-ar-sft", "tiny-mars") and catalogue.sweep(NATURAL) == ("smollm2", "smollm2-mars")
+    assert catalogue.sweep(TASKS) == ("tiny-ar-sft", "tiny-mars")
+    assert catalogue.sweep(NATURAL) == ("smollm2", "smollm2-mars")
 
 
 def test_catalogue_imports_nothing_from_the_project_and_no_torch():

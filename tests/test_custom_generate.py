@@ -178,7 +178,8 @@ def test_the_folder_imports_only_torch_transformers_and_its_own_files():
     files = get_relative_import_files(str(folder / "generate.py"))   # what transformers copies (or downloads)
     assert sorted(Path(f).name for f in files) == ["mars_step.py"]
     third_party = {m for f in (folder / "generate.py", *files) for m in get_imports(f)} - set(sys.stdlib_module_names)
-    required = [line.split(">")[0].split("=")[0].strip() for line in (folder / "requirements.txt").read_text().splitlines()
+    required = [line.split(">")[0].split("=")[0].strip()
+                for line in (folder / "requirements.txt").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     assert third_party == set(required) == {"torch", "transformers"}
 

@@ -46,7 +46,8 @@ def eos_lm(tiny_lm):
 def test_tau_one_matches_ar_and_greedy_generate(eos_lm, batch):
     lm = eos_lm
     prompts = [lm.encode(p) for p in PROMPTS[:batch]]
-    expected = hf_greedy_batch(lm, prompts, 24, lm.eos_ids) if batch > 1 else [hf_greedy(lm, prompts[0], 24, lm.eos_ids)]
+    expected = (hf_greedy_batch(lm, prompts, 24, lm.eos_ids) if batch > 1
+                else [hf_greedy(lm, prompts[0], 24, lm.eos_ids)])
     ar = generate(lm, prompts, DecodeConfig(mode="ar", max_new_tokens=24))
     mars = generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, block_size=4, max_new_tokens=24))
     assert [r.token_ids for r in ar] == expected
@@ -304,7 +305,8 @@ def test_one_token_mode_runs_ars_computation_in_bf16_too(llama_lm, monkeypatch):
     lm = wrap_model(copy.deepcopy(llama_lm.model).to(torch.bfloat16), llama_lm.tokenizer, name="tiny-bf16")
     widths = []
     forward = lm.model.forward
-    monkeypatch.setattr(lm.model, "forward", lambda *a, **k: (widths.append(k["input_ids"].shape[1]), forward(*a, **k))[1])
+    monkeypatch.setattr(lm.model, "forward",
+                        lambda *a, **k: (widths.append(k["input_ids"].shape[1]), forward(*a, **k))[1])
     prompts = [lm.encode(p) for p in PROMPTS]
     mars = generate(lm, prompts, DecodeConfig(mode="mars", tau=1.0, block_size=4, max_new_tokens=16))
     mars_widths, widths[:] = list(widths), []

@@ -68,7 +68,8 @@ def test_ar_sft_model_solves_heldout_tasks(heldout):
     from mars_core import DecodeConfig, generate, load_model
 
     lm = load_model("tiny-ar-sft", device="cpu")
-    res = generate(lm, [ex["messages"][0]["content"] for ex in heldout], DecodeConfig(mode="ar", max_new_tokens=MAX_NEW_TOKENS))
+    res = generate(lm, [ex["messages"][0]["content"] for ex in heldout],
+                   DecodeConfig(mode="ar", max_new_tokens=MAX_NEW_TOKENS))
     accuracy, _ = score(heldout, [r.text for r in res])
     assert accuracy >= 0.7, f"AR-SFT accuracy {accuracy:.0%} on {len(heldout)} held-out prompts"
 

@@ -42,7 +42,8 @@ def test_export_tiny_mars_loads_as_stock_llama_and_decodes_the_same(tmp_path, ca
     assert config["mask_token_id"] == source.mask_id and config["mars_block_size"] == 4 and "auto_map" not in config
     assert config["pard_token"] == source.mask_id                     # vLLM's parallel drafting reads this key
     assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] in (source.eos_ids, source.eos_ids[0])
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert eos in (source.eos_ids, source.eos_ids[0])
 
     ours, theirs, exported = decode_both(source, out, tau=0.95)
     assert [r.token_ids for r in theirs] == [r.token_ids for r in ours]

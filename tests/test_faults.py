@@ -166,8 +166,8 @@ def test_evaluate_sigint_saves_partial_rows_and_resume_finishes(tmp_path):
     assert partial["partial"] is True and 1 <= len(partial["rows"]) < len(TAUS)
     assert f"after {len(partial['rows'])} of {len(TAUS)} rows" in line and "--resume" in line
 
-    again = subprocess.run([sys.executable, "-m", "finetune.evals.evaluate", "--models", "tiny-mars", "--json", str(out)],
-                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    again = subprocess.run([sys.executable, "-m", "finetune.evals.evaluate", "--models", "tiny-mars",
+                            "--json", str(out)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "add --resume" in again.stderr    # the finished rows are not overwritten
     assert json.loads(out.read_text()) == partial
 

@@ -1,6 +1,6 @@
-"""mars_core/engine/fp32.cpp, the lean fp32 loop's products: each row's sums in one fixed order whatever the other rows (so
-a row is the same bits alone or among others), close to the float64 product, the scripted loop equal to the module
-loop on it, and a machine where it cannot be built falls back to MKL, saying why."""
+"""mars_core/engine/fp32.cpp, the lean fp32 loop's products: each row's sums in one fixed order whatever the other
+rows (so a row is the same bits alone or among others), close to the float64 product, the scripted loop equal to the
+module loop on it, and a machine where it cannot be built falls back to MKL, saying why."""
 import pytest
 import torch
 

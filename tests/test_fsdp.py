@@ -39,7 +39,8 @@ def qwen2(tmp_path_factory):
     with data.open("w") as f:
         for a in range(48):   # one character a token: prompts of 2 lengths, answers of 4
             b = (a * 7) % 10 * (1 + a % 4) ** 2
-            chat = [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
+            chat = [{"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"{a}+{b}={a + b}"}]
             f.write(json.dumps({"messages": chat}) + "\n")
     return model_dir, data
 
@@ -178,7 +179,8 @@ def test_gradient_checkpointing_is_switched_on_and_changes_no_number(qwen2, tmp_
 
     from finetune.train_model import prepare_model
 
-    model = prepare_model(AutoModelForCausalLM.from_pretrained(qwen2[0]), TrainConfig(gradient_checkpointing=True), None)
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(qwen2[0]), TrainConfig(gradient_checkpointing=True),
+                          None)
     assert model.is_gradient_checkpointing and model.training
     plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
     short = ["--batch-size", "4", "--max-steps", "3", "--save-every", "0"]

@@ -158,7 +158,8 @@ def test_this_torch_has_the_onednn_w8a8_kernel_and_an_unknown_kernel_is_refused(
 
     assert onednn_supported(), f"torch {torch.__version__} has no torch.ops.onednn.qlinear_pointwise/qlinear_prepack"
     monkeypatch.setenv("MARS_W8A8_KERNEL", "avx9000")
-    with pytest.raises(ValueError, match="MARS_W8A8_KERNEL='avx9000' is unknown: use one of fbgemm, onednn, vnni, avx2"):
+    with pytest.raises(ValueError,
+                       match="MARS_W8A8_KERNEL='avx9000' is unknown: use one of fbgemm, onednn, vnni, avx2"):
         pick_kernel()
     with pytest.raises(ValueError, match="kernel='x' is unknown"):
         W8A8Linear(torch.ones(2, 2), kernel="x")
@@ -271,8 +272,8 @@ def test_w8a8_one_token_mode_and_lossless_equal_ar_in_that_format(tiny_mars_w8a8
 
 
 def test_our_kernels_stream_their_weights_from_one_buffer(tiny_mars_w8a8):
-    """mars_core.engine.hugepages: the packed weights of our kernels are moved into one buffer (on 2 MB pages where the OS
-    grants them); the torch kernels keep theirs where they are."""
+    """mars_core.engine.hugepages: the packed weights of our kernels are moved into one buffer (on 2 MB pages where
+    the OS grants them); the torch kernels keep theirs where they are."""
     net = tiny_mars_w8a8.net
     if net.kernel not in OWN:
         assert not net.huge_pages and not hasattr(net.layers[0].qkv, "_own")
@@ -293,15 +294,16 @@ def test_w8a8_mars_batch_equals_each_row_alone(tiny_mars_w8a8, suite):
 def test_the_compiled_w8a8_layers_exist_here_and_match_the_eager_loop(tiny_mars_w8a8, suite):
     """fbgemm's and oneDNN's loops run through TorchScript, the same ops in the same order: their logits are the
     eager loop's, bit for bit (this fails first, and says so, if a torch release can no longer script them). Our
-    kernels run every layer in one native call (mars_core/engine/w8a8_layers.h), whose small ops are loops of its own: its
-    logits are close to the eager loop's and as close to fp32's."""
+    kernels run every layer in one native call (mars_core/engine/w8a8_layers.h), whose small ops are loops of its
+    own: its logits are close to the eager loop's and as close to fp32's."""
     from mars_core.engine.lean_script import scripted
     from mars_core.engine.w8a8 import OWN
     from mars_core.models.formats import calibration_ranges
 
     net, fp32 = tiny_mars_w8a8.net, tiny_mars_w8a8_fp32()
     loop = {"fbgemm": "w8a8", "onednn": "w8a8-onednn", "vnni": "w8a8-vnni", "avx2": "w8a8-avx2"}[net.kernel]
-    assert scripted(loop) is not None, f"torch {torch.__version__} cannot script mars_core/engine/lean_script.py's {loop}"
+    assert scripted(loop) is not None, (f"torch {torch.__version__} cannot script "
+                                        f"mars_core/engine/lean_script.py's {loop}")
     eager = LeanLM(fp32, "w8a8", script=False, ranges=calibration_ranges(fp32, tiny_mars_w8a8.tokenizer),
                    kernel=net.kernel)
     ref = LeanLM(fp32, "float", script=False)
@@ -323,9 +325,9 @@ def test_the_compiled_w8a8_layers_exist_here_and_match_the_eager_loop(tiny_mars_
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_our_kernels_native_layers_compute_each_position_on_its_own(arch, tokenizer):
-    """A position's logits from mars_core/engine/w8a8_layers.h are bitwise the same fed alone, in a chunk with others, in
-    a batch beside another row, or beside hidden columns: what lossless == AR and batch == alone rest on. Grouped-
-    query attention (4 heads, 2 KV heads) and Qwen2's q/k/v biases included; close to the eager loop."""
+    """A position's logits from mars_core/engine/w8a8_layers.h are bitwise the same fed alone, in a chunk with
+    others, in a batch beside another row, or beside hidden columns: what lossless == AR and batch == alone rest on.
+    Grouped-query attention (4 heads, 2 KV heads) and Qwen2's q/k/v biases included; close to the eager loop."""
     from mars_core.engine.w8a8 import OWN, own_kernel
 
     kernel = next((k for k in OWN if own_kernel(k).cpu_supported()), None)
@@ -338,7 +340,8 @@ def test_our_kernels_native_layers_compute_each_position_on_its_own(arch, tokeni
     net, eager = LeanLM(model, "w8a8", kernel=kernel), LeanLM(model, "w8a8", script=False, kernel=kernel)
     assert net.scripted is not None
     gen = torch.Generator().manual_seed(3)
-    prompt, chunk = torch.randint(5, len(tokenizer), (2, 41), generator=gen), torch.randint(5, 40, (2, 4), generator=gen)
+    prompt = torch.randint(5, len(tokenizer), (2, 41), generator=gen)
+    chunk = torch.randint(5, 40, (2, 4), generator=gen)
     valid = torch.tensor([[True] * 41, [False] * 5 + [True] * 36])           # row 1: a 36-token prompt, right-aligned
     pos = lambda start, n: torch.arange(start, start + n).expand(2, n)
     with torch.inference_mode():

@@ -26,7 +26,8 @@ def test_the_more_split_is_new_prompts_on_train_subjects_only():
     assert not {p for *_, p in more} & ({p for *_, p in train} | {p for *_, p in held})
     assert not {(c, s) for c, s, _ in more} & {(c, s) for c, s, _ in held}
     assert {c for c, _, _ in more} == set(CATEGORIES)
-    assert natural_prompts("more", 50, seed=0) == natural_prompts("more", 50, seed=0) != natural_prompts("more", 50, seed=1)
+    assert (natural_prompts("more", 50, seed=0) == natural_prompts("more", 50, seed=0)
+            != natural_prompts("more", 50, seed=1))
 
 
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
@@ -39,7 +40,8 @@ def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
 
 
 def test_prompts_are_distinct_seeded_and_every_category_is_in_train():
-    a, b, c = natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=1)
+    a, b = natural_prompts("train", 3000, seed=0), natural_prompts("train", 3000, seed=0)
+    c = natural_prompts("train", 3000, seed=1)
     assert a == b and a != c and len(set(a)) == 3000
     cats = Counter(cat for cat, _, p in prompt_table("train") if p in set(a))
     assert set(cats) == set(CATEGORIES)

@@ -318,7 +318,8 @@ def full_disk(kind: str) -> BaseException:
 
     return {"OSError": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
             "safetensors": SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
-            "torch zip": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 178624 vs 178516")}[kind]
+            "torch zip": RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                      "unexpected pos 178624 vs 178516")}[kind]
 
 
 @pytest.mark.parametrize("writer, kind", [("torch.save", "OSError"), ("safetensors", "safetensors"),

@@ -13,7 +13,8 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT = ("pyproject.toml", "requirements.txt", "README.md", "mars_core", "finetune", "app", "assets", "custom_generate")
+PROJECT = ("pyproject.toml", "requirements.txt", "README.md", "mars_core", "finetune", "app", "assets",
+           "custom_generate")
 
 
 @pytest.fixture(scope="module")

@@ -81,8 +81,8 @@ def test_mars_steps_on_held_out_prompts_keep_the_one_token_answer(lm, natural):
 @pytest.mark.parametrize("dtype", ["float32"] + (["w8a8"] if own_w8a8_kernels() else [])
                          + (["w8a16"] if "avx2" in own_w8a8_kernels() else []))
 def test_the_shipped_lora_served_gated_keeps_smollm2s_answer_and_changes_only_the_masks(tmp_path, natural, dtype):
-    """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.engine.gated); here the shipped A and B,
-    relabelled mars-gated-lora-v1, on SmolLM2 itself (the lean forward: fp32, and w8a8 where our kernels' native
+    """Any gated adapter keeps the base's answer at τ = 1 and lossless (mars_core.engine.gated); here the shipped A and
+    B, relabelled mars-gated-lora-v1, on SmolLM2 itself (the lean forward: fp32, and w8a8 where our kernels' native
     stack applies the deltas, and w8a16 on the AVX2 kernel's), four held-out natural prompts."""
     import json
     import shutil

@@ -117,7 +117,8 @@ def test_every_worked_step_in_a_response_is_true_arithmetic():
             tokens = lhs.split()
             value = int(tokens[0])
             for op, b in zip(tokens[1::2], tokens[2::2]):
-                value = value + int(b) if op == "+" else value - int(b) if op == "-" else value * int(b) if op == "×" else value // int(b)
+                value = (value + int(b) if op == "+" else value - int(b) if op == "-"
+                         else value * int(b) if op == "×" else value // int(b))
             assert value == int(rhs), (e["family"], lhs, rhs)
             checked += 1
     assert checked > 1000

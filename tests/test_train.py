@@ -314,7 +314,8 @@ def test_the_training_loop_trains_on_the_random_grid_it_draws(tiny, tmp_path):
     from finetune.config import TrainConfig
     from finetune.schedule import block_offset_at
 
-    seed = next(s for s in range(100) if block_offset_at(TrainConfig(stage="mars", random_block_offset=True, seed=s), 0))
+    seed = next(s for s in range(100)
+                if block_offset_at(TrainConfig(stage="mars", random_block_offset=True, seed=s), 0))
     first = {}
     for name, extra in (("fixed", []), ("random", ["--random-block-offset"])):
         main(train_flags(tiny, tmp_path / name, "--stage", "mars", "--max-steps", "1", "--seed", str(seed),

@@ -74,7 +74,8 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("lane,prompt,kw", CONFIGS, ids=[f"{c[0]}-{'-'.join(map(str, c[2].values()))}" for c in CONFIGS])
+@pytest.mark.parametrize("lane,prompt,kw", CONFIGS,
+                         ids=[f"{c[0]}-{'-'.join(map(str, c[2].values()))}" for c in CONFIGS])
 def test_the_stats_table_and_ledgers_say_what_the_events_say(tiny_mars, lane, prompt, kw):
     events = _events(tiny_mars, prompt, DecodeConfig(max_new_tokens=48, **kw))
     side = _record(tiny_mars, lane, events)

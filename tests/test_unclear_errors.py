@@ -99,7 +99,8 @@ def test_a_device_as_data_is_named_a_device_not_missing(tiny, tmp_path):
 def test_a_fifo_as_train_config_is_named_a_fifo(fifo):
     from finetune.config import config_from_args
 
-    with pytest.raises(ValueError, match=re.escape(f"--config {str(fifo)!r} is a FIFO (named pipe), not a regular file")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"--config {str(fifo)!r} is a FIFO (named pipe), not a regular file")):
         config_from_args(["--config", str(fifo)])
 
 
@@ -291,7 +292,8 @@ def test_the_apps_upload_check_refuses_a_row_the_trainer_would_refuse_for_its_si
 
     upload = chats_with_a_big_row(tmp_path / "up.jsonl", 1_200_000, at_line=2)
     ok, report = validate_jsonl(str(upload))
-    assert not ok and "line 2: the row is 1,200,0" in report and "over the limit of 1,000,000 that training reads" in report
+    assert not ok and "line 2: the row is 1,200,0" in report
+    assert "over the limit of 1,000,000 that training reads" in report
 
 
 def test_the_api_refuses_a_block_size_the_cli_refuses(capsys):

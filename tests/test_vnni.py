@@ -1,5 +1,6 @@
-"""mars_core/engine/vnni.cpp, w8a8's AVX512-VNNI kernel: it must give fbgemm's results bit for bit (so that which kernel a
-machine runs never changes an answer), and a machine where it cannot run must fall back to fbgemm, saying why."""
+"""mars_core/engine/vnni.cpp, w8a8's AVX512-VNNI kernel: it must give fbgemm's results bit for bit (so that which
+kernel a machine runs never changes an answer), and a machine where it cannot run must fall back to fbgemm, saying
+why."""
 import pytest
 import torch
 

@@ -34,9 +34,10 @@ import torch
 
 RAILS = 2   # the +1 / -1 columns
 KERNELS = ("fbgemm", "onednn", "vnni", "avx2")
-OWN = ("vnni", "avx2")   # our own kernels (mars_core/engine/vnni.cpp, mars_core/engine/avx2.cpp): exact sums, one call per product
-# dtype="w8a16": the AVX2 kernel built with int16 activation levels and one pass (mars_core/engine/avx2.cpp, MARS_WIDE). Its
-# own format, not a w8a8 kernel: pick_kernel never chooses it and its answers differ from w8a8's.
+# our own kernels (mars_core/engine/vnni.cpp, mars_core/engine/avx2.cpp): exact sums, one call per product
+OWN = ("vnni", "avx2")
+# dtype="w8a16": the AVX2 kernel built with int16 activation levels and one pass (mars_core/engine/avx2.cpp,
+# MARS_WIDE). Its own format, not a w8a8 kernel: pick_kernel never chooses it and its answers differ from w8a8's.
 WIDE = "avx2w"
 NATIVE = OWN + (WIDE,)   # the kernels with a native layer stack (mars_core/engine/w8a8_layers.h)
 
@@ -267,8 +268,8 @@ def check_w8a16() -> None:
     from mars_core.engine import avx2
 
     if not avx2.WIDE.load():
-        raise ValueError(f"dtype='w8a16' needs our AVX2 kernel (mars_core/engine/avx2.cpp), which is not available here "
-                         f"({avx2.WIDE.why_not()}): use dtype='w8a8' or 'float32'")
+        raise ValueError("dtype='w8a16' needs our AVX2 kernel (mars_core/engine/avx2.cpp), "
+                         f"which is not available here ({avx2.WIDE.why_not()}): use dtype='w8a8' or 'float32'")
 
 
 def quantize_w8a8(model: torch.nn.Module, kernel: str | None = None) -> None:

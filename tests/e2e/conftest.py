@@ -95,7 +95,8 @@ def app_server(tmp_path_factory):
     if startup is None:
         proc.kill()
         pytest.fail("app.py did not answer within 120 s")
-    (ARTIFACTS / "startup.txt").write_text(f"{' '.join(cmd[1:])}\npage served after {served:.1f} s, usable (model loaded) after {startup:.1f} s\n")
+    (ARTIFACTS / "startup.txt").write_text(f"{' '.join(cmd[1:])}\npage served after {served:.1f} s, "
+                                           f"usable (model loaded) after {startup:.1f} s\n")
     yield url, startup, runs
     proc.terminate()
     try:
