@@ -70,15 +70,15 @@ def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criteri
     """A generator of sweep rows, one per τ as each finishes: lossy MARS through the task-suite evaluator
     (`finetune.evals.evaluate.sweep`); with `lossless`, verify mode per τ < 1 too, scored the same way (its accuracy is
     AR's by construction, and is measured, not assumed)."""
-    from finetune.evals.evaluate import score, speedup_fields, sweep, timed_against_ar
+    from finetune.evals.evaluate import SweepSettings, score, speedup_fields, sweep, timed_against_ar
     from finetune.evals.evaluate_common import decode_batches
     from finetune.tasks import make_examples
     if not 1 <= int(n) <= MAX_BUILTIN:
         raise ValueError(f"{n} tasks is out of range; use 1..{MAX_BUILTIN}")
     examples = make_examples("heldout", int(n), seed=0)
     for tau in taus:
-        for r in sweep(lm, examples, [tau], block_size=block_size, max_new_tokens=max_new_tokens,
-                       timing_prompts=min(int(n), 8), criterion=criterion):
+        for r in sweep(lm, examples, [tau], SweepSettings(block_size=block_size, max_new_tokens=max_new_tokens,
+                                                          timing_prompts=min(int(n), 8), criterion=criterion)):
             r.update(quality=r["accuracy"], quality_name="accuracy", mode="mars")
             yield r
     if not lossless:
@@ -97,8 +97,9 @@ def builtin_rows(lm, n: int, taus, block_size: int, max_new_tokens: int, criteri
 
 
 def same_as_ar(row: dict) -> dict:
-    """A lossy row at τ off is AR itself: its "speedup" would be two timings of one computation (once shown as
-    1.263×). It is 1 by definition, with AR's time on both sides, and says so."""
+    """A lossy row at τ off is AR itself: its "speedup" would be two timings of one computation, noise shown as a
+    speedup (docs/experiments/app-timing.md, "The app's race and sweep at class speed"). It is 1 by definition, with
+    AR's time on both sides, and says so."""
     if row.get("mode") == "mars" and row["tau"] >= 1.0:
         row = dict(row, speedup=1.0, speedup_min=None, speedup_max=None, mars_time_s=row.get("ar_time_s"),
                    same_as_ar=True)

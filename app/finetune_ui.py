@@ -21,7 +21,7 @@ from mars_core.models import catalogue
 
 # The catalogue's fine-tuning bases, each AR baseline first (the default base, tiny-ar-sft, leads the list).
 BASE_MODELS = [(r.base_label, r.name) for r in catalogue.baselines_first(catalogue.models(finetune_base=True))]
-# The default run's measured time and accuracy: docs/experiments.md, "The app's default Finetune run".
+# The default run's measured time and accuracy: docs/experiments/app-timing.md, "The app's default Finetune run".
 DEFAULTS = dict(base="tiny-ar-sft", stage="mars", block_size=4, ar_weight=1.0, steps=600, lr=1e-3, lora=False,
                 batch_size=16)
 
@@ -130,7 +130,8 @@ def _number(value, name: str, lo, hi, integer: bool):
 
 
 # Seconds per optimizer step behind the page's time estimate (a 2-core CPU, batch 16; the measurements:
-# docs/experiments.md, "The app's default Finetune run", and docs/smollm2-mars.md). Full SmolLM2 training is slower.
+# docs/experiments/app-timing.md, "The app's default Finetune run", and docs/smollm2-mars.md). Full SmolLM2
+# training is slower.
 SECONDS_PER_STEP = {catalogue.TINY: 0.35, catalogue.SMOLLM2: 4.4}   # by catalogue kind
 ETA_WARN_S = 3600
 

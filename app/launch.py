@@ -50,7 +50,8 @@ def main(argv=None):
         finally:
             preloaded.set()
 
-    # smollm2-mars: its one-time build (~40 s, cached afterwards) and load run after the start-up model's, in
+    # smollm2-mars: its one-time build (cached afterwards; docs/experiments/app-timing.md, "Load times") and load
+    # run after the start-up model's, in
     # their own thread. The page polls models.prepare_status() and never waits for it.
     if models.start_background_prepare(wait_for=preloaded, log=lambda msg: print(f"[app] {msg}", flush=True)):
         print(f"[app] {models.SMOLLM2_MARS} loads in the background (the page says how far it is)", flush=True)
@@ -63,7 +64,8 @@ def main(argv=None):
         max_file_size="20mb", theme=gr.themes.Soft(), css=ui.CSS, head=ui.HEAD, footer_links=[],
         prevent_thread_lock=True)
     # The page answers now, before torch and transformers are imported (neither is needed to build it): on a
-    # 2-core CPU they cost 4-5 s of CPU, and importing them beside gradio's import and the page's build (one
+    # 2-core CPU they cost seconds of CPU (docs/experiments/app-timing.md, "How soon `python app.py` gives a usable
+    # page"), and importing them beside gradio's import and the page's build (one
     # GIL) delayed the page by as much. They load now, then the start-up model, then smollm2-mars; a race asked
     # for meanwhile says it is loading and waits for them. Loading after launch also keeps gradio's start-up
     # check (that localhost answers) from being starved by the w8a8 calibration and compile.

@@ -6,7 +6,8 @@ finished Finetune runs (addressed as "run:<name>", resolved inside the runs dire
 only) and a free field: a local directory / .gguf file or a hub id the user types.
 Loading itself is `mars_core.load_model`; this module only validates names and caches
 results, and `PREPARER` builds and loads smollm2-mars in a background thread at app start
-(its first build takes ~40 s), so the page works on tiny-mars meanwhile.
+(its first build takes a while: docs/experiments/app-timing.md, "Load times"), so the page works on tiny-mars
+meanwhile.
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ SMOLLM2_MARS_ENTRY = (catalogue.record(SMOLLM2_MARS).label, SMOLLM2_MARS)
 
 def find_assets() -> Path:
     """mars_core.models.sources.find_assets, the same rule without importing mars_core.models.sources: that module
-    imports torch and transformers (4-5 s of CPU here), which the page's start no longer waits for
-    (tests/test_app.py checks the two agree). $MARS_ASSETS if set; else the copy inside the installed package; else
-    this checkout's."""
+    imports torch and transformers (seconds of CPU: docs/experiments/app-timing.md, "How soon `python app.py` gives a
+    usable page"), which the page's start no longer waits for (tests/test_app.py checks the two agree). $MARS_ASSETS if
+    set; else the copy inside the installed package; else this checkout's."""
     if os.environ.get("MARS_ASSETS", "").strip():   # empty (or blank) counts as unset
         return Path(os.environ["MARS_ASSETS"]).expanduser().resolve()
     package = Path(mars_core.__file__).resolve().parent
@@ -106,7 +107,8 @@ def builtin_names() -> list[str]:
     return [v for _, v in builtin_models()]
 
 
-# A tenth of the Finetune tab's default run (600 steps, docs/experiments.md): a run stopped before this has hardly
+# A tenth of the Finetune tab's default run (600 steps; docs/experiments/app-timing.md, "The app's default Finetune
+# run"): a run stopped before this has hardly
 # moved from its base, so the picker says so rather than let it pass for a trained model.
 BARELY_TRAINED_STEPS = 60
 
@@ -446,14 +448,15 @@ def prepare_status() -> dict:
     return PREPARER.status()
 
 
-# What the page promises while a model loads; the load times behind them: docs/experiments.md, "Load times".
+# What the page promises while a model loads; the load times behind them: docs/experiments/app-timing.md,
+# "Load times".
 LOAD_ESTIMATES = {"tiny": "(about 2 s)", "prepared": "(about 10-15 s on a small CPU)",
                   "build": "(the first load converts or merges the model once: 30-40 s, then about 10-15 s to load)"}
 
 
 # The page is served before torch and transformers are imported (app.launch): the first model this process loads
-# also waits for them (4-5 s of CPU on the project's 2-core CPU, docs/experiments.md, "The app's race and sweep at
-# class speed").
+# also waits for them (their import time on the project's 2-core CPU: docs/experiments/app-timing.md, "How soon
+# `python app.py` gives a usable page").
 LIBRARIES_ESTIMATE = "the first load also imports torch and transformers: about 5 s more"
 
 

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 # The lossless lane's drafts: where its masks go (mars_core.decode.drafts), and the n-gram length of prompt lookup.
 # The "one mask" choices append a single mask per group, whatever B the MARS lane uses: on a CPU, where every
-# position a forward feeds costs, what made smollm2-mars's lossless lane fastest (docs/experiments.md, "One mask per
-# group"): alone on an AVX2 CPU, with two runner-ups per slot where extra positions are cheap (AMX). A model whose
-# masks all draft well (tiny-mars) does better with B.
+# position a forward feeds costs, what made smollm2-mars's lossless lane fastest
+# (docs/experiments/cpu-speed-issue-27.md, "One mask per group"): alone on an AVX2 CPU, with two runner-ups per slot
+# where extra positions are cheap (AMX). A model whose masks all draft well (tiny-mars) does better with B.
 FASTEST = "fastest"   # the lossless layout a short timed decode finds fastest for this model here (fastest_lossless)
 LAYOUT_CHOICES = [("fastest on this machine (timed)", FASTEST),
                   ("masks after the last draft", "linear"), ("masks after every draft", "quadratic"),

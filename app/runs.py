@@ -83,7 +83,8 @@ def build_command(req: FinetuneRequest, run_dir: Path, launcher: str = "accelera
            "--output-dir", str(run_dir)]
     if req.lora:
         cmd.append("--lora")
-    if req.stage == "mars":   # masks at every phase, as the decoder appends them (docs/experiments.md, "Block phase")
+    # masks at every phase, as the decoder appends them (docs/experiments/tiny-models.md, "Block phase")
+    if req.stage == "mars":
         cmd.append("--random-block-offset")
     if not _gpu_visible() and native_bf16_cpu():   # bf16 autocast + eager attention: faster steps on such a CPU
         cmd += ["--mixed-precision", "bf16", "--attention", "eager"]

@@ -362,7 +362,8 @@ def _explorer_tab() -> SimpleNamespace:
                                         elem_id="free-prompts")
         with gr.Row():
             sweep.block_size = gr.Slider(2, 8, value=4, step=1, label="block size B")
-            # 128: the suite's longest answers fit (at 64 every row, AR's included, read 75.0% on tiny-mars)
+            # 128: the suite's longest answers fit (at 64 every row, AR's included, scored lower on tiny-mars:
+            # docs/experiments/app-timing.md, "The app's race and sweep at class speed")
             sweep.max_new = gr.Slider(8, 256, value=128, step=8, label="max new tokens")
             sweep.criterion = gr.Dropdown(generate.CRITERION_CHOICES, value="prob", label="confidence",
                                           elem_id="ex-criterion")

@@ -54,7 +54,7 @@ def choose_leaves(probs: torch.Tensor, drafts: list[int], tree_width: int, cap: 
 def lookup_wins(looked: list[int], masks: list[int]) -> bool:
     """Whether the looked-up drafts replace the mask drafts: when the masks offer none, or when the lookup
     starts with the masks' first draft and runs longer (chosen on development prompts over "the longer run":
-    docs/experiments.md, "Prompt lookup's rule")."""
+    docs/experiments/lossless-verify.md, "Prompt lookup's rule")."""
     return len(looked) > len(masks) and (not masks or looked[0] == masks[0])
 
 
@@ -460,7 +460,8 @@ class _Batch:
     def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None, own_causal: bool = False):
         """The step's attention mask, or None where it is plain causal (no holes anywhere, the plain layout) and
         the model builds that itself at no more cost: for a one-position step (it sees every cached position,
-        so no mask is the same mask; AR steps at batch 1 got ~14% faster on tiny-mars), and for longer chunks
+        so no mask is the same mask, and building none made AR steps at batch 1 measurably faster on tiny-mars:
+        docs/experiments/tiny-models.md, "Wall clock: `mars_core bench`"), and for longer chunks
         where `own_causal` says the backend's own causal mask is cheap (the lean forward's; transformers' own
         for a chunk after a cache cost more than building this one). `blocks` (chunk's): the columns after the
         uncached tokens see only their own prefix (mars_core.decode.drafts.block_attention)."""
@@ -594,8 +595,9 @@ def backend(lm) -> Backend:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)`: the first index of the largest value along the last dimension. On a CPU in fp32 it goes
-    through numpy, whose argmax of a 49k-token vocabulary row ran ~15x faster than torch's on one thread (a
-    lossless step takes two such argmaxes over 4-7 rows); the rule and the result are the same."""
+    through numpy, whose argmax of a vocabulary-sized row is much faster than torch's on one thread (a lossless
+    step takes two such argmaxes over 4-7 rows; docs/experiments/amx-and-kernels.md, "The decoder's own time");
+    the rule and the result are the same."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
         return torch.from_numpy(x.numpy().argmax(axis=-1))
     return x.argmax(dim=-1)

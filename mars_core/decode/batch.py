@@ -53,7 +53,8 @@ class _Batch:
     def attention(self, chunk_valid: torch.Tensor, width: int, blocks=None, own_causal: bool = False):
         """The step's attention mask, or None where it is plain causal (no holes anywhere, the plain layout) and
         the model builds that itself at no more cost: for a one-position step (it sees every cached position,
-        so no mask is the same mask; AR steps at batch 1 got ~14% faster on tiny-mars), and for longer chunks
+        so no mask is the same mask, and building none made AR steps at batch 1 measurably faster on tiny-mars:
+        docs/experiments/tiny-models.md, "Wall clock: `mars_core bench`"), and for longer chunks
         where `own_causal` says the backend's own causal mask is cheap (the lean forward's; transformers' own
         for a chunk after a cache cost more than building this one). `blocks` (chunk's): the columns after the
         uncached tokens see only their own prefix (mars_core.decode.drafts.block_attention)."""

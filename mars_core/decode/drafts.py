@@ -66,7 +66,7 @@ def choose_leaves(probs: torch.Tensor, drafts: list[int], tree_width: int, cap: 
 def lookup_wins(looked: list[int], masks: list[int]) -> bool:
     """Whether the looked-up drafts replace the mask drafts: when the masks offer none, or when the lookup
     starts with the masks' first draft and runs longer (chosen on development prompts over "the longer run":
-    docs/experiments.md, "Prompt lookup's rule")."""
+    docs/experiments/lossless-verify.md, "Prompt lookup's rule")."""
     return len(looked) > len(masks) and (not masks or looked[0] == masks[0])
 
 

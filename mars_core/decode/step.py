@@ -22,8 +22,9 @@ from mars_core.decode.drafts import choose_leaves, clip_commit, confirm, keep_dr
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)`: the first index of the largest value along the last dimension. On a CPU in fp32 it goes
-    through numpy, whose argmax of a 49k-token vocabulary row ran ~15x faster than torch's on one thread (a
-    lossless step takes two such argmaxes over 4-7 rows); the rule and the result are the same."""
+    through numpy, whose argmax of a vocabulary-sized row is much faster than torch's on one thread (a lossless
+    step takes two such argmaxes over 4-7 rows; docs/experiments/amx-and-kernels.md, "The decoder's own time");
+    the rule and the result are the same."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
         return torch.from_numpy(x.numpy().argmax(axis=-1))
     return x.argmax(dim=-1)

@@ -1,12 +1,12 @@
 """w8a8's products through a small AVX2 kernel of our own (`mars_core/engine/avx2.cpp`), built on first use.
 
 On a CPU without AVX512-VNNI, fbgemm multiplies int8 by int8 with vpmaddubsw, whose int16 pair sums saturate: its
-w8a8 products are not exact there (on an AVX2 AMD EPYC, 9% relative error where the exact product has 2%:
-docs/experiments.md, "the AVX2 kernel"). This kernel widens the bytes to int16 first (vpmaddwd), so its int32
-sums are exact, and it computes bitwise what mars_core/engine/vnni.cpp computes on an AVX512-VNNI CPU, so a model's
-answers in w8a8 are the same on both. Like that kernel it does a whole product in one call (the torch version
-runs about ten ops around fbgemm, which on one thread of a slow core cost more than the small products
-themselves) and skips the second pass on a lossless step's mask positions (`tail`).
+w8a8 products are not exact there (on an AVX2 AMD EPYC, several times the relative error of the exact product:
+docs/experiments/amx-and-kernels.md, "fbgemm's int8 sums are not exact here"). This kernel widens the bytes to int16
+first (vpmaddwd), so its int32 sums are exact, and it computes bitwise what mars_core/engine/vnni.cpp computes on an
+AVX512-VNNI CPU, so a model's answers in w8a8 are the same on both. Like that kernel it does a whole product in one call
+(the torch version runs about ten ops around fbgemm, which on one thread of a slow core cost more than the small
+products themselves) and skips the second pass on a lossless step's mask positions (`tail`).
 
 Chosen where the VNNI kernel cannot run and this one builds (AVX2 and FMA, a C++ compiler, Linux); built by
 mars_core.engine.native.

@@ -36,11 +36,11 @@ def cpu_decoding_layout(model: torch.nn.Module) -> None:
     """Prepare a CPU model for decoding, in place.
 
     1. Every `nn.Linear` whose weight is not the input embedding's (a tied LM head keeps that layout)
-       becomes a `RowMajorLinear`. Measured once on this repo's 2-core machine with an ad-hoc script (not
-       in the repo): one thread, 29 tiny-mars-shaped weights in a row, caches flushed, `F.linear` took
-       24/31/37/39 µs per weight for 1/2/4/6 rows and `x @ W^T` from a row-major W^T 23/27/25/31 µs.
+       becomes a `RowMajorLinear`: on one thread `x @ W^T` from a row-major W^T costs less than `F.linear`
+       for a few rows, and grows less with them (timed with an ad-hoc script on tiny-mars-shaped weights:
+       docs/experiments/tiny-models.md, "Wall clock: `mars_core bench`").
     2. Parameters that safetensors left off a 64-byte boundary (tiny-mars's sat at offset 16) are copied
-       to aligned memory; in the same kind of ad-hoc timing a 1-row forward went from 2.70 to 2.29 ms.
+       to aligned memory, which made a 1-row forward cheaper in the same kind of ad-hoc timing (same section).
     `python -m mars_core bench --stock-layout` times decoding without this. Only for inference: the
     converted model is not meant to be trained or saved.
     """

@@ -2,11 +2,11 @@
 
 A one-position w8a8 forward reads every weight once, so it is bound by how fast one core can stream them. On 4 KB
 pages that stream crosses a page every 4 KB: each crossing costs a TLB walk, and the hardware prefetchers stop at
-page boundaries. On 2 MB pages neither happens (docs/experiments.md, "The AVX2 kernel reads its weights as one
-stream"). Where the kernel's setting is `madvise` (the usual default), memory goes onto huge pages only where a
-program asks with madvise(MADV_HUGEPAGE) before first touching it; where it is `always` this changes nothing, and
-where it is `never` (or off Linux) the weights stay on ordinary pages. The values are copied, never changed, so no
-result changes. MARS_HUGE_PAGES=0 leaves the weights where torch put them.
+page boundaries. On 2 MB pages neither happens (docs/experiments/cpu-speed-issue-27.md, "The AVX2 kernel reads
+its weights as one stream"). Where the kernel's setting is `madvise` (the usual default), memory goes onto huge pages
+only where a program asks with madvise(MADV_HUGEPAGE) before first touching it; where it is `always` this changes
+nothing, and where it is `never` (or off Linux) the weights stay on ordinary pages. The values are copied, never
+changed, so no result changes. MARS_HUGE_PAGES=0 leaves the weights where torch put them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A lean decoding forward for the Llama family (Llama, Qwen2, SmolLM2): what the decoder runs on a CPU.
 
 A transformers decoder layer is ~40 small ops plus cache bookkeeping and mask building, which on one CPU thread
-cost more than the matrix products of a 135M model (docs/experiments.md, "lean forward"). `LeanLM` does the same
+cost more than the matrix products of a 135M model (docs/experiments/cpu-formats.md, "The lean forward and
+w8a8"). `LeanLM` does the same
 arithmetic with fewer ops, in the manner of gpt-fast's `model.py`:
 
   * q, k, v are one product, gate and up another (the weights concatenated once at load);
@@ -76,7 +77,8 @@ class FloatLinear(torch.nn.Module):
     read once for up to three rows, each row's sums in a fixed order whatever the other rows), else keeps W^T
     row-major, which MKL multiplies faster for few rows; bf16 keeps W as it is (F.linear), which measured faster there
     (mars_core.engine.cpu_layout explains the layout), or, on a CPU with AMX, packed once for oneDNN (its cost barely
-    grows with the rows: docs/experiments.md). `own=False` keeps MKL for fp32."""
+    grows with the rows: docs/experiments/amx-and-kernels.md, "The CPU path on an Intel Xeon with AMX").
+    `own=False` keeps MKL for fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, own: bool = True):
         super().__init__()

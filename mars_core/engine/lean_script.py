@@ -2,10 +2,10 @@
 one call into our own kernels' native layer stack.
 
 On one CPU thread a SmolLM2 forward is ~1,300 small ops besides its 121 matrix products, and Python's share of
-each op is what an eager loop pays most for (docs/experiments.md, "lean forward"). TorchScript runs the same ops
-in the same order from its C++ interpreter, so the logits are bitwise the eager loop's (tests/test_lean.py
-checks it) at about two thirds of the time. The w8a8 and fp32 loops are scripted; bf16 and int8 run `layers`,
-the same arithmetic through the modules' own forward. `torch.jit.script` is deprecated in favour of
+each op is what an eager loop pays most for (docs/experiments/cpu-formats.md, "The lean forward and w8a8"). TorchScript
+runs the same ops in the same order from its C++ interpreter, so the logits are bitwise the eager loop's
+(tests/test_lean.py checks it) at about two thirds of the time. The w8a8 and fp32 loops are scripted; bf16 and int8 run
+`layers`, the same arithmetic through the modules' own forward. `torch.jit.script` is deprecated in favour of
 torch.compile, which compiled this forward for minutes and did not run it faster; if a torch release drops it,
 `scripted()` returns None and LeanLM runs the plain Python functions below, which give the same numbers.
 

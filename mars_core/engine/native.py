@@ -1,6 +1,7 @@
 """Building and loading our two small C++ kernels (mars_core/engine/vnni.cpp, mars_core/engine/avx2.cpp) on first use.
 
-Each is one g++ call against the installed torch's headers (~30-60 s, once). The library is cached under
+Each is one g++ call against the installed torch's headers (once; its time: docs/experiments/amx-and-kernels.md,
+"The VNNI kernel"). The library is cached under
 `MARS_CACHE_DIR`/kernels by a hash of the source (with mars_core's headers), the torch version and the compiler
 flags, and written atomically, so a half-built library never sits at the cached path. Loading never raises: where
 a kernel cannot be had (switched off, wrong CPU or OS, no compiler, a failed build) the reason is kept and w8a8

@@ -1,7 +1,8 @@
 """How many CPU threads torch should use for decoding.
 
 A decoding step multiplies a handful of rows by every weight; a second thread helps little, and when
-another process holds the other core a forward can take 40x longer (the threads wait on each other).
+another process holds the other core a forward can take many times longer (the threads wait on each other;
+docs/experiments/tiny-models.md, "Wall clock: `mars_core bench`").
 So "auto" never asks for more threads than there are idle cores, and on a machine of two cores or
 fewer it uses one.
 """

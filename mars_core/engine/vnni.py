@@ -1,11 +1,11 @@
 """w8a8's products through a small AVX512-VNNI kernel of our own (`mars_core/engine/vnni.cpp`), built on first use.
 
 fbgemm's dynamic int8 linear, w8a8's default kernel, costs more the more rows it multiplies: on an AVX512-VNNI
-CPU a 7-position forward took ~1.5 times a 1-position one, and that ratio is what MARS's extra positions pay
-(docs/experiments.md, "the VNNI kernel"). This kernel reads each weight block once for up to 24 rows, so the
-weights' memory traffic, which dominates at a few rows, no longer grows with them. It also does a whole product in
-one call (row scaling, quantization, the second pass, rescale, bias) where the torch version runs about ten ops.
-On a CPU with AMX it computes the same integer sums on the tile unit, where 2-8 rows cost about what one does.
+CPU a 7-position forward costs clearly more than a 1-position one, and that ratio is what MARS's extra positions
+pay (docs/experiments/amx-and-kernels.md, "The VNNI kernel"). This kernel reads each weight block once for up to 24
+rows, so the weights' memory traffic, which dominates at a few rows, no longer grows with them. It also does a whole
+product in one call (row scaling, quantization, the second pass, rescale, bias) where the torch version runs about ten
+ops. On a CPU with AMX it computes the same integer sums on the tile unit, where 2-8 rows cost about what one does.
 
 It computes bitwise what `mars_core.engine.w8a8.W8A8Linear` computes through fbgemm (same quantization, exact int32
 sums, fbgemm's rescale, the same fp32 epilogue; tests/test_vnni.py holds it to that on every SmolLM2 shape), so a

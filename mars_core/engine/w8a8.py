@@ -3,7 +3,7 @@
 A decoding step multiplies 1 (AR) to 7 (MARS, B = 4) activation rows by every weight matrix, so its cost is
 reading the weights. fbgemm's dynamic-quantized linear (`torch.ops.quantized.linear_dynamic`) reads int8 weights
 and multiplies them by int8 activations (with exact int32 sums on an AVX512-VNNI CPU); it is the fastest few-row
-product torch has there (docs/experiments.md, "w8a8").
+product torch has there (docs/experiments/cpu-formats.md, "The lean forward and w8a8").
 
 It quantizes its input with one scale and zero point for the whole tensor, taken from the tensor's min and max, so
 a row's result would depend on the other rows in the call: a 7-position verify forward would round differently
@@ -23,8 +23,9 @@ results bit for bit, reads the weights once for many rows and is used wherever i
 oneDNN's quantized linear (`torch.ops.onednn.qlinear_pointwise`), which takes int8 activations we round ourselves
 onto the same grid, so it needs no rails. The VNNI kernel is the default where it builds, else the AVX2 kernel,
 else fbgemm; MARS_W8A8_KERNEL names one (onednn for CPUs with AMX, where its cost grows less with the rows;
-measured in docs/experiments.md, "oneDNN"). All quantize alike and keep every row independent of the others;
-oneDNN's sums and rescaling round differently from the other two in the last bits, so its answers may differ.
+measured in docs/experiments/amx-and-kernels.md, "oneDNN's kernels"). All quantize alike and keep every row independent
+of the others; oneDNN's sums and rescaling round differently from the other two in the last bits, so its answers may
+differ.
 """
 from __future__ import annotations
 
@@ -232,8 +233,8 @@ def pick_kernel() -> str:
     """The w8a8 kernel this process uses: MARS_W8A8_KERNEL if set, else the VNNI kernel where it builds, else the
     AVX2 kernel where it builds, else fbgemm (oneDNN where fbgemm is missing). Not chosen by timing between fbgemm
     and oneDNN: they round the rescale differently in the last bit, and a choice that followed a noisy clock could
-    change a model's answers from one run to the next (docs/experiments.md, "oneDNN"). Our two kernels give the
-    same bits as each other, and fbgemm's on an AVX512-VNNI CPU (where its sums are exact)."""
+    change a model's answers from one run to the next (docs/experiments/amx-and-kernels.md, "oneDNN's kernels").
+    Our two kernels give the same bits as each other, and fbgemm's on an AVX512-VNNI CPU (where its sums are exact)."""
     import os
 
     named = os.environ.get("MARS_W8A8_KERNEL")
@@ -260,7 +261,7 @@ def on_grid(u: torch.Tensor) -> torch.Tensor:
 
 
 # Which of a layer's products take two passes: the inputs of q/k/v (a norm's output, with outlier channels) and
-# of down lost most to one rounding on development prompts (docs/experiments.md, "w8a8 quality").
+# of down lost most to one rounding on development prompts (docs/experiments/cpu-formats.md, "w8a8 quality").
 TWO_PASS = ("qkv", "down")
 
 

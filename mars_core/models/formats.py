@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 
 # dtype="auto" on a CPU may serve w8a8 only for these models: their quality in w8a8 was measured on the report
-# seed against its bf16 numbers and kept (docs/experiments.md, "w8a8 quality"). Others decode in float32.
+# seed against its bf16 numbers and kept (docs/experiments/cpu-formats.md, "w8a8 quality"). Others decode in
+# float32.
 W8A8_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
-# ... and in w8a16 (mars_core/engine/avx2.cpp, MARS_WIDE), measured the same way (docs/experiments.md, "w8a16"); the probe
-# then times it beside w8a8
+# ... and in w8a16 (mars_core/engine/avx2.cpp, MARS_WIDE), measured the same way
+# (docs/experiments/cpu-speed-issue-27.md, "w8a16"); the probe then times it beside w8a8
 W8A16_KEEPS_QUALITY: tuple[str, ...] = ("smollm2-mars",)
 # The CPU formats with int8 weights and per-row quantized activations (mars_core.engine.w8a8): w8a16 is w8a8's layer
 # stack with int16 activation levels in one pass, on our AVX2 kernel only.
@@ -92,7 +93,8 @@ def lean_net(model, dtype: str, torch_dtype: torch.dtype, tokenizer=None):
     from mars_core.engine.lean import LeanLM
     from mars_core.engine.w8a8 import WIDE
 
-    if dtype == "w8a16":   # w8a8's stack on the int16-level kernel, not smoothed (docs/experiments.md, "w8a16")
+    # w8a8's stack on the int16-level kernel, not smoothed (docs/experiments/cpu-speed-issue-27.md, "w8a16")
+    if dtype == "w8a16":
         return LeanLM(model, "w8a8", torch_dtype, kernel=WIDE)
     ranges = None
     if dtype == "w8a8" and tokenizer is not None:

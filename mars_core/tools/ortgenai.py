@@ -3,8 +3,8 @@
 Optional and never a dependency: `pip install onnxruntime-genai onnx onnx_ir onnxscript`. ONNX Runtime's own
 model builder turns a transformers checkpoint into an ONNX model whose products are MatMulNBits: 8-bit (or 4-bit)
 weights in blocks of 32, each with a scale, and with accuracy_level=4 the activations quantized to int8 per block,
-so the products run on int8 dot products (docs/experiments.md, "ONNX Runtime and torchao"). Without a folder,
-bench builds one from the very checkpoint our sides load (smollm2-mars: the merged adapter), once, under
+so the products run on int8 dot products (docs/experiments/cpu-speed-issue-27.md, "ONNX Runtime and torchao"). Without a
+folder, bench builds one from the very checkpoint our sides load (smollm2-mars: the merged adapter), once, under
 cache_dir()/onnxruntime: int8 by default, whose quality matches w8a16's; int4 is faster and loses quality.
 """
 from __future__ import annotations
