@@ -43,6 +43,7 @@ to the scores, so it gets the same mask as 0 / -inf-like floats
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -243,23 +244,9 @@ def mars_inputs(
     return ids, positions, batched_mars_attention_mask(valid, block_size, noisy_start, block_offset)
 
 
-def mars_loss(
-    model,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    block_size: int,
-    mask_id: int,
-    ar_weight: float = 1.0,
-    skip_prompt_blocks: bool = True,
-    mask_label_smoothing: float = 0.0,
-    block_offset: int = 0,
-    soft_weight: float = 0.0,
-    soft_top_k: int = 0,
-    frozen_clean: bool = False,
-) -> LossOutput:
-    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward.
+@dataclass(frozen=True)
+class MarsLossSettings:
+    """How ``mars_loss`` builds and weighs its two streams: ``L = CE(noisy, labels) + ar_weight * CE(clean, labels)``.
 
     With ``skip_prompt_blocks`` the noisy half starts at the first block that
     predicts a label: the noisy copies of earlier (prompt-only) blocks carry no
@@ -282,32 +269,52 @@ def mars_loss(
     CE still reaches a trained mask row through a tied head's mask-id logit, as in the joint forward. Same losses
     and gradients as the joint forward up to fp32 rounding (a test checks it).
     """
+
+    block_size: int
+    mask_id: int
+    ar_weight: float = 1.0
+    skip_prompt_blocks: bool = True
+    mask_label_smoothing: float = 0.0
+    block_offset: int = 0
+    soft_weight: float = 0.0
+    soft_top_k: int = 0
+    frozen_clean: bool = False
+
+
+def mars_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+              settings: MarsLossSettings) -> LossOutput:
+    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward (``MarsLossSettings`` says how)."""
+    s = settings
     n = input_ids.shape[1]
     targets = shift_labels(labels)
     n_labels = int((targets != IGNORE_INDEX).sum())
     assert n_labels > 0, "batch has no labelled tokens"
-    start = first_noisy_block_start(labels, block_size, block_offset) if skip_prompt_blocks else 0
-    ids, positions, attn = mars_inputs(input_ids, labels, valid, mask_id, block_size, start, block_offset)
+    start = first_noisy_block_start(labels, s.block_size, s.block_offset) if s.skip_prompt_blocks else 0
+    ids, positions, attn = mars_inputs(input_ids, labels, valid, s.mask_id, s.block_size, start, s.block_offset)
     m = n - start
     # A real token equal to the mask id would switch the gate on inside the clean stream: then the joint forward.
-    if frozen_clean and not bool((input_ids[valid] == mask_id).any()):
+    if s.frozen_clean and not bool((input_ids[valid] == s.mask_id).any()):
         hidden = _frozen_clean_forward(model, ids, positions, attn, m)
     else:
         hidden = model.model(
             input_ids=ids, attention_mask=model_attention_mask(model, attn), position_ids=positions, use_cache=False
         ).last_hidden_state  # [b, m + n, d]
-    if soft_weight > 0:
-        return _soft_mars_loss(hidden, m, targets, start, model.lm_head, ar_weight, soft_weight, soft_top_k,
-                               mask_label_smoothing, n_labels)
-    loss_mask = labelled_cross_entropy(hidden[:, :m], targets[:, start:], model.lm_head, mask_label_smoothing)
-    if ar_weight == 0.0:
+    if s.soft_weight > 0:
+        return _soft_mars_loss(hidden, m, targets[:, start:], targets, model.lm_head, s, n_labels)
+    return _hard_mars_loss(hidden, m, targets[:, start:], targets, model.lm_head, s, n_labels)
+
+
+def _hard_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossSettings, n_labels) -> LossOutput:
+    """``mars_loss``'s hard-target terms from the ``[b, m + n, d]`` hidden states of ``[noisy | clean]``."""
+    loss_mask = labelled_cross_entropy(hidden[:, :m], targets_noisy, lm_head, s.mask_label_smoothing)
+    if s.ar_weight == 0.0:
         # The ablation (paper Table 2): no gradient from the clean stream; its CE
         # is still reported so the run's metrics stay comparable.
         with torch.no_grad():
-            loss_ar = labelled_cross_entropy(hidden[:, m:].detach(), targets, model.lm_head)
+            loss_ar = labelled_cross_entropy(hidden[:, m:].detach(), targets, lm_head)
         return LossOutput(loss_mask, loss_mask.detach(), loss_ar, n_labels)
-    loss_ar = labelled_cross_entropy(hidden[:, m:], targets, model.lm_head)
-    loss = loss_mask + ar_weight * loss_ar
+    loss_ar = labelled_cross_entropy(hidden[:, m:], targets, lm_head)
+    loss = loss_mask + s.ar_weight * loss_ar
     return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)
 
 
@@ -328,10 +335,9 @@ def _frozen_clean_forward(model, ids: torch.Tensor, positions: torch.Tensor, att
     return torch.cat([noisy, clean], dim=1)
 
 
-def _soft_mars_loss(hidden, m, targets, start, lm_head, ar_weight, soft_weight, top_k, label_smoothing,
-                    n_labels) -> LossOutput:
+def _soft_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossSettings, n_labels) -> LossOutput:
     """``mars_loss`` with a soft mask target: the clean logits are the teacher whatever ``ar_weight`` is."""
-    mask_term, hard, loss_ar = mask_stream_loss(hidden[:, :m], hidden[:, m:], targets[:, start:], targets, lm_head,
-                                                soft_weight, top_k, label_smoothing)
-    loss = mask_term + ar_weight * loss_ar if ar_weight else mask_term
+    mask_term, hard, loss_ar = mask_stream_loss(hidden[:, :m], hidden[:, m:], targets_noisy, targets, lm_head,
+                                                s.soft_weight, s.soft_top_k, s.mask_label_smoothing)
+    loss = mask_term + s.ar_weight * loss_ar if s.ar_weight else mask_term
     return LossOutput(loss, hard.detach(), loss_ar.detach(), n_labels)

@@ -16,7 +16,7 @@ from torch import nn
 
 from finetune.config import TrainConfig
 from finetune.data import Example
-from finetune.losses import ar_loss, mars_loss
+from finetune.losses import MarsLossSettings, ar_loss, mars_loss
 
 # ----------------------------------------------------------------------------- model loading
 
@@ -50,7 +50,8 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
             raise ValueError(f"lora_layers={cfg.lora_layers} but {cfg.base_model} has {n} decoder layers: "
                              f"use 1..{n}, or 0 for every layer")
         top = tuple(f".layers.{i}." for i in range(n - cfg.lora_layers, n))
-        targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and any(t in name for t in top)]
+        targets = [name for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and any(t in name for t in top)]
     lora = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
@@ -118,7 +119,8 @@ class WarmStart:
                              "assets/smollm2-mars (adapter.safetensors + adapter_config.json)")
         config, modules, mask_row = read_adapter(Path(path).expanduser())
         if is_gated(config) != cfg.gated_lora:   # a delta trained at masks only must stay there, and vice versa
-            theirs, fix = ("gated", "pass --gated-lora") if is_gated(config) else ("plain (merged)", "drop --gated-lora")
+            theirs, fix = (("gated", "pass --gated-lora") if is_gated(config)
+                           else ("plain (merged)", "drop --gated-lora"))
             raise ValueError(f"--init-adapter {path!r} is a {theirs} adapter but this run is "
                              f"{'gated' if cfg.gated_lora else 'not gated'}: {fix}, or start without --init-adapter")
         wants = [("base", config["base"], cfg.base_model, "--base-model"),
@@ -148,10 +150,12 @@ class WarmStart:
         for name, (a, b) in self.modules.items():
             want_a, want_b = layers[name].lora_A["default"].weight.shape, layers[name].lora_B["default"].weight.shape
             if a.shape != want_a or b.shape != want_b:
-                raise ValueError(f"{where}: {name} has lora_A {list(a.shape)} / lora_B {list(b.shape)} but this model's "
+                raise ValueError(f"{where}: {name} has lora_A {list(a.shape)} / lora_B {list(b.shape)} "
+                                 "but this model's "
                                  f"are {list(want_a)} / {list(want_b)}: the adapter was made for another base")
         if self.config["mask_id"] != mask_id:
-            raise ValueError(f"{where} was trained with mask id {self.config['mask_id']} but this model's is {mask_id}: "
+            raise ValueError(f"{where} was trained with mask id {self.config['mask_id']} "
+                             f"but this model's is {mask_id}: "
                              "it was made for another tokenizer")
         hidden = peft_model.get_base_model().get_input_embeddings().weight.shape[1]
         if self.mask_row is not None and self.mask_row.shape[0] != hidden:
@@ -259,13 +263,14 @@ class TrainModule(nn.Module):
     def forward(self, input_ids, labels, valid, block_offset: int = 0):
         lm = self.causal_lm()
         if self.stage == "mars":
-            return mars_loss(
-                lm, input_ids, labels, valid, block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
+            settings = MarsLossSettings(
+                block_size=self.block_size, mask_id=self.mask_id, ar_weight=self.ar_weight,
                 mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
                 soft_weight=self.soft_target_weight, soft_top_k=self.soft_target_top_k,
                 # gated: the clean stream holds no mask token, so it is the base model and needs no backward pass
                 frozen_clean=self.gate is not None,
             )
+            return mars_loss(lm, input_ids, labels, valid, settings)
         return ar_loss(lm, input_ids, labels, valid)
 
 

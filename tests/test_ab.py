@@ -44,7 +44,7 @@ def test_mask_slots_count_the_masks_after_the_last_real_token_in_each_block():
 def test_held_out_mask_ce_is_the_training_loss_mask_and_agreement_is_per_slot(tiny):
     from finetune.recipes.ab_score import MaskTally, mask_metrics, tally_batch
     from finetune.data import build_examples, collate, load_conversations
-    from finetune.losses import mars_loss
+    from finetune.losses import MarsLossSettings, mars_loss
     from finetune.train_model import load_base
 
     model_dir, data = tiny
@@ -56,7 +56,8 @@ def test_held_out_mask_ce_is_the_training_loss_mask_and_agreement_is_per_slot(ti
         tally = MaskTally(4)
         tally_batch(base.model, batch, base.mask_id, 4, offset, tally)
         with torch.no_grad():
-            want = mars_loss(base.model, **batch, block_size=4, mask_id=base.mask_id, block_offset=offset)
+            want = mars_loss(base.model, **batch,
+                             settings=MarsLossSettings(block_size=4, mask_id=base.mask_id, block_offset=offset))
         assert tally.ce_mask / tally.labels == pytest.approx(float(want.loss_mask), abs=1e-5)
         assert tally.ce_ar / tally.labels == pytest.approx(float(want.loss_ar), abs=1e-5)
     got = mask_metrics(base.model, examples, base.mask_id, 0, 4, batch_size=3)
@@ -139,7 +140,7 @@ def test_one_command_trains_and_scores_every_arm_and_a_rerun_redoes_nothing(tiny
 @pytest.mark.slow
 def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untrained(tiny, tmp_path):
     from mars_core import load_model
-    from mars_core.models.adapter import save_adapter
+    from mars_core.models.adapter import AdapterSpec, save_adapter
 
     model_dir, data = tiny
     # an adapter of the recipe's shape (r 32, alpha 64, mask row) for the tiny model: one LoRA step, exported
@@ -149,8 +150,9 @@ def test_warm_arms_start_from_the_adapter_and_the_shipped_arm_is_scored_untraine
                 "--lora-alpha", "64", "--train-mask-row", "--lr", "1e-2", "--max-steps", "1"])
     state = torch.load(first / "checkpoint-1" / "trainer_state.pt", weights_only=False)
     lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
-    save_adapter(tmp_path / "adapter", state["lora"], state["mask_row"], r=32, alpha=64, base=str(model_dir),
-                 mask_id=lm.mask_id, mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=4)
+    save_adapter(tmp_path / "adapter", state["lora"], state["mask_row"],
+                 AdapterSpec(r=32, alpha=64, base=str(model_dir), mask_id=lm.mask_id,
+                             mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=4))
     work = tmp_path / "ab"
     done = run_ab("--data", str(data), "--work", str(work), "--base", str(model_dir), "--arms", "shipped,warm",
                   "--init-adapter", str(tmp_path / "adapter"), "--steps", "2", "--dev-examples", "8", "--prompts", "2",

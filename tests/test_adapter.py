@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_core.models import loading, sources
-from mars_core.models.adapter import (adapter_files_size, merge_adapter, read_adapter, read_adapter_config,
+from mars_core.models.adapter import (AdapterSpec, adapter_files_size, merge_adapter, read_adapter, read_adapter_config,
                                save_adapter)
 from tests.tiny_fixtures import make_tiny_model_dir
 
@@ -51,8 +51,9 @@ def _mask_id(base_dir):
 
 
 def _save(out, model, mask_row, base, mask_id, dtype=torch.float32, **extra):
-    return save_adapter(out, peft.get_peft_model_state_dict(model), mask_row, r=R, alpha=ALPHA, base=str(base),
-                        mask_id=mask_id, mask_token=MASK_TOKEN, block_size=4, dtype=dtype, extra=extra or None)
+    return save_adapter(out, peft.get_peft_model_state_dict(model), mask_row,
+                        AdapterSpec(r=R, alpha=ALPHA, base=str(base), mask_id=mask_id, mask_token=MASK_TOKEN,
+                                    block_size=4, dtype=dtype, extra=extra or None))
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +157,9 @@ def test_save_refuses_what_it_cannot_merge(adapter, base_dir, tmp_path):
     for lora_state, override, message in cases:
         args = {**kw, **override}
         with pytest.raises(ValueError, match=re.escape(message)):
-            save_adapter(tmp_path / "bad", lora_state, mask_row, **args)
+            save_adapter(tmp_path / "bad", lora_state, mask_row, AdapterSpec(**args))
     with pytest.raises(ValueError, match="mask_row must be a 1-D"):
-        save_adapter(tmp_path / "bad", state, mask_row[None], **kw)
+        save_adapter(tmp_path / "bad", state, mask_row[None], AdapterSpec(**kw))
     assert not (tmp_path / "bad" / "adapter.safetensors").exists()                   # nothing half-written
 
 
@@ -176,8 +177,9 @@ def test_merge_refuses_a_mismatched_model_and_leaves_it_untouched(base_dir, tmp_
     mask_id = _mask_id(base_dir)
 
     def write(name, state, mask_id=mask_id):
-        save_adapter(tmp_path / name, state, torch.zeros(64), r=2, alpha=2.0, base="x", mask_id=mask_id,
-                     mask_token=MASK_TOKEN, block_size=4, dtype=torch.float32)
+        save_adapter(tmp_path / name, state, torch.zeros(64),
+                     AdapterSpec(r=2, alpha=2.0, base="x", mask_id=mask_id, mask_token=MASK_TOKEN, block_size=4,
+                                 dtype=torch.float32))
         return tmp_path / name
 
     ok = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 64),
@@ -309,9 +311,9 @@ def test_registered_adapter_name_with_a_known_base_name(base_dir, tmp_path, monk
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     tok = AutoTokenizer.from_pretrained(str(real_assets / "tiny-ar-sft"))
-    save_adapter(assets / "tiny-ar-lora", peft.get_peft_model_state_dict(lora), None, r=2, alpha=4.0,
-                 base="tiny-ar-sft", mask_id=tok.mask_token_id, mask_token=tok.mask_token, block_size=4,
-                 dtype=torch.float32)
+    save_adapter(assets / "tiny-ar-lora", peft.get_peft_model_state_dict(lora), None,
+                 AdapterSpec(r=2, alpha=4.0, base="tiny-ar-sft", mask_id=tok.mask_token_id, mask_token=tok.mask_token,
+                             block_size=4, dtype=torch.float32))
     assert sources.resolve_source("tiny-ar-lora") == ("adapter", str(assets / "tiny-ar-lora"))
     lm = loading.load_model("tiny-ar-lora", device="cpu", cpu_layout=False)
     assert lm.name == "tiny-ar-lora" and lm.mask_id == tok.mask_token_id
@@ -332,8 +334,9 @@ def test_adapter_with_a_relative_base_and_the_cli(adapter, base_dir, tmp_path, m
     monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
     os.symlink(base_dir, tmp_path / "base")
     out = tmp_path / "lora"
-    save_adapter(out, peft.get_peft_model_state_dict(model), mask_row, r=R, alpha=ALPHA, base="../base",
-                 mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4, dtype=torch.float32)
+    save_adapter(out, peft.get_peft_model_state_dict(model), mask_row,
+                 AdapterSpec(r=R, alpha=ALPHA, base="../base", mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN,
+                             block_size=4, dtype=torch.float32))
     assert main(["generate", "--model", str(out), "--prompt", "What is 2 + 3?", "--max-new-tokens", "4",
                  "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -411,8 +414,9 @@ def test_an_adapter_of_the_top_layers_only_saves_and_merges_those_layers(base_di
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     out = tmp_path / "top"
-    save_adapter(out, peft.get_peft_model_state_dict(model), None, r=R, alpha=2 * R, base=str(base_dir),
-                 mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4, dtype=torch.float32)
+    save_adapter(out, peft.get_peft_model_state_dict(model), None,
+                 AdapterSpec(r=R, alpha=2 * R, base=str(base_dir), mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN,
+                             block_size=4, dtype=torch.float32))
     assert set(load_file(str(out / "adapter.safetensors"))) == {f"model.layers.1.{m}.lora_{p}" for m in MODULES
                                                                 for p in "AB"}
     ours, base = _fresh(base_dir), _fresh(base_dir)

@@ -130,7 +130,7 @@ def saved_activation_bytes(n_layers: int) -> tuple[int, int]:
     counted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from finetune.losses import first_noisy_block_start, mars_loss
+    from finetune.losses import MarsLossSettings, first_noisy_block_start, mars_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=352,
@@ -149,7 +149,7 @@ def saved_activation_bytes(n_layers: int) -> tuple[int, int]:
     labels = ids.clone()
     labels[:, :16] = -100
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        mars_loss(model, ids, labels, torch.ones_like(ids, dtype=torch.bool), block_size=4, mask_id=3)
+        mars_loss(model, ids, labels, torch.ones_like(ids, dtype=torch.bool), MarsLossSettings(block_size=4, mask_id=3))
     return sum(storages.values()), 64 - first_noisy_block_start(labels, 4) + 64   # [noisy from its start | clean]
 
 

@@ -17,12 +17,13 @@ def tiny_lm():
 
 
 def test_sweep_rows_are_well_formed(tiny_lm):
-    from finetune.evals.evaluate import sweep
+    from finetune.evals.evaluate import SweepSettings, sweep
     from finetune.tasks import FAMILIES, make_examples
 
     examples = make_examples("heldout", len(FAMILIES), seed=0)
     seen = []
-    rows = sweep(tiny_lm, examples, taus=[1.0, 0.5], max_new_tokens=8, batch_size=4, timing_prompts=2,
+    rows = sweep(tiny_lm, examples, taus=[1.0, 0.5],
+                 settings=SweepSettings(max_new_tokens=8, batch_size=4, timing_prompts=2),
                  progress=lambda f, msg: seen.append(f))
     assert [r["tau"] for r in rows] == [1.0, 0.5]
     assert seen == [0.5, 1.0]
@@ -46,7 +47,7 @@ def test_sweep_rows_are_well_formed(tiny_lm):
 def test_sweep_passes_the_confidence_criterion(tiny_lm):
     # A random model spreads its probability thinly: its top-token probabilities sit at 0.008-0.009, exp(-entropy)
     # at 0.0034 and top-1 - top-2 margins at 0.002-0.004, so at τ = 0.005 only "prob" accepts masks.
-    from finetune.evals.evaluate import curve_label, sweep
+    from finetune.evals.evaluate import SweepSettings, curve_label, sweep
     from finetune.tasks import make_examples
     from mars_core import DecodeConfig, generate
 
@@ -54,8 +55,8 @@ def test_sweep_passes_the_confidence_criterion(tiny_lm):
     prompts = [tiny_lm.encode(ex["messages"][0]["content"]) for ex in examples]
     tpf = {}
     for criterion in ("prob", "entropy", "margin"):
-        (row,) = sweep(tiny_lm, examples, taus=[0.005], max_new_tokens=8, batch_size=4, timing_prompts=0,
-                       criterion=criterion)
+        (row,) = sweep(tiny_lm, examples, taus=[0.005],
+                       settings=SweepSettings(max_new_tokens=8, batch_size=4, timing_prompts=0, criterion=criterion))
         assert row["criterion"] == criterion
         direct = generate(tiny_lm, prompts, DecodeConfig(tau=0.005, max_new_tokens=8, criterion=criterion))
         assert row["tokens_per_forward"] == sum(r.tokens_per_forward for r in direct) / len(direct)
@@ -64,11 +65,12 @@ def test_sweep_passes_the_confidence_criterion(tiny_lm):
     assert curve_label({"model": "m", "criterion": "margin"}) == "m [margin]"
     assert curve_label({"model": "m", "criterion": "prob"}) == curve_label({"model": "m"}) == "m"
     with pytest.raises(ValueError, match="criterion"):
-        sweep(tiny_lm, examples, taus=[0.5], max_new_tokens=4, timing_prompts=0, criterion="nope")
+        sweep(tiny_lm, examples, taus=[0.5],
+              settings=SweepSettings(max_new_tokens=4, timing_prompts=0, criterion="nope"))
 
 
 def test_sweep_rejects_empty_examples(tiny_lm):
-    from finetune.evals.evaluate import sweep
+    from finetune.evals.evaluate import SweepSettings, sweep
 
     with pytest.raises(ValueError, match="examples"):
         sweep(tiny_lm, [], taus=[1.0])
@@ -128,20 +130,22 @@ def test_cli_writes_json_and_html(tmp_path, tiny_lm, capsys):
 def test_lossless_rows_score_exactly_ar_and_report_draft_acceptance():
     # Verify mode's answers are AR's, so its accuracy equals the τ = 1 row's at every τ, while tiny-mars
     # still writes several tokens per forward; the rows carry the per-slot draft acceptance.
-    from finetune.evals.evaluate import curve_label, sweep
+    from finetune.evals.evaluate import SweepSettings, curve_label, sweep
     from finetune.tasks import make_examples
     from mars_core import load_model
 
     lm = load_model("tiny-mars", device="cpu")
     examples = make_examples("heldout", 24, seed=11)
-    (ar,) = sweep(lm, examples, taus=[1.0], max_new_tokens=64, timing_prompts=0)
-    rows = sweep(lm, examples, taus=[0.5, 0.9], max_new_tokens=64, timing_prompts=0, mode="verify")
+    (ar,) = sweep(lm, examples, taus=[1.0], settings=SweepSettings(max_new_tokens=64, timing_prompts=0))
+    rows = sweep(lm, examples, taus=[0.5, 0.9],
+                 settings=SweepSettings(max_new_tokens=64, timing_prompts=0, mode="verify"))
     for r in rows:
         assert r["mode"] == "verify" and curve_label(r) == "tiny-mars (lossless)"
         assert r["accuracy"] == ar["accuracy"] and r["per_family"] == ar["per_family"]
         assert r["tokens_per_forward"] > 1.5
         assert len(r["draft_acceptance"]) == 3 and all(a is None or 0 <= a <= 1 for a in r["draft_acceptance"])
         assert r["draft_acceptance"][0] is not None
-    tree = sweep(lm, examples, taus=[0.9], max_new_tokens=64, timing_prompts=0, mode="verify", draft_layout="tree")
+    tree = sweep(lm, examples, taus=[0.9],
+                 settings=SweepSettings(max_new_tokens=64, timing_prompts=0, mode="verify", draft_layout="tree"))
     assert curve_label(tree[0]) == "tiny-mars (lossless, tree)" and tree[0]["accuracy"] == ar["accuracy"]
     assert tree[0]["positions_per_forward"] > rows[1]["positions_per_forward"]

@@ -174,7 +174,7 @@ def _direct(lm, prompts, tau, max_new_tokens):
 
 
 def test_natural_sweep_rows(tiny_lm, problems):
-    from finetune.evals.evaluate_natural import NATURAL_ROW_KEYS, natural_sweep
+    from finetune.evals.evaluate_natural import NATURAL_ROW_KEYS, NaturalSweepSettings, natural_sweep
     from finetune.evals.humaneval import build_prompt, completion_program
     from finetune.evals.checkable import CheckItem, check, checkable_set
     from finetune.evals.natural import natural_prompts
@@ -196,8 +196,10 @@ def test_natural_sweep_rows(tiny_lm, problems):
 
     he = problems[:2]
     seen = []
-    rows = natural_sweep(tiny_lm, prompts, items, he, taus=[0.005], max_new_tokens=10, checkable_max_new_tokens=6,
-                         batch_size=8, model_name="tiny", seed=3, runner=runner, progress=lambda f, m: seen.append(f))
+    rows = natural_sweep(tiny_lm, prompts, items, he, taus=[0.005],
+                         settings=NaturalSweepSettings(max_new_tokens=10, checkable_max_new_tokens=6, batch_size=8,
+                                                       model_name="tiny", seed=3),
+                         runner=runner, progress=lambda f, m: seen.append(f))
     assert [r["tau"] for r in rows] == [1.0, 0.005] and seen == [0.5, 1.0]
     assert [r["tau_added"] for r in rows] == [True, False]
     for r in rows:
@@ -235,16 +237,18 @@ def test_natural_sweep_rows(tiny_lm, problems):
     assert 0.0 <= low["agreement_prefix"] < 1.0
 
 
-@pytest.mark.parametrize("layout,lookup,label", [("linear", 0, "(lossless)"), ("quadratic", 3, "(lossless, quadratic, lookup 3)")])
+@pytest.mark.parametrize("layout,lookup,label",
+                         [("linear", 0, "(lossless)"), ("quadratic", 3, "(lossless, quadratic, lookup 3)")])
 def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup, label):
     # verify mode's answers are AR's (fp32) in every draft layout: every row agrees with the τ = 1 reference
-    from finetune.evals.evaluate_natural import curve_label, natural_sweep
+    from finetune.evals.evaluate_natural import NaturalSweepSettings, curve_label, natural_sweep
     from finetune.evals.checkable import checkable_set
     from finetune.evals.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 3, seed=2), checkable_set(4, seed=2), [],
-                         taus=[0.005, 0.5], max_new_tokens=10, checkable_max_new_tokens=6, mode="verify",
-                         draft_layout=layout, prompt_lookup=lookup)
+                         taus=[0.005, 0.5],
+                         settings=NaturalSweepSettings(max_new_tokens=10, checkable_max_new_tokens=6, mode="verify",
+                                                       draft_layout=layout, prompt_lookup=lookup))
     assert [(r["tau"], r["mode"]) for r in rows] == [(1.0, "verify"), (0.005, "verify"), (0.5, "verify")]
     for r in rows:
         assert r["agreement_exact"] == 1.0 and r["checkable_accuracy"] == rows[0]["checkable_accuracy"]
@@ -254,12 +258,12 @@ def test_lossless_natural_rows_answer_exactly_as_tau_one(tiny_lm, layout, lookup
 
 
 def test_ar_only_model_gets_one_ar_row(tiny_lm):
-    from finetune.evals.evaluate_natural import natural_sweep
+    from finetune.evals.evaluate_natural import NaturalSweepSettings, natural_sweep
     from finetune.evals.checkable import checkable_set
     from finetune.evals.natural import natural_prompts
 
     rows = natural_sweep(tiny_lm, natural_prompts("heldout", 2), checkable_set(2), [], taus=[0.9, 0.7],
-                         max_new_tokens=6, checkable_max_new_tokens=4, ar_only=True)
+                         settings=NaturalSweepSettings(max_new_tokens=6, checkable_max_new_tokens=4, ar_only=True))
     assert [(r["tau"], r["mode"], r["tau_added"]) for r in rows] == [(1.0, "ar", False)]
     assert rows[0]["n_humaneval"] == 0 and rows[0]["humaneval_pass_at_1"] is None
     assert rows[0]["tokens_per_forward_humaneval"] is None and rows[0]["agreement_exact"] == 1.0

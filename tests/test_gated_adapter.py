@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mars_core import DecodeConfig, generate, load_model
-from mars_core.models.adapter import merge_adapter, read_adapter_config, save_adapter
+from mars_core.models.adapter import AdapterSpec, merge_adapter, read_adapter_config, save_adapter
 from mars_core.models.sources import is_prepared
 from tests.tiny_fixtures import make_tiny_model_dir, own_w8a8_kernels
 
@@ -45,8 +45,9 @@ def _mask_id(base_dir):
 
 
 def _save(out, peft_model, base_dir, mask_row=None, gated=True):
-    save_adapter(out, peft.get_peft_model_state_dict(peft_model), mask_row, r=R, alpha=ALPHA, base=str(base_dir),
-                 mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN, block_size=4, dtype=torch.float32, gated=gated)
+    save_adapter(out, peft.get_peft_model_state_dict(peft_model), mask_row,
+                 AdapterSpec(r=R, alpha=ALPHA, base=str(base_dir), mask_id=_mask_id(base_dir), mask_token=MASK_TOKEN,
+                             block_size=4, dtype=torch.float32, gated=gated))
     return out
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed (the [eval] extra): pip install -r requirements-dev.txt")
+pytest.importorskip("lm_eval",
+                    reason="lm-eval is not installed (the [eval] extra): pip install -r requirements-dev.txt")
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402

@@ -7,6 +7,7 @@ from tests.tiny_fixtures import tiny_causal_lm
 
 from finetune.losses import (
     IGNORE_INDEX,
+    MarsLossSettings,
     ar_loss,
     batched_mars_attention_mask,
     mars_attention_mask,
@@ -120,19 +121,19 @@ def test_mars_loss_matches_full_logit_reference_and_ar_weight_zero_is_noisy_ce_a
     logits = all_logits(model, ids, positions, attn)
     noisy_ce, clean_ce = reference_ce(logits[:, :n], labels), reference_ce(logits[:, n:], labels)
 
-    zero = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0)
+    zero = mars_loss(model, input_ids, labels, valid, MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.0))
     torch.testing.assert_close(zero.loss, noisy_ce, atol=1e-5, rtol=0)
     torch.testing.assert_close(zero.loss_ar, clean_ce, atol=1e-5, rtol=0)  # reported, not trained
 
-    half = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.5)
+    half = mars_loss(model, input_ids, labels, valid, MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.5))
     torch.testing.assert_close(half.loss, noisy_ce + 0.5 * clean_ce, atol=1e-5, rtol=0)
     torch.testing.assert_close(half.loss_mask, noisy_ce, atol=1e-5, rtol=0)
 
     # label smoothing (an option, off by default) reaches the noisy stream only
     smooth_noisy = F.cross_entropy(logits[:, : n - 1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
                                    ignore_index=IGNORE_INDEX, label_smoothing=0.1)
-    smooth = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.5,
-                       mask_label_smoothing=0.1)
+    smooth = mars_loss(model, input_ids, labels, valid,
+                       MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.5, mask_label_smoothing=0.1))
     assert smooth_noisy > noisy_ce + 1e-3
     torch.testing.assert_close(smooth.loss_mask, smooth_noisy, atol=1e-5, rtol=0)
     torch.testing.assert_close(smooth.loss_ar, clean_ce, atol=1e-5, rtol=0)
@@ -143,8 +144,8 @@ def test_mars_loss_matches_full_logit_reference_and_ar_weight_zero_is_noisy_ce_a
 def test_skipping_prompt_only_noisy_blocks_does_not_change_the_loss(model):
     input_ids, labels, valid = make_batch([20, 17], [11, 9], seed=2)
     kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0)
-    full = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=False, **kwargs)
-    cropped = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=True, **kwargs)
+    full = mars_loss(model, input_ids, labels, valid, MarsLossSettings(skip_prompt_blocks=False, **kwargs))
+    cropped = mars_loss(model, input_ids, labels, valid, MarsLossSettings(skip_prompt_blocks=True, **kwargs))
     torch.testing.assert_close(cropped.loss, full.loss, atol=1e-5, rtol=0)
     torch.testing.assert_close(cropped.loss_mask, full.loss_mask, atol=1e-5, rtol=0)
 
@@ -182,8 +183,8 @@ def test_eager_attention_gives_the_sdpa_losses(model):
     eager.set_attn_implementation("eager")
     input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=6)
     kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0)
-    sdpa_out = mars_loss(model, input_ids, labels, valid, **kwargs)
-    eager_out = mars_loss(eager, input_ids, labels, valid, **kwargs)
+    sdpa_out = mars_loss(model, input_ids, labels, valid, MarsLossSettings(**kwargs))
+    eager_out = mars_loss(eager, input_ids, labels, valid, MarsLossSettings(**kwargs))
     torch.testing.assert_close(eager_out.loss_mask, sdpa_out.loss_mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(eager_out.loss_ar, sdpa_out.loss_ar, atol=1e-5, rtol=0)
     torch.testing.assert_close(ar_loss(eager, input_ids, labels, valid).loss,
@@ -198,9 +199,9 @@ def test_the_training_module_passes_mask_label_smoothing_to_the_loss(model):
     input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
     cfg = TrainConfig(stage="mars", block_size=4, ar_weight=1.0, mask_label_smoothing=0.2)
     got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid)
-    want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0,
-                     mask_label_smoothing=0.2)
-    plain = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    want = mars_loss(model, input_ids, labels, valid,
+                     MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0, mask_label_smoothing=0.2))
+    plain = mars_loss(model, input_ids, labels, valid, MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0))
     torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)
     assert abs(float(got.loss_mask) - float(plain.loss_mask)) > 1e-3
 
@@ -260,10 +261,11 @@ def test_with_a_shifted_grid_changing_clean_block_k_leaves_noisy_blocks_up_to_k_
 def test_skipping_prompt_blocks_is_exact_on_a_shifted_grid_and_the_grid_changes_the_loss(model, r):
     input_ids, labels, valid = make_batch([20, 17], [11, 9], seed=2)
     kwargs = dict(block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=r)
-    full = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=False, **kwargs)
-    cropped = mars_loss(model, input_ids, labels, valid, skip_prompt_blocks=True, **kwargs)
+    full = mars_loss(model, input_ids, labels, valid, MarsLossSettings(skip_prompt_blocks=False, **kwargs))
+    cropped = mars_loss(model, input_ids, labels, valid, MarsLossSettings(skip_prompt_blocks=True, **kwargs))
     torch.testing.assert_close(cropped.loss, full.loss, atol=1e-5, rtol=0)
-    unshifted = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    unshifted = mars_loss(model, input_ids, labels, valid,
+                          MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0))
     torch.testing.assert_close(full.loss_ar, unshifted.loss_ar, atol=1e-5, rtol=0)   # the clean stream is causal
     assert abs(float(full.loss_mask) - float(unshifted.loss_mask)) > 1e-4
 
@@ -284,7 +286,8 @@ def test_random_block_offsets_reach_the_loss_and_depend_only_on_seed_and_step(mo
 
     input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
     got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid, block_offset=2)
-    want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=2)
+    want = mars_loss(model, input_ids, labels, valid,
+                     MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=2))
     torch.testing.assert_close(got.loss_mask, want.loss_mask, atol=1e-6, rtol=0)
 
 
@@ -337,12 +340,14 @@ def test_soft_weight_mixes_hard_ce_and_kl_to_the_clean_stream_and_reports_the_ha
         logits = all_logits(model, *mars_inputs(input_ids, labels, valid, MASK_ID, 4))
     rows = shift_rows(labels)
     kl = soft_target_loss(logits[:, :n][rows], logits[:, n:][rows])
-    hard = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0)
+    hard = mars_loss(model, input_ids, labels, valid, MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0))
     for w in (0.5, 1.0):
-        soft = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0, soft_weight=w)
+        soft = mars_loss(model, input_ids, labels, valid,
+                         MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0, soft_weight=w))
         torch.testing.assert_close(soft.loss, (1 - w) * hard.loss_mask + w * kl + hard.loss_ar, atol=1e-5, rtol=0)
         torch.testing.assert_close(soft.loss_mask, hard.loss_mask, atol=1e-5, rtol=0)   # comparable across runs
-    alone = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0)
+    alone = mars_loss(model, input_ids, labels, valid,
+                      MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0))
     torch.testing.assert_close(alone.loss, kl, atol=1e-5, rtol=0)
 
 
@@ -358,7 +363,8 @@ def test_with_kl_alone_and_no_ar_loss_the_clean_logits_get_no_gradient_of_their_
     input_ids, labels, valid = make_batch([14, 9], [5, 3], seed=4)
     seen = []
     model.lm_head.register_full_backward_hook(lambda mod, gin, gout: seen.append(gout[0]))
-    out = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0)
+    out = mars_loss(model, input_ids, labels, valid,
+                    MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0))
     out.loss.backward()
     rows = int(shift_rows(labels).sum())
     # one LM-head call per stream; only the mask stream's output carries a gradient
@@ -374,7 +380,8 @@ def test_the_training_module_passes_the_soft_target_settings_and_bad_values_name
     cfg = TrainConfig(stage="mars", soft_target_weight=0.5, soft_target_top_k=4)
     with torch.no_grad():
         got = TrainModule(model, cfg, MASK_ID)(input_ids, labels, valid)
-        want = mars_loss(model, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, soft_weight=0.5, soft_top_k=4)
+        want = mars_loss(model, input_ids, labels, valid,
+                         MarsLossSettings(block_size=4, mask_id=MASK_ID, soft_weight=0.5, soft_top_k=4))
     torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="soft_target_weight=1.5"):
         TrainConfig(soft_target_weight=1.5)
@@ -408,8 +415,9 @@ def test_a_gated_run_trains_the_masks_exactly_as_the_joint_forward_with_no_backw
 
     def run(frozen):
         module.zero_grad()
-        out = mars_loss(lm, input_ids, labels, valid, block_size=4, mask_id=MASK_ID, ar_weight=1.0,
-                        block_offset=offset, soft_weight=soft, frozen_clean=frozen)
+        out = mars_loss(lm, input_ids, labels, valid,
+                        MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=1.0, block_offset=offset,
+                                         soft_weight=soft, frozen_clean=frozen))
         out.loss.backward()
         return out, [p.grad.clone() for p in trained]
 

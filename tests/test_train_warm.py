@@ -20,16 +20,17 @@ LORA = ["--stage", "mars", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--tr
 def adapter(tiny, tmp_path_factory):
     """A 3-step LoRA run exported as a mars-lora-v1 adapter in fp32 (exact), as the recipe's export stage does."""
     from mars_core import load_model
-    from mars_core.models.adapter import save_adapter
+    from mars_core.models.adapter import AdapterSpec, save_adapter
 
     model_dir, _ = tiny
     root = tmp_path_factory.mktemp("adapter")
     main(train_flags(tiny, root / "run", *LORA, "--lr", "3e-2", "--decay", "constant", "--max-steps", "3"))
     state = torch.load(root / "run" / "checkpoint-3" / "trainer_state.pt", weights_only=False)
     lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
-    save_adapter(root / "adapter", state["lora"], state["mask_row"], r=4, alpha=8, base=str(model_dir),
-                 mask_id=lm.mask_id, mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=4,
-                 dtype=torch.float32)
+    save_adapter(root / "adapter", state["lora"], state["mask_row"],
+                 AdapterSpec(r=4, alpha=8, base=str(model_dir), mask_id=lm.mask_id,
+                             mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=4,
+                             dtype=torch.float32))
     return root / "adapter", state, lm.mask_id
 
 
@@ -68,7 +69,7 @@ def test_a_warm_started_run_logs_the_saved_adapters_loss_at_step_1(tiny, adapter
     """The loop itself starts from the adapter: step 1's loss (before its update) is the merged adapter's loss on
     that batch, not a fresh adapter's."""
     from finetune.data import build_examples, collate, epoch_batches, load_conversations
-    from finetune.losses import mars_loss
+    from finetune.losses import MarsLossSettings, mars_loss
     from finetune.train_model import load_base
 
     model_dir, data = tiny
@@ -83,7 +84,8 @@ def test_a_warm_started_run_logs_the_saved_adapters_loss_at_step_1(tiny, adapter
     first = epoch_batches(len(examples), 4, 0, 0, [len(e.input_ids) for e in examples])[0]   # seed 0, epoch 0
     batch = collate([examples[i] for i in first], base.tokenizer.pad_token_id)
     with torch.no_grad():
-        want = mars_loss(merged_model(model_dir, adapter_dir), **batch, block_size=4, mask_id=mask_id)
+        want = mars_loss(merged_model(model_dir, adapter_dir), **batch,
+                         settings=MarsLossSettings(block_size=4, mask_id=mask_id))
     assert warm["loss_mask"] == pytest.approx(float(want.loss_mask), abs=1e-4)
     assert warm["loss_ar"] == pytest.approx(float(want.loss_ar), abs=1e-4)
     assert abs(fresh["loss_mask"] - warm["loss_mask"]) > 1e-2
@@ -131,15 +133,17 @@ def test_an_adapter_of_another_base_is_one_line_and_exit_2(tiny, adapter, tmp_pa
 def test_an_adapter_whose_shapes_do_not_fit_the_model_is_refused_before_training(tiny, adapter, tmp_path):
     """Same base name, other shapes (as a wider base with the same module names would have)."""
     from mars_core import load_model
-    from mars_core.models.adapter import save_adapter
+    from mars_core.models.adapter import AdapterSpec, save_adapter
 
     model_dir, _ = tiny
     _, state, mask_id = adapter
     narrow = {k: (v[:, :32] if ".lora_A." in k else v) for k, v in state["lora"].items()}   # inputs 32 wide, not 64
     lm = load_model(str(model_dir), device="cpu", cpu_layout=False)
-    save_adapter(tmp_path / "narrow", narrow, state["mask_row"], r=4, alpha=8, base=str(model_dir), mask_id=mask_id,
-                 mask_token=lm.tokenizer.convert_ids_to_tokens(mask_id), block_size=4, dtype=torch.float32)
-    done = run_cli(*train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(tmp_path / "narrow"), "--max-steps", "1"))
+    save_adapter(tmp_path / "narrow", narrow, state["mask_row"],
+                 AdapterSpec(r=4, alpha=8, base=str(model_dir), mask_id=mask_id,
+                             mask_token=lm.tokenizer.convert_ids_to_tokens(mask_id), block_size=4, dtype=torch.float32))
+    done = run_cli(*train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(tmp_path / "narrow"),
+                                "--max-steps", "1"))
     assert done.returncode == 2, done.stderr[-2000:]
     # transformers' loading bar may come first; the refusal is the last line and the only error, no traceback
     lines = done.stderr.strip().splitlines()
@@ -199,7 +203,8 @@ def test_skip_seen_refuses_a_missing_or_foreign_manifest(tiny, tmp_path):
 
 
 def test_the_recipes_manifest_stage_lists_every_distilled_prompt(tmp_path):
-    """A prompts file's manifest leaves out exactly the conversations finetune.recipes.distill makes from those prompts."""
+    """A prompts file's manifest leaves out exactly the conversations finetune.recipes.distill makes from those
+    prompts."""
     from finetune.data import leave_out_seen, read_manifest
     from finetune.recipes.recipe_smollm2 import stage_manifest
 

@@ -45,6 +45,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -114,21 +115,38 @@ def speedup_fields(t: dict) -> dict:
             "speedup_max": max(ratios) if ratios else None, "timing_repeats": len(ratios)}
 
 
-def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_tokens: int = MAX_NEW_TOKENS,
-          progress: Callable[[float, str], None] | None = None, batch_size: int = 16, timing_prompts: int = 8,
-          model_name: str | None = None, criterion: str = "prob", mode: str = "mars", draft_layout: str = "linear",
-          prompt_lookup: int = 0) -> list[dict]:
-    """One row per τ for a loaded model (`mars_core.load_model`) on `examples`.
+@dataclass(frozen=True)
+class SweepSettings:
+    """How `sweep` decodes and times one model: accuracy and tokens/forward come from all examples decoded in
+    batches of `batch_size`; the speedup from the first `timing_prompts` examples at batch 1 (see
+    `timed_against_ar`). `model_name` labels the rows (default: the model's own name). `criterion` is
+    DecodeConfig's confidence criterion; `draft_layout` and `prompt_lookup` its lossless-draft options
+    (mode "verify")."""
+
+    block_size: int = 4
+    max_new_tokens: int = MAX_NEW_TOKENS
+    batch_size: int = 16
+    timing_prompts: int = 8
+    model_name: str | None = None
+    criterion: str = "prob"
+    mode: str = "mars"
+    draft_layout: str = "linear"
+    prompt_lookup: int = 0
+
+
+def sweep(lm, examples: list[dict], taus=TAUS, settings: SweepSettings | None = None,
+          progress: Callable[[float, str], None] | None = None) -> list[dict]:
+    """One row per τ for a loaded model (`mars_core.load_model`) on `examples`, decoded as `settings` says.
 
     Row keys: model, mode, tau, criterion, block_size, n, accuracy, per_family ({family: accuracy}),
     tokens_per_forward, speedup, ar_time_s, mars_time_s, timing_prompts; verify rows (mode "verify", lossless
-    MARS) add draft_acceptance (share of drafts confirmed per mask slot). Accuracy and tokens/forward come
-    from all examples decoded in batches of `batch_size`; the speedup from the first `timing_prompts`
-    examples at batch 1 (see `timed_against_ar`). `criterion` is DecodeConfig's confidence criterion;
-    `draft_layout` and `prompt_lookup` its lossless-draft options (mode "verify").
+    MARS) add draft_acceptance (share of drafts confirmed per mask slot).
     `progress(fraction, message)` is called after each τ (a gradio.Progress fits).
     """
     from mars_core import DecodeConfig, draft_acceptance
+
+    s = settings or SweepSettings()
+    block_size, mode, criterion, timing_prompts = s.block_size, s.mode, s.criterion, s.timing_prompts
 
     if not examples:
         raise ValueError("examples is empty: pass e.g. finetune.tasks.make_examples('heldout', 200)")
@@ -136,13 +154,13 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
     if not taus or any(not t > 0 for t in taus):
         raise ValueError(f"taus={taus!r}: give one or more thresholds > 0 (1.0 = one-token mode)")
     prompts = [lm.encode(ex["messages"][0]["content"]) for ex in examples]
-    name = model_name or lm.name
+    name = s.model_name or lm.name
     rows = []
     for k, tau in enumerate(taus):
-        drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
-        cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+        drafts = dict(draft_layout=s.draft_layout, prompt_lookup=s.prompt_lookup) if mode == "verify" else {}
+        cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=s.max_new_tokens,
                            criterion=criterion, **drafts)
-        results = decode_batches(lm, prompts, cfg, batch_size)
+        results = decode_batches(lm, prompts, cfg, s.batch_size)
         accuracy, per_family = score(examples, [r.text for r in results])
         tpf = sum(r.tokens_per_forward for r in results) / len(results)
         row = {
@@ -159,7 +177,8 @@ def sweep(lm, examples: list[dict], taus=TAUS, block_size: int = 4, max_new_toke
                        timing_prompts=min(timing_prompts, len(prompts)))
         rows.append(row)
         if progress is not None:
-            progress((k + 1) / len(taus), f"{curve_label(row)}: τ={tau} accuracy {accuracy:.1%}, {tpf:.2f} tokens/forward")
+            progress((k + 1) / len(taus),
+                     f"{curve_label(row)}: τ={tau} accuracy {accuracy:.1%}, {tpf:.2f} tokens/forward")
     return rows
 
 
@@ -174,7 +193,7 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
     import torch
 
     from finetune.data import build_examples, collate, pad_id_of
-    from finetune.losses import mars_loss
+    from finetune.losses import MarsLossSettings, mars_loss
 
     pad = pad_id_of(lm.tokenizer, lm.eos_ids)   # as finetune.train pads
     exs = build_examples([ex["messages"] for ex in examples], lm.tokenizer, max_length=lm.context_length,
@@ -186,15 +205,16 @@ def block_phase_losses(lm, examples: list[dict], block_size: int = 4, batch_size
             total = count = 0
             for b in batches:
                 loss = mars_loss(lm.model, b["input_ids"].to(lm.device), b["labels"].to(lm.device),
-                                 b["valid"].to(lm.device), block_size=block_size, mask_id=lm.mask_id,
-                                 block_offset=r)
+                                 b["valid"].to(lm.device),
+                                 MarsLossSettings(block_size=block_size, mask_id=lm.mask_id, block_offset=r))
                 total, count = total + float(loss.loss_mask) * loss.n_labels, count + loss.n_labels
             out.append(total / count)
     return out
 
 
 def pareto_figure(rows: list[dict]):
-    """Tokens/forward (x) against accuracy (y), one line per model and criterion, points labelled by τ (paper Fig. 5)."""
+    """Tokens/forward (x) against accuracy (y), one line per model and criterion, points labelled by τ
+    (paper Fig. 5)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -275,7 +295,8 @@ def _parser() -> argparse.ArgumentParser:
                          "by 0..B-1")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is fastest for these tiny models on a busy machine)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "w8a16"),
+    ap.add_argument("--dtype", default="auto",
+                    choices=("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "w8a16"),
                     help="weights dtype for load_model (auto: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
                     help="cpu, cuda or auto (default: cpu for the tasks suite, auto for the natural suite)")
@@ -361,16 +382,19 @@ def _main_tasks(args, log, saved: RowLog | None = None) -> list[dict]:
             for mode, layout in runs:
                 pl = args.prompt_lookup if mode == "verify" else 0
                 for tau in taus:
-                    key = (name, mode, criterion, layout if mode == "verify" else None, pl if mode == "verify" else None,
+                    key = (name, mode, criterion, layout if mode == "verify" else None,
+                           pl if mode == "verify" else None,
                            float(tau))
                     if saved.done(key) is not None:
                         saved.add([saved.done(key)])
                         continue
                     if lm is None:   # loaded only when a row of it is left to do
                         lm = _load_task_model(args, m, name, examples, log)
-                    saved.add(sweep(lm, examples, [tau], args.block_size, max_new_tokens, batch_size=args.batch_size,
-                                    timing_prompts=args.timing_prompts, model_name=name, criterion=criterion,
-                                    mode=mode, draft_layout=layout, prompt_lookup=pl,
+                    settings = SweepSettings(block_size=args.block_size, max_new_tokens=max_new_tokens,
+                                             batch_size=args.batch_size, timing_prompts=args.timing_prompts,
+                                             model_name=name, criterion=criterion, mode=mode, draft_layout=layout,
+                                             prompt_lookup=pl)
+                    saved.add(sweep(lm, examples, [tau], settings,
                                     progress=lambda f, msg: print(f"  {msg}", file=log, flush=True)))
                 print(f"{curve_label(saved.rows[-1])}: swept {len(taus)} τ values in {time.time() - t0:.0f}s",
                       file=log, flush=True)

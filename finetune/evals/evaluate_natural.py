@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Callable
 
-from finetune.evals.evaluate_common import curve_label, decode_batches, mean_positions_per_forward, model_label, tau_curve
+from finetune.evals.evaluate_common import (
+    curve_label,
+    decode_batches,
+    mean_positions_per_forward,
+    model_label,
+    tau_curve,
+)
 from mars_core.models import catalogue
 
 NATURAL_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
@@ -25,7 +32,8 @@ CHECKABLE_MAX_NEW_TOKENS = 64          # checkable answers are a word or a numbe
 
 
 def score_checkable(items: list, texts: list[str]) -> tuple[float | None, dict[str, float]]:
-    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.evals.checkable.check); None when empty."""
+    """Overall and per-kind accuracy of `texts` on checkable `items` (finetune.evals.checkable.check); None when
+    empty."""
     from finetune.evals.checkable import check
 
     hits: dict[str, list[bool]] = {}
@@ -92,52 +100,66 @@ def _humaneval_passes(problems: list[dict], results, runner) -> tuple[list[bool]
     return passes, time.perf_counter() - t0
 
 
-def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], taus=NATURAL_TAUS, *,
-                  block_size: int = 4, max_new_tokens: int = NATURAL_MAX_NEW_TOKENS,
-                  checkable_max_new_tokens: int = CHECKABLE_MAX_NEW_TOKENS, batch_size: int = 16,
-                  model_name: str | None = None, criterion: str = "prob", ar_only: bool = False,
-                  seed: int | None = None, test_timeout: float = 5.0, runner=None, mode: str = "mars",
-                  draft_layout: str = "linear", prompt_lookup: int = 0,
-                  progress: Callable[[float, str], None] | None = None) -> list[dict]:
-    """One row per τ on natural prompts, checkable `items` (finetune.evals.checkable.CheckItem) and HumanEval `problems`.
+@dataclass(frozen=True)
+class NaturalSweepSettings:
+    """How `natural_sweep` decodes one model. Natural prompts and HumanEval get `max_new_tokens`, checkable
+    questions `checkable_max_new_tokens`. `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"`
+    sweeps lossless MARS instead of lossy (its τ = 1 row is AR as well). `draft_layout` and `prompt_lookup` are
+    DecodeConfig's (verify mode only). `test_timeout`: seconds per HumanEval test run; `model_name` and `seed`
+    label the rows."""
 
-    HumanEval replies are EXECUTED (finetune.evals.humaneval.run_tests, `test_timeout` seconds each; `runner(problem,
-    code) -> bool` replaces it, e.g. a shared finetune.evals.humaneval.RunCache). τ = 1.0 is decoded first and added when
-    missing (see `natural_taus`); `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"` sweeps
-    lossless MARS instead of lossy (its τ = 1 row is AR as well). Natural prompts and HumanEval
-    get `max_new_tokens`, checkable questions `checkable_max_new_tokens`. `draft_layout` and `prompt_lookup` are
-    DecodeConfig's (verify mode only). Row keys: see NATURAL_ROW_KEYS.
+    block_size: int = 4
+    max_new_tokens: int = NATURAL_MAX_NEW_TOKENS
+    checkable_max_new_tokens: int = CHECKABLE_MAX_NEW_TOKENS
+    batch_size: int = 16
+    model_name: str | None = None
+    criterion: str = "prob"
+    ar_only: bool = False
+    seed: int | None = None
+    test_timeout: float = 5.0
+    mode: str = "mars"
+    draft_layout: str = "linear"
+    prompt_lookup: int = 0
+
+
+def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], taus=NATURAL_TAUS,
+                  settings: NaturalSweepSettings | None = None, *, runner=None,
+                  progress: Callable[[float, str], None] | None = None) -> list[dict]:
+    """One row per τ on natural prompts, checkable `items` (finetune.evals.checkable.CheckItem) and HumanEval
+    `problems`, decoded as `settings` says.
+
+    HumanEval replies are EXECUTED (finetune.evals.humaneval.run_tests, `settings.test_timeout` seconds each;
+    `runner(problem, code) -> bool` replaces it, e.g. a shared finetune.evals.humaneval.RunCache). τ = 1.0 is
+    decoded first and added when missing (see `natural_taus`). Row keys: see NATURAL_ROW_KEYS.
     """
     from finetune.evals.humaneval import RunCache, build_prompt
     from mars_core import DecodeConfig
 
+    s = settings or NaturalSweepSettings()
     if not (prompts or items or problems):
         raise ValueError("nothing to evaluate: give natural prompts, checkable items or HumanEval problems")
-    runner = runner or RunCache(test_timeout)
-    order, added = natural_taus(taus, ar_only)
+    runner = runner or RunCache(s.test_timeout)
+    order, added = natural_taus(taus, s.ar_only)
     encoded = {"natural": [lm.encode(p) for p in prompts], "checkable": [lm.encode(i.prompt) for i in items],
                "humaneval": [lm.encode(build_prompt(p)) for p in problems]}
-    caps = {"natural": max_new_tokens, "checkable": checkable_max_new_tokens, "humaneval": max_new_tokens}
-    mode = "ar" if ar_only else mode
+    caps = {"natural": s.max_new_tokens, "checkable": s.checkable_max_new_tokens, "humaneval": s.max_new_tokens}
+    mode = "ar" if s.ar_only else s.mode
     reference = None
     rows = []
     for k, tau in enumerate(order):
         t0 = time.perf_counter()
         results, seconds = {}, {}
         for part, ids in encoded.items():
-            drafts = dict(draft_layout=draft_layout, prompt_lookup=prompt_lookup) if mode == "verify" else {}
-            cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=caps[part],
-                               criterion=criterion, **drafts)
-            results[part], seconds[part] = _timed_decode(lm, ids, cfg, batch_size)
+            drafts = dict(draft_layout=s.draft_layout, prompt_lookup=s.prompt_lookup) if mode == "verify" else {}
+            cfg = DecodeConfig(mode=mode, tau=tau, block_size=s.block_size, max_new_tokens=caps[part],
+                               criterion=s.criterion, **drafts)
+            results[part], seconds[part] = _timed_decode(lm, ids, cfg, s.batch_size)
         passes, test_s = _humaneval_passes(problems, results["humaneval"], runner)
         answers = [r.token_ids for r in results["natural"] + results["checkable"]]
         reference = answers if reference is None else reference   # order puts τ = 1 first
         row = _natural_row(results, passes, answers, reference, items)
-        row.update(model=model_name or lm.name, tau=tau, suite="natural", mode=mode, criterion=criterion,
-                   draft_layout=draft_layout if mode == "verify" else None,
-                   prompt_lookup=prompt_lookup if mode == "verify" else None,
-                   block_size=block_size, seed=seed, tau_added=added and tau == 1.0, max_new_tokens=max_new_tokens,
-                   checkable_max_new_tokens=checkable_max_new_tokens, batch_size=batch_size,
+        row.update(_natural_row_settings(s, mode), model=s.model_name or lm.name, tau=tau,
+                   tau_added=added and tau == 1.0,
                    decode_s_natural=seconds["natural"], decode_s_checkable=seconds["checkable"],
                    decode_s_humaneval=seconds["humaneval"], humaneval_test_s=test_s,
                    time_s=time.perf_counter() - t0)
@@ -145,6 +167,15 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
         if progress is not None:
             progress((k + 1) / len(order), _natural_progress(rows[-1]))
     return rows
+
+
+def _natural_row_settings(s: NaturalSweepSettings, mode: str) -> dict:
+    """The fields of a natural row that record how it was decoded."""
+    verify = mode == "verify"
+    return dict(suite="natural", mode=mode, criterion=s.criterion,
+                draft_layout=s.draft_layout if verify else None, prompt_lookup=s.prompt_lookup if verify else None,
+                block_size=s.block_size, seed=s.seed, max_new_tokens=s.max_new_tokens,
+                checkable_max_new_tokens=s.checkable_max_new_tokens, batch_size=s.batch_size)
 
 
 def _natural_row(results: dict, passes: list[bool], answers, reference, items) -> dict:
@@ -169,7 +200,8 @@ def _natural_row(results: dict, passes: list[bool], answers, reference, items) -
 
 NATURAL_ROW_KEYS = (
     "model", "tau", "suite", "mode", "criterion", "draft_layout", "prompt_lookup", "block_size", "seed", "tau_added",
-    "n_natural", "tokens_per_forward_natural", "positions_per_forward_natural", "positions_per_forward_humaneval", "natural_mean_new_tokens", "natural_truncated",
+    "n_natural", "tokens_per_forward_natural", "positions_per_forward_natural", "positions_per_forward_humaneval",
+    "natural_mean_new_tokens", "natural_truncated",
     "n_humaneval", "tokens_per_forward_humaneval", "humaneval_pass", "humaneval_pass_at_1",
     "n_checkable", "checkable_accuracy", "per_kind", "tokens_per_forward_checkable",
     "n_agreement", "agreement_exact", "agreement_prefix",
@@ -188,7 +220,9 @@ def _num(value) -> str:
 
 def _natural_progress(row: dict) -> str:
     return (f"{curve_label(row)}: τ={row['tau']:g} ({row['mode']}) tokens/forward "
-            f"{_num(row['tokens_per_forward_natural'])} natural, {_num(row['tokens_per_forward_humaneval'])} HumanEval; HumanEval pass@1 "
+            f"{_num(row['tokens_per_forward_natural'])} natural, "
+            f"{_num(row['tokens_per_forward_humaneval'])} HumanEval; "
+            "HumanEval pass@1 "
             f"{_pct(row['humaneval_pass_at_1'])}; checkable {_pct(row['checkable_accuracy'])}; agreement "
             f"{_pct(row['agreement_exact'])} exact, {_pct(row['agreement_prefix'])} prefix ({row['time_s']:.0f}s)")
 
@@ -333,13 +367,13 @@ def _sweep_models(args, log, saved, plan, taus, inputs) -> list[dict]:
             lm = lm or load_model(m, device=args.device or "auto", dtype=args.dtype)
             is_ar = mode == "ar"
             t0 = time.time()
-            rows = natural_sweep(lm, prompts, items, problems, taus, block_size=args.block_size,
-                                  max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
-                                  checkable_max_new_tokens=args.checkable_max_new_tokens,
-                                  batch_size=args.batch_size, model_name=name, criterion=criterion, ar_only=is_ar,
-                                  seed=args.seed, runner=runner, mode=mode, draft_layout=layout,
-                                  prompt_lookup=args.prompt_lookup if mode == "verify" else 0,
-                                  progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
+            settings = NaturalSweepSettings(
+                block_size=args.block_size, max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
+                checkable_max_new_tokens=args.checkable_max_new_tokens, batch_size=args.batch_size,
+                model_name=name, criterion=criterion, ar_only=is_ar, seed=args.seed, mode=mode, draft_layout=layout,
+                prompt_lookup=args.prompt_lookup if mode == "verify" else 0)
+            rows = natural_sweep(lm, prompts, items, problems, taus, settings, runner=runner,
+                                 progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
             saved.add(rows)
             print(f"{curve_label(rows[-1])}: {'AR only' if is_ar else 'swept τ'} in {time.time() - t0:.0f}s",
                   file=log, flush=True)

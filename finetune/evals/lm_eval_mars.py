@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+from dataclasses import dataclass, fields
+from typing import Any
 
 if importlib.util.find_spec("lm_eval") is None:   # the optional extra is missing: say how to get it, no traceback
     _MISSING = "lm-eval is not installed: pip install '.[eval]' (or pip install -r requirements-dev.txt)"
@@ -71,22 +73,51 @@ MODEL_ARGS = ("model", "mode", "tau", "block_size", "criterion", "draft_layout",
               "backend", "mask_token", "seed")
 
 
-def check_model_args(model=None, mode="mars", tau=0.95, block_size=4, criterion="prob", draft_layout="linear",
-                     max_gen_toks=256, device="auto", seed=0, batch_size=1, max_batch_size=None, dtype="auto",
-                     backend="auto", mask_token=None, **unknown) -> tuple[DecodeConfig, int]:
-    """Every model_args value checked without loading anything (the command runs this before lm-eval reads its
-    task index): the decoding config and the batch size, or BadModelArgs naming the value and the fix."""
-    if unknown:
-        raise BadModelArgs(f"model_args {', '.join(f'{k}={v!r}' for k, v in unknown.items())} unknown to "
-                           f"--model mars: use {', '.join(MODEL_ARGS)}")
+@dataclass(frozen=True)
+class MarsModelArgs:
+    """`--model_args` of `--model mars` (lm-eval passes them as keyword arguments), with their defaults; lm-eval's
+    own batch_size and max_batch_size arrive here too."""
+
+    model: str | None = None
+    mode: str = "mars"
+    tau: float = 0.95
+    block_size: int = 4
+    criterion: str = "prob"
+    draft_layout: str = "linear"
+    max_gen_toks: int = 256
+    device: str | None = "auto"
+    seed: int = 0
+    batch_size: Any = 1
+    max_batch_size: Any = None
+    dtype: str = "auto"
+    backend: str = "auto"
+    mask_token: str | None = None
+
+    @classmethod
+    def of(cls, values: dict) -> MarsModelArgs:
+        """The settings in `values`, or BadModelArgs naming the keys this class does not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = {k: v for k, v in values.items() if k not in known}
+        if unknown:
+            raise BadModelArgs(f"model_args {', '.join(f'{k}={v!r}' for k, v in unknown.items())} unknown to "
+                               f"--model mars: use {', '.join(MODEL_ARGS)}")
+        return cls(**values)
+
+
+def check_model_args(**model_args) -> tuple[DecodeConfig, int]:
+    """Every model_args value (MarsModelArgs' keys) checked without loading anything (the command runs this before
+    lm-eval reads its task index): the decoding config and the batch size, or BadModelArgs naming the value and the
+    fix."""
+    a = MarsModelArgs.of(model_args)
     try:
-        decode = DecodeConfig(mode=MODE_ALIASES.get(str(mode), str(mode)), tau=tau, block_size=block_size,
-                              criterion=criterion, draft_layout=draft_layout, max_new_tokens=max_gen_toks, seed=seed)
-        batch = _batch_size(batch_size)
-        resolve_source(None if model is None else str(model))   # a name or folder that does not exist
-        pick_dtype(str(dtype), pick_device(device or "auto"))     # cuda on a machine without one, an unknown dtype
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is unknown: use auto, hf or lean")
+        decode = DecodeConfig(mode=MODE_ALIASES.get(str(a.mode), str(a.mode)), tau=a.tau, block_size=a.block_size,
+                              criterion=a.criterion, draft_layout=a.draft_layout, max_new_tokens=a.max_gen_toks,
+                              seed=a.seed)
+        batch = _batch_size(a.batch_size)
+        resolve_source(None if a.model is None else str(a.model))   # a name or folder that does not exist
+        pick_dtype(str(a.dtype), pick_device(a.device or "auto"))     # cuda on a machine without one, an unknown dtype
+        if a.backend not in BACKENDS:
+            raise ValueError(f"backend={a.backend!r} is unknown: use auto, hf or lean")
     except BadModelArgs:
         raise
     except ValueError as exc:
@@ -98,18 +129,14 @@ def check_model_args(model=None, mode="mars", tau=0.95, block_size=4, criterion=
 class MarsLM(TemplateLM):
     """lm-eval's view of a mars_core model: generation through `mars_core.generate`, scores through the AR forward."""
 
-    def __init__(self, model: str | None = None, mode: str = "mars", tau: float = 0.95, block_size: int = 4,
-                 criterion: str = "prob", draft_layout: str = "linear", max_gen_toks: int = 256,
-                 device: str | None = "auto", dtype: str = "auto", backend: str = "auto",
-                 mask_token: str | None = None, seed: int = 0, batch_size=1, max_batch_size=None, **unknown):
+    def __init__(self, **model_args):
+        """`model_args`: MarsModelArgs' keys, as lm-eval passes `--model_args` (checked by check_model_args)."""
         super().__init__()
-        self.decode, self._batch = check_model_args(
-            model=model, mode=mode, tau=tau, block_size=block_size, criterion=criterion, draft_layout=draft_layout,
-            max_gen_toks=max_gen_toks, device=device, seed=seed, batch_size=batch_size, dtype=dtype, backend=backend,
-            **unknown)
+        self.decode, self._batch = check_model_args(**model_args)
+        a = MarsModelArgs.of(model_args)
         try:
-            self.lm = load_model(None if model is None else str(model), device=device or "auto", dtype=str(dtype),
-                                 mask_token=mask_token, backend=str(backend))
+            self.lm = load_model(None if a.model is None else str(a.model), device=a.device or "auto",
+                                 dtype=str(a.dtype), mask_token=a.mask_token, backend=str(a.backend))
         except ValueError as exc:
             raise BadModelArgs(str(exc)) from None
         self.tokenizer = self.lm.tokenizer

@@ -28,7 +28,7 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     from finetune.config import TrainConfig
     from finetune.data import MANIFEST_FILE
     from mars_core import load_model
-    from mars_core.models.adapter import adapter_files_size, read_adapter_config, save_adapter
+    from mars_core.models.adapter import AdapterSpec, adapter_files_size, read_adapter_config, save_adapter
     from mars_core.models.storage import replace_folder
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -41,7 +41,8 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     cfg = TrainConfig.from_dict(json.loads((checkpoint / CONFIG_FILE).read_text()), str(checkpoint / CONFIG_FILE))
     if not cfg.lora or cfg.stage != "mars":
         raise ValueError(f"{checkpoint} is a {'LoRA' if cfg.lora else 'full'} {cfg.stage} run: only a MARS LoRA run "
-                         "(--stage mars --lora) exports as an adapter; a full fine-tune is its checkpoint folder itself")
+                         "(--stage mars --lora) exports as an adapter; "
+                         "a full fine-tune is its checkpoint folder itself")
     state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
     lm = load_model(cfg.base_model, device="cpu", dtype="float32", cpu_layout=False)   # the mask token it trained with
     # Written beside `out` and swapped in whole: replacing an adapter file by file could leave new weights under an
@@ -50,11 +51,11 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_adapter(tmp, state["lora"], state.get("mask_row"), r=cfg.lora_r, alpha=cfg.lora_alpha,
-                     base=base or cfg.base_model, mask_id=lm.mask_id,
-                     mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=cfg.block_size,
-                     dtype=getattr(torch, dtype), gated=cfg.gated_lora,
-                     extra={"steps": state["step"], "checkpoint": checkpoint.name})
+        spec = AdapterSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, base=base or cfg.base_model, mask_id=lm.mask_id,
+                           mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=cfg.block_size,
+                           dtype=getattr(torch, dtype), gated=cfg.gated_lora,
+                           extra={"steps": state["step"], "checkpoint": checkpoint.name})
+        save_adapter(tmp, state["lora"], state.get("mask_row"), spec)
         if (checkpoint / MANIFEST_FILE).is_file():
             shutil.copy2(checkpoint / MANIFEST_FILE, tmp / MANIFEST_FILE)
         keep_other_files(out, tmp)
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, help="the base name the adapter records (default: the run's)")
     args = ap.parse_args(argv)
     done = export_adapter(args.checkpoint, args.out, args.dtype, args.base)
-    print(f"[finetune.recipes.export_adapter] {done['format']} at step {done['step']}, {done['bytes']} bytes: {args.out}",
+    print(f"[finetune.recipes.export_adapter] {done['format']} at step {done['step']}, "
+          f"{done['bytes']} bytes: {args.out}",
           file=sys.stderr)
     return 0
 

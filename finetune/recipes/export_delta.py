@@ -4,9 +4,10 @@
         --out runs/v3/delta-r64
 
 For every nn.Linear of the decoder, D = W_fine-tuned − W_base is factored as D ≈ B @ A with B = U_r √S_r and
-A = √S_r V_rᵀ (the best rank-r approximation, Eckart–Young), written as the adapter's lora_B / lora_A with alpha = r
-(scale 1), so today's adapter path (mars_core.models.adapter.merge_adapter, merged once and cached) loads it. The mask
-token's embedding row is stored as it is, and so are normalisation weights that changed (1-D: no rank to cut).
+A = √S_r V_rᵀ (the best rank-r approximation, Eckart–Young), written as the adapter's lora_B / lora_A with
+alpha = r (scale 1), so today's adapter path (mars_core.models.adapter.merge_adapter, merged once and cached)
+loads it. The mask token's embedding row is stored as it is, and so are normalisation weights that changed
+(1-D: no rank to cut).
 A fine-tune that also changed other embedding rows (trained without --freeze-embeddings) is refused: a
 49,152 × 576 change does not ship small.
 
@@ -21,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from mars_core.models.adapter import AdapterSpec
 
 
 def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -79,15 +82,17 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
     return {"modules": modules, "mask_row": emb_t[mask_id].detach().float().clone(), "norms": norms, "kept": kept}
 
 
-def save(out: Path, parts: dict, *, rank: int, base: str, mask_id: int, mask_token: str, block_size: int,
-         dtype: str = "bfloat16", extra: dict | None = None) -> None:
-    """Write the folder beside `out` and swap it in (mars_core.models.storage.replace_folder): never half a folder."""
+def save(out: Path, parts: dict, spec: AdapterSpec) -> None:
+    """Write the folder beside `out` and swap it in (mars_core.models.storage.replace_folder): never half a folder.
+
+    `spec.r` is the rank (the config's alpha is `spec.alpha`; `r` gives scale 1), `spec.dtype` a DTYPES name.
+    """
     from safetensors.torch import save_file
 
     from mars_core.models.adapter import CONFIG_FILE, DTYPES, FORMAT, MASK_ROW_KEY, NORM_SUFFIX, WEIGHTS_FILE
     from mars_core.models.storage import replace_folder
 
-    store = DTYPES[dtype]
+    store = DTYPES[spec.dtype]
     tensors = {}
     for name, (a, b) in sorted(parts["modules"].items()):
         tensors[f"{name}.lora_A"] = a.to(store).contiguous()
@@ -95,8 +100,8 @@ def save(out: Path, parts: dict, *, rank: int, base: str, mask_id: int, mask_tok
     tensors[MASK_ROW_KEY] = parts["mask_row"].contiguous()
     for name, w in sorted(parts["norms"].items()):
         tensors[f"{name}.{NORM_SUFFIX}"] = w.contiguous()
-    config = {"format": FORMAT, "base": base, "r": rank, "alpha": rank, "mask_id": mask_id, "mask_token": mask_token,
-              "block_size": block_size, "dtype": dtype, **(extra or {})}
+    config = {"format": FORMAT, "base": spec.base, "r": spec.r, "alpha": spec.alpha, "mask_id": spec.mask_id,
+              "mask_token": spec.mask_token, "block_size": spec.block_size, "dtype": spec.dtype, **(spec.extra or {})}
     tmp = out.with_name(out.name + ".new")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint folder (checkpoint-<step>)")
     train_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     if train_cfg.get("lora"):
-        raise ValueError(f"--checkpoint {args.checkpoint!r} is a LoRA run: export it with finetune.recipes.export_adapter")
+        raise ValueError(f"--checkpoint {args.checkpoint!r} is a LoRA run: "
+                         "export it with finetune.recipes.export_adapter")
     from finetune.checkpoint import load_weights
     from finetune.train_model import load_base
 
@@ -133,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"source": "full fine-tune, SVD per matrix", "checkpoint": ckpt.name,
              "energy_kept_min": round(min(kept.values()), 4) if kept else 1.0,
              "energy_kept_mean": round(sum(kept.values()) / len(kept), 4) if kept else 1.0}
-    save(Path(args.out), parts, rank=args.rank, base=args.base, mask_id=base.mask_id, mask_token=mask_token,
-         block_size=int(train_cfg.get("block_size", 4)), dtype=args.dtype, extra=extra)
+    save(Path(args.out), parts, AdapterSpec(r=args.rank, alpha=args.rank, base=args.base, mask_id=base.mask_id,
+                                            mask_token=mask_token, block_size=int(train_cfg.get("block_size", 4)),
+                                            dtype=args.dtype, extra=extra))
     size = sum(p.stat().st_size for p in Path(args.out).iterdir())
     print(f"[finetune.recipes.export_delta] {len(parts['modules'])} matrices at rank {args.rank} (energy kept: mean "
           f"{extra['energy_kept_mean']:.3f}, min {extra['energy_kept_min']:.3f}), {len(parts['norms'])} norm "

@@ -13,12 +13,12 @@ A folder holds
                         row of the mask token, and "<module>.norm_weight" [hidden] in float32: the new weight
                         of a normalisation layer (a full fine-tune changes those 1-D weights, which no low-rank
                         delta can hold; finetune.recipes.export_delta writes them)
-  adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id", "mask_token",
-                         "block_size", "dtype", ...extra}
+  adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id",
+                         "mask_token", "block_size", "dtype", ...extra}
   README.md             (optional) how it was made
 
-Merging (mars-lora-v1 only) is W += (alpha / r) * B @ A for each module, then embedding row mask_id := mask_row. With tied
-embeddings that also sets the LM head's row, which is intended. Nothing here needs peft: peft is only
+Merging (mars-lora-v1 only) is W += (alpha / r) * B @ A for each module, then embedding row mask_id := mask_row. With
+tied embeddings that also sets the LM head's row, which is intended. Nothing here needs peft: peft is only
 used to train (`save_adapter` takes its `get_peft_model_state_dict`).
 """
 from __future__ import annotations
@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,18 +109,38 @@ def peft_modules(lora_state: dict, r: int) -> dict[str, tuple[torch.Tensor, torc
     return {module: (parts["A"], parts["B"]) for module, parts in _modules_from_peft(lora_state, r).items()}
 
 
-def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r: int, alpha: float, base: str,
-                 mask_id: int, mask_token: str, block_size: int, dtype=torch.bfloat16,
-                 extra: dict | None = None, gated: bool = False) -> list[Path]:
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What an adapter folder's config records (``save_adapter`` checks it).
+
+    `r`/`alpha` the LoRA rank and scale numerator, `base` the model it goes on, `mask_id`/`mask_token` the mask
+    token, `block_size` the MARS block it was trained with. LoRA tensors are stored in `dtype` (a torch dtype or its
+    name), the mask row in fp32 (one row: precision is free there). `extra`: more config keys (never one of
+    REQUIRED_KEYS). `gated`: the delta was trained to act at mask positions only (--gated-lora), so the folder is
+    written as mars-gated-lora-v1.
+    """
+
+    r: int
+    alpha: float
+    base: str
+    mask_id: int
+    mask_token: str
+    block_size: int
+    dtype: Any = torch.bfloat16
+    extra: dict | None = None
+    gated: bool = False
+
+
+def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, spec: AdapterSpec) -> list[Path]:
     """Write adapter.safetensors + adapter_config.json to `out_dir`; returns both paths.
 
     `lora_state` is peft's `get_peft_model_state_dict(model)`; `mask_row` the mask token's trained
-    embedding row (None: keep the base's row). LoRA tensors are stored in `dtype`, the mask row in fp32
-    (one row: precision is free there). `gated`: the delta was trained to act at mask positions only
-    (--gated-lora), so the folder is written as mars-gated-lora-v1.
+    embedding row (None: keep the base's row); `spec` what the config records and how the tensors are stored.
     """
-    config = {"format": GATED_FORMAT if gated else FORMAT, "base": base, "r": r, "alpha": alpha, "mask_id": mask_id,
-              "mask_token": mask_token, "block_size": block_size, "dtype": _dtype_name(dtype)}
+    r, extra = spec.r, spec.extra
+    config = {"format": GATED_FORMAT if spec.gated else FORMAT, "base": spec.base, "r": r, "alpha": spec.alpha,
+              "mask_id": spec.mask_id, "mask_token": spec.mask_token, "block_size": spec.block_size,
+              "dtype": _dtype_name(spec.dtype)}
     extra = dict(extra or {})
     clash = sorted(set(extra) & set(REQUIRED_KEYS))
     if clash:
@@ -128,7 +150,8 @@ def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, *, r:
     try:
         json.dumps(config)
     except TypeError as exc:
-        raise ValueError(f"extra={extra!r} is not JSON-serialisable ({exc}): pass plain numbers, strings, lists") from exc
+        raise ValueError(f"extra={extra!r} is not JSON-serialisable ({exc}): "
+                         "pass plain numbers, strings, lists") from exc
     modules = _modules_from_peft(lora_state, r)
     tensors: dict[str, torch.Tensor] = {}
     store = DTYPES[config["dtype"]]
