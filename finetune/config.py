@@ -34,7 +34,8 @@ class TrainConfig:
     base_model: str = "tiny-ar-sft"
     """Model to start from: a mars_core name (tiny-ar-sft, tiny-mars, smollm2), a local transformers dir or a .gguf."""
     output_dir: str = "runs/finetune"
-    """Run directory: train_config.json, status.json, metrics.jsonl, checkpoint-<step>/; resumed if it has checkpoints."""
+    """Run directory: train_config.json, status.json, metrics.jsonl, checkpoint-<step>/; resumed if it has
+    checkpoints."""
     data: str = "builtin"
     """Training data: 'builtin' (finetune.tasks train split) or a chat JSONL path."""
     builtin_examples: int = 2000
@@ -152,67 +153,75 @@ class TrainConfig:
     shuffled) so less compute goes to padding; false: a plain shuffle."""
 
     def __post_init__(self):
-        def need(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
         check_types(self)
-        need(self.stage in STAGES, f"stage={self.stage!r}; use one of {', '.join(STAGES)}")
-        need(self.decay in DECAYS, f"decay={self.decay!r}; use one of {', '.join(DECAYS)}")
-        need(self.overlong in OVERLONG, f"overlong={self.overlong!r}; use one of {', '.join(OVERLONG)}")
-        need(
+        self._check_choices_and_paths()
+        self._check_training_numbers()
+        self._check_lora_and_run()
+
+    def _check_choices_and_paths(self):
+        """The enumerated settings are known values; model, output and data are named."""
+        _need(self.stage in STAGES, f"stage={self.stage!r}; use one of {', '.join(STAGES)}")
+        _need(self.decay in DECAYS, f"decay={self.decay!r}; use one of {', '.join(DECAYS)}")
+        _need(self.overlong in OVERLONG, f"overlong={self.overlong!r}; use one of {', '.join(OVERLONG)}")
+        _need(
             self.mixed_precision in MIXED_PRECISION,
             f"mixed_precision={self.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION)}",
         )
-        need(self.attention in ATTENTION, f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
-        need(bool(self.base_model), "base_model is empty; pass --base-model NAME_OR_DIR")
-        need(bool(self.output_dir), "output_dir is empty; pass --output-dir DIR")
-        need(bool(self.data), "data is empty; pass --data builtin or --data FILE.jsonl")
-        need(self.block_size >= 1, f"block_size={self.block_size}; use an integer >= 1 (the paper uses 4)")
-        need(self.ar_weight >= 0, f"ar_weight={self.ar_weight}; use a value >= 0 (1.0 is MARS, 0.0 the ablation)")
-        need(0 <= self.mask_label_smoothing < 1,
+        _need(self.attention in ATTENTION, f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
+        _need(bool(self.base_model), "base_model is empty; pass --base-model NAME_OR_DIR")
+        _need(bool(self.output_dir), "output_dir is empty; pass --output-dir DIR")
+        _need(bool(self.data), "data is empty; pass --data builtin or --data FILE.jsonl")
+
+    def _check_training_numbers(self):
+        """The loss, schedule, batch and optimiser numbers are in range."""
+        _need(self.block_size >= 1, f"block_size={self.block_size}; use an integer >= 1 (the paper uses 4)")
+        _need(self.ar_weight >= 0, f"ar_weight={self.ar_weight}; use a value >= 0 (1.0 is MARS, 0.0 the ablation)")
+        _need(0 <= self.mask_label_smoothing < 1,
              f"mask_label_smoothing={self.mask_label_smoothing}; use a value in [0, 1) (0 = off)")
-        need(0 <= self.soft_target_weight <= 1,
+        _need(0 <= self.soft_target_weight <= 1,
              f"soft_target_weight={self.soft_target_weight}; use a value in [0, 1] (0 = off, 1 = KL alone)")
-        need(self.soft_target_top_k >= 0, f"soft_target_top_k={self.soft_target_top_k}; use 0 (all) or more")
-        need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
-        need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
-        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")
-        need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}; use 1 or more (or unset)")
-        need(self.epochs > 0, f"epochs={self.epochs}; use a positive number")
-        need(self.batch_size >= 1, f"batch_size={self.batch_size}; use 1 or more")
-        need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}; use 1 or more")
-        need(self.max_row_bytes >= 1, f"max_row_bytes={self.max_row_bytes}; use at least 1 (the default is 1000000)")
-        need(self.max_length >= 2, f"max_length={self.max_length}; use at least 2 tokens")
-        need(self.stage != "mars" or self.block_size <= self.max_length,
+        _need(self.soft_target_top_k >= 0, f"soft_target_top_k={self.soft_target_top_k}; use 0 (all) or more")
+        _need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
+        _need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
+        _need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")
+        _need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}; use 1 or more (or unset)")
+        _need(self.epochs > 0, f"epochs={self.epochs}; use a positive number")
+        _need(self.batch_size >= 1, f"batch_size={self.batch_size}; use 1 or more")
+        _need(self.grad_accum >= 1, f"grad_accum={self.grad_accum}; use 1 or more")
+        _need(self.max_row_bytes >= 1, f"max_row_bytes={self.max_row_bytes}; use at least 1 (the default is 1000000)")
+        _need(self.max_length >= 2, f"max_length={self.max_length}; use at least 2 tokens")
+        _need(self.stage != "mars" or self.block_size <= self.max_length,
              f"block_size={self.block_size} is larger than max_length={self.max_length}: MARS pads every example to a "
              "multiple of the block size, so none would fit; use a block size such as 4 or raise --max-length")
-        need(self.builtin_examples >= 1, f"builtin_examples={self.builtin_examples}; use 1 or more")
-        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}; use 0 or more")
-        need(0 <= self.adam_beta2 < 1, f"adam_beta2={self.adam_beta2}; use a value in [0, 1)")
-        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}; use 0 (off) or a positive norm")
-        need(self.lora_r >= 1, f"lora_r={self.lora_r}; use 1 or more")
-        need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
-        need(not (self.freeze_embeddings and self.lora),
+        _need(self.builtin_examples >= 1, f"builtin_examples={self.builtin_examples}; use 1 or more")
+        _need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}; use 0 or more")
+        _need(0 <= self.adam_beta2 < 1, f"adam_beta2={self.adam_beta2}; use a value in [0, 1)")
+        _need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}; use 0 (off) or a positive norm")
+
+    def _check_lora_and_run(self):
+        """LoRA and its options fit together; checkpointing, logging and sharding settings are usable."""
+        _need(self.lora_r >= 1, f"lora_r={self.lora_r}; use 1 or more")
+        _need(self.lora_alpha >= 1, f"lora_alpha={self.lora_alpha}; use 1 or more")
+        _need(not (self.freeze_embeddings and self.lora),
              "freeze_embeddings applies to full fine-tuning (LoRA never trains the embeddings): drop it or --lora")
-        need(not self.train_mask_row or self.stage == "mars",
+        _need(not self.train_mask_row or self.stage == "mars",
              "train_mask_row applies to --stage mars only (AR-SFT never feeds the mask token): drop it")
-        need(not self.gated_lora or (self.lora and self.stage == "mars"),
+        _need(not self.gated_lora or (self.lora and self.stage == "mars"),
              "gated_lora gates a LoRA delta by the mask token: use it with --lora and --stage mars")
-        need(not self.init_adapter or (self.lora and self.stage == "mars"),
+        _need(not self.init_adapter or (self.lora and self.stage == "mars"),
              "init_adapter warm-starts a MARS LoRA adapter: use it with --lora and --stage mars")
-        need(self.lora_layers >= 0, f"lora_layers={self.lora_layers}; use 0 (every layer) or a layer count")
-        need(not self.lora_layers or self.lora, "lora_layers chooses which layers LoRA adapts: use it with --lora")
-        need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
-        need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
-        need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")
-        need(self.log_every >= 1, f"log_every={self.log_every}; use 1 or more")
-        need(self.threads is None or self.threads >= 1, f"threads={self.threads}; use 1 or more (or unset)")
-        need(self.sharding in SHARDING, f"sharding={self.sharding!r}; use one of {', '.join(SHARDING)}")
-        need(self.sharding == "no" or self.mixed_precision != "fp16",
+        _need(self.lora_layers >= 0, f"lora_layers={self.lora_layers}; use 0 (every layer) or a layer count")
+        _need(not self.lora_layers or self.lora, "lora_layers chooses which layers LoRA adapts: use it with --lora")
+        _need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}; use a value in [0, 1)")
+        _need(self.save_every >= 0, f"save_every={self.save_every}; use 0 (end only) or a step interval")
+        _need(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints}; keep at least 1")
+        _need(self.log_every >= 1, f"log_every={self.log_every}; use 1 or more")
+        _need(self.threads is None or self.threads >= 1, f"threads={self.threads}; use 1 or more (or unset)")
+        _need(self.sharding in SHARDING, f"sharding={self.sharding!r}; use one of {', '.join(SHARDING)}")
+        _need(self.sharding == "no" or self.mixed_precision != "fp16",
              "sharding='full' with mixed_precision='fp16' is not supported (FSDP2 here casts to bf16, no loss scaler): "
              "use --mixed-precision bf16")
-        need(self.sharding == "no" or not self.compile,
+        _need(self.sharding == "no" or not self.compile,
              "sharding='full' with compile=true was never tested here: drop --compile")
 
     def to_dict(self) -> dict:
@@ -226,6 +235,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def _need(ok: bool, message: str):
+    """Raise ``ValueError(message)`` unless ``ok``."""
+    if not ok:
+        raise ValueError(message)
 
 
 # How each field's annotation is checked, and the fix the error suggests.
@@ -381,13 +396,14 @@ def parse_train_command(argv: list[str] | None = None) -> tuple[TrainConfig, arg
         try:
             values = json.loads(path.read_bytes().decode("utf-8"))
         except OSError as e:
-            raise ValueError(f"--config {str(path)!r} cannot be read ({e.strerror or e}): check its permissions") from None
+            raise ValueError(f"--config {str(path)!r} cannot be read ({e.strerror or e}): "
+                             "check its permissions") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"--config {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                              f"{e.start}); save it as UTF-8 JSON") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column "
-                             f"{e.colno}); fix the file") from None
+            raise ValueError(f"--config {str(path)!r} is not valid JSON ({e.msg.removesuffix(' at')} "
+                             f"at line {e.lineno}, column {e.colno}); fix the file") from None
         if not isinstance(values, dict):
             raise ValueError(f"--config {str(path)!r} must hold a JSON object of TrainConfig keys")
         values = {k.replace("-", "_"): v for k, v in values.items()}

@@ -160,25 +160,50 @@ def gb(n: float) -> str:
 def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> list[str]:
     config, source = model_config(cfg.base_model)
     c = count(meta_module(cfg, config), cfg)
+    sharded = cfg.sharding != "no"
+    cb = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4          # compute dtype's bytes
+    streams = 2 if cfg.stage == "mars" else 1
+    mem = _fixed_memory(c, processes, sharded, cb)
+    lines = _run_lines(cfg, config, c, source, processes, plan_examples, streams)
+    lines.append(f"memory per process, --sharding {cfg.sharding}, --mixed-precision {cfg.mixed_precision} "
+                 f"({cb} B a compute value):")
+    lines += [f"  {name:<26} {gb(value):>12}   {formula}" for name, (value, formula) in mem.items()]
+    lines += _activation_lines(cfg, config, cb, streams, sum(v for v, _ in mem.values()))
+    lines += _checkpoint_lines(cfg, c, processes, sharded)
+    return lines
+
+
+def _run_lines(cfg: TrainConfig, config, c, source: str, processes: int, plan_examples: int | None,
+               streams: int) -> list[str]:
+    """The plan's head: the model, the data, the batches and the steps the run will make."""
     n_examples, mean_len, data_source = example_stats(cfg, plan_examples)
     from finetune.schedule import schedule
 
-    P, b, n = processes, cfg.batch_size, cfg.max_length
+    P, b = processes, cfg.batch_size
     global_batch = b * P * cfg.grad_accum
     micro_per_epoch, steps = schedule(cfg, n_examples, P)   # what the run itself will compute
     tokens = steps * global_batch * mean_len
+    return [
+        f"plan for {cfg.stage} on {cfg.base_model} (architecture from {source})",
+        f"  parameters {c.total:,}, trainable {c.trainable:,}; decoder layers {config.num_hidden_layers}, "
+        f"largest {c.layer:,}; outside the layers {c.root:,}",
+        f"  data: {n_examples:,} examples, {mean_len:,.1f} tokens each on average ({data_source})",
+        f"  processes {P}, --batch-size {b} x --grad-accum {cfg.grad_accum} x {P} = global batch {global_batch}; "
+        f"{micro_per_epoch:,} micro-batches an epoch",
+        f"  optimizer steps {steps:,} ({'--max-steps' if cfg.max_steps else f'--epochs {cfg.epochs:g}'}); "
+        f"tokens {tokens:,.0f} (steps x global batch x mean tokens)"
+        + (f", {streams * tokens:,.0f} positions through the model ([noisy | clean])" if streams == 2 else ""),
+    ]
 
-    sharded = cfg.sharding != "no"
-    cb = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4          # compute dtype's bytes
+
+def _fixed_memory(c, processes: int, sharded: bool, cb: int) -> dict[str, tuple[float, str]]:
+    """{what: (bytes per process, formula)} of the memory that does not grow with the batch."""
+    P = processes
     share = P if sharded else 1
-    h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    q, inter = query_width(config), config.intermediate_size
-    streams = 2 if cfg.stage == "mars" else 1
-    rows = streams * b * n                                            # positions in one micro-batch, at most
-
     mem = {
         "parameters (fp32)": (4 * c.total / share, f"4 B x {c.total:,}" + (f" / {P}" if sharded else "")),
-        "gradients (fp32)": (4 * c.trainable / share, f"4 B x {c.trainable:,} trainable" + (f" / {P}" if sharded else "")),
+        "gradients (fp32)": (4 * c.trainable / share,
+                             f"4 B x {c.trainable:,} trainable" + (f" / {P}" if sharded else "")),
         "Adam moments (fp32)": (8 * c.trainable / share, f"8 B x {c.trainable:,}" + (f" / {P}" if sharded else "")),
     }
     if sharded:
@@ -187,28 +212,21 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
                                    f"{c.layer:,} unsharded gradient")
     elif cb == 2:
         mem["autocast weight copies"] = (2 * c.total, f"2 B x {c.total:,}")
+    return mem
+
+
+def _activation_lines(cfg: TrainConfig, config, cb: int, streams: int, fixed: float) -> list[str]:
+    """Activations and logits per micro-batch, and the totals with and without gradient checkpointing."""
+    b, n = cfg.batch_size, cfg.max_length
+    h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    q, inter = query_width(config), config.intermediate_size
+    rows = streams * b * n                                            # positions in one micro-batch, at most
     seq = streams * n
     act_layer = layer_bytes(config, b, seq, cb)
     act_full = L * act_layer
     act_ckpt = rows * L * cb * h + act_layer
     logits = rows * V * (cb + 4 + 4)
-    fixed = sum(v for v, _ in mem.values())
-
-    lines = [
-        f"plan for {cfg.stage} on {cfg.base_model} (architecture from {source})",
-        f"  parameters {c.total:,}, trainable {c.trainable:,}; decoder layers {L}, largest {c.layer:,}; "
-        f"outside the layers {c.root:,}",
-        f"  data: {n_examples:,} examples, {mean_len:,.1f} tokens each on average ({data_source})",
-        f"  processes {P}, --batch-size {b} x --grad-accum {cfg.grad_accum} x {P} = global batch {global_batch}; "
-        f"{micro_per_epoch:,} micro-batches an epoch",
-        f"  optimizer steps {steps:,} ({'--max-steps' if cfg.max_steps else f'--epochs {cfg.epochs:g}'}); "
-        f"tokens {tokens:,.0f} (steps x global batch x mean tokens)"
-        + (f", {streams * tokens:,.0f} positions through the model ([noisy | clean])" if streams == 2 else ""),
-        f"memory per process, --sharding {cfg.sharding}, --mixed-precision {cfg.mixed_precision} "
-        f"({cb} B a compute value):",
-    ]
-    lines += [f"  {name:<26} {gb(value):>12}   {formula}" for name, (value, formula) in mem.items()]
-    lines += [
+    return [
         f"  {'activations':<26} {gb(act_full):>12}   layers x {cb} B x (rows x (5h + 5q + 4I) + batch x seq^2) = {L} x "
         f"{cb} x ({rows:,} x (5 x {h} + 5 x {q} + 4 x {inter}) + {b} x {seq:,}^2); rows = batch x seq = {b} x "
         f"{streams} streams x {n}",
@@ -220,16 +238,20 @@ def plan_lines(cfg: TrainConfig, processes: int, plan_examples: int | None) -> l
         f"  {'total':<26} {gb(fixed + act_ckpt + logits):>12}   with --gradient-checkpointing"
         + ("  <- this run" if cfg.gradient_checkpointing else ""),
     ]
+
+
+def _checkpoint_lines(cfg: TrainConfig, c, processes: int, sharded: bool) -> list[str]:
+    """What each checkpoint weighs on disk."""
     model_file = 4 * (c.total - c.adapter)   # LoRA merged: the base's size
     state = (12 if sharded or cfg.lora else 8) * c.trainable
-    lines += [
+    return [
         f"checkpoint: {gb(model_file + state)} each (--keep-checkpoints {cfg.keep_checkpoints}): model.safetensors "
         f"{gb(model_file)} (fp32, consolidated{', LoRA merged' if cfg.lora else ''}) + "
-        + (f"sharded/ {gb(state)} (torch.distributed.checkpoint: trainable parameters 4 B + Adam 8 B, {P} files)"
+        + (f"sharded/ {gb(state)} (torch.distributed.checkpoint: trainable parameters 4 B + Adam 8 B, {processes} "
+           "files)"
            if sharded else f"trainer_state.pt {gb(state)} (Adam 8 B a trainable parameter"
                            + (", the adapter and mask row 4 B)" if cfg.lora else ")")),
     ]
-    return lines
 
 
 def print_plan(cfg: TrainConfig, plan_examples: int | None = None, processes: int | None = None) -> int:
