@@ -38,8 +38,10 @@ STATE_KEYS = ("step", "optimizer", "rng")
 
 # Settings that define the model, the objective or the data draw: a resume that changes one would silently mix
 # two trainings in one checkpoint. --max-steps, --lr and the like may change (to extend a run).
-RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers", "train_mask_row", "freeze_embeddings", "block_size",
-               "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset", "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
+RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers",
+               "train_mask_row", "freeze_embeddings", "block_size",
+               "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset",
+               "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
                "batch_size", "grad_accum", "max_length", "overlong", "group_by_length",
                # sharded and unsharded checkpoints hold the optimizer state differently (finetune.sharding)
                "sharding")
@@ -176,7 +178,8 @@ def check_replicas_agree(run: Run) -> None:
     assert torch.allclose(sums, sums[0]), f"replicas diverged: {sums.tolist()}"
 
 
-def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float, train_module: TrainModule | None = None) -> None:
+def write_checkpoint(run: Run, directory: Path, step: int, elapsed: float,
+                     train_module: TrainModule | None = None) -> None:
     """The checkpoint's files; ``train_module`` is a sharded run's gathered, unsharded copy."""
     train_module = train_module or run.accelerator.unwrap_model(run.module)
     plain_model(train_module, run.cfg.lora).save_pretrained(directory, safe_serialization=True)

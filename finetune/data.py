@@ -295,7 +295,8 @@ def read_manifest(path: str | Path, flag: str = "--skip-seen") -> dict:
         record = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{flag} {str(p)!r} cannot be read as JSON ({exc}): restore or rewrite it") from None
-    ok = (isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT and isinstance(record.get("prompts"), list)
+    ok = (isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT and
+          isinstance(record.get("prompts"), list)
           and all(isinstance(k, str) and len(k) == 16 for k in record["prompts"]))
     if not ok:
         raise ValueError(f"{flag} {str(p)!r} is not a {MANIFEST_FORMAT} manifest (a 'prompts' list of 16-digit keys): "

@@ -80,8 +80,10 @@ def gen_multiplication(rng: random.Random) -> tuple[str, str, str]:
     return question, "\n".join(lines), answer
 
 
-NAMES = ["Mia", "Tom", "Ana", "Leo", "Sara", "Ben", "Ivy", "Sam", "Zoe", "Max", "Lily", "Omar", "Eva", "Noah", "Ruby", "Jack"]
-ITEMS = ["apples", "marbles", "stickers", "books", "coins", "cards", "pencils", "shells", "stamps", "cookies", "balloons", "toys"]
+NAMES = ["Mia", "Tom", "Ana", "Leo", "Sara", "Ben", "Ivy", "Sam", "Zoe", "Max", "Lily", "Omar", "Eva", "Noah", "Ruby",
+         "Jack"]
+ITEMS = ["apples", "marbles", "stickers", "books", "coins", "cards", "pencils", "shells", "stamps", "cookies",
+         "balloons", "toys"]
 
 
 def _two_digit_step(total: int, d: int, sign: str) -> list[str]:
@@ -150,9 +152,11 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 def gen_reverse(rng: random.Random) -> tuple[str, str, str]:
     """Reverse 3-7 space-separated letters (spaced so every letter is one token)."""
     letters = [rng.choice(LETTERS) for _ in range(rng.randint(3, 7))]
-    question = rng.choice(["Reverse the letters: {s}", "Write these letters backwards: {s}"]).format(s=" ".join(letters))
+    question = rng.choice(["Reverse the letters: {s}", "Write these letters backwards: {s}"])
+    question = question.format(s=" ".join(letters))
     rev = " ".join(reversed(letters))
-    lines = [f"Count: {len(letters)}", f"Last: {letters[-1]}", f"First: {letters[0]}", f"Reversed: {rev}", f"Answer: {rev}"]
+    lines = [f"Count: {len(letters)}", f"Last: {letters[-1]}", f"First: {letters[0]}", f"Reversed: {rev}",
+             f"Answer: {rev}"]
     return question, "\n".join(lines), rev
 
 
@@ -178,7 +182,8 @@ def gen_units(rng: random.Random) -> tuple[str, str, str]:
         lines = [f"1 {one} = {factor} {dst}", f"{v} × {factor} = {v * factor}"]
         answer = f"{v * factor} {dst}"
     else:
-        question = rng.choice(["Convert {w} {b} to {a}.", "How many {a} are in {w} {b}?"]).format(w=v * factor, a=src, b=dst)
+        question = rng.choice(["Convert {w} {b} to {a}.", "How many {a} are in {w} {b}?"])
+        question = question.format(w=v * factor, a=src, b=dst)
         lines = [f"1 {one} = {factor} {dst}", f"{v * factor} ÷ {factor} = {v}"]
         answer = f"{v} {src}"
     lines.append(f"Answer: {answer}")

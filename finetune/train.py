@@ -247,7 +247,8 @@ def get_batch(run: Run, micro_index: int, cache: dict) -> tuple[dict[str, torch.
     if cache.get("epoch") != epoch:
         lengths = [len(e.input_ids) for e in run.examples] if cfg.group_by_length else None
         cache["epoch"] = epoch
-        cache["batches"] = epoch_batches(len(run.examples), cfg.batch_size * acc.num_processes, epoch, cfg.seed, lengths)
+        cache["batches"] = epoch_batches(len(run.examples), cfg.batch_size * acc.num_processes, epoch, cfg.seed,
+                                         lengths)
     global_batch = cache["batches"][k]
     mine = global_batch[acc.process_index * cfg.batch_size : (acc.process_index + 1) * cfg.batch_size]
     batch = collate([run.examples[i] for i in mine], run.pad_id)

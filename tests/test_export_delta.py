@@ -52,10 +52,12 @@ def test_the_delta_at_full_rank_loads_through_the_adapter_path_and_decodes_like_
         b = tuned.model(torch.tensor([ids])).logits
     torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)   # norms, mask row and every matrix carried over
     prompt = "What is 12 + 7?"
-    for cfg_ in (DecodeConfig(mode="mars", tau=1.0, max_new_tokens=16), DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16)):
+    for cfg_ in (DecodeConfig(mode="mars", tau=1.0, max_new_tokens=16),
+                 DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16)):
         assert generate(merged, [prompt], cfg_)[0].token_ids == generate(tuned, [prompt], cfg_)[0].token_ids
     ar = generate(merged, [prompt], DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=16))[0]
-    assert generate(merged, [prompt], DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16))[0].token_ids == ar.token_ids
+    assert generate(merged, [prompt],
+                    DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16))[0].token_ids == ar.token_ids
 
 
 def test_a_fine_tune_that_moved_the_embedding_is_refused_by_name(tiny, tmp_path):

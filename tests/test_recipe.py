@@ -27,7 +27,8 @@ def test_compile_auto_needs_a_compiler_on_path_and_a_toy_compile_that_works():
     clang_only = lambda c: "/usr/bin/" + c if c == "clang++" else None   # noqa: E731
     assert recipe.compile_wanted("auto", which=clang_only, works=lambda: True)
     assert not recipe.compile_wanted("auto", which=clang_only, works=lambda: False)
-    assert not recipe.compile_wanted("auto", which=lambda c: None, works=lambda: pytest.fail("probed without a compiler"))
+    assert not recipe.compile_wanted("auto", which=lambda c: None,
+                                     works=lambda: pytest.fail("probed without a compiler"))
     assert recipe.compile_wanted("on", which=lambda c: None)
     assert not recipe.compile_wanted("off", which=lambda c: "/usr/bin/g++")
     with pytest.raises(ValueError, match="'yes'.*auto, on or off"):
@@ -71,7 +72,8 @@ def _card_info(arw0_parallel: list[str]) -> dict:
                                       "threads": 1, "parallel_with": list(side)}
     return {"parameters": 1, "vocab_size": 512, "stages": {
         "base": {"wall_s": 6.0}, "tiny-ar-sft-1": stage(18), "tiny-ar-sft-2": stage(10),
-        "tiny-ar-sft": stage(14, ["tiny-mars"] + arw0_parallel), "tiny-mars": stage(23, ["tiny-ar-sft"] + arw0_parallel),
+        "tiny-ar-sft": stage(14, ["tiny-mars"] + arw0_parallel),
+        "tiny-mars": stage(23, ["tiny-ar-sft"] + arw0_parallel),
         "tiny-mars-arw0": stage(30, [] if not arw0_parallel else ["tiny-ar-sft", "tiny-mars"]),
         "eval": {"wall_s": 240.0}, "eval-ablation": {"wall_s": 120.0}}}
 

@@ -1,7 +1,7 @@
 """The checkable question set: short questions with one known answer (capitals, arithmetic, units, opposites,
 calendar, plurals, colours, facts) and `check`, which finds an accepted answer in a model's free text. Used by
-`finetune.evals.evaluate --suite natural` for checkable accuracy; it lives beside `finetune.evals.natural`, whose prompts
-have no single right answer. Its question forms and subjects are ones the prompt generator never produces, so it
+`finetune.evals.evaluate --suite natural` for checkable accuracy; it lives beside `finetune.evals.natural`, whose
+prompts have no single right answer. Its question forms and subjects are ones the prompt generator never produces, so it
 is held out from training by construction (a test checks that no checkable question is a training prompt)."""
 from __future__ import annotations
 
@@ -86,20 +86,24 @@ COLOURS = [
     ("What colour do you get by mixing red and yellow?", "orange"),
 ]
 FACTS = [
-    ("What is the chemical symbol for water?", ("h2o",)), ("What gas do plants take in from the air?", ("carbon dioxide", "co2")),
+    ("What is the chemical symbol for water?", ("h2o",)),
+    ("What gas do plants take in from the air?", ("carbon dioxide", "co2")),
     ("What is the largest planet in the solar system?", ("jupiter",)), ("What is the closest star to Earth?", ("sun",)),
     ("What is frozen water called?", ("ice",)), ("What animal says 'moo'?", ("cow",)),
     ("What do bees make?", ("honey",)), ("Which planet is known as the Red Planet?", ("mars",)),
     ("What is the largest ocean on Earth?", ("pacific",)), ("What is the boiling point of water in Celsius?", ("100",)),
-    ("What is the freezing point of water in Celsius?", ("0", "zero")), ("Which organ pumps blood through the body?", ("heart",)),
-    ("What is the largest mammal?", ("blue whale", "whale")), ("What do caterpillars turn into?", ("butterfly", "butterflies", "moth")),
+    ("What is the freezing point of water in Celsius?", ("0", "zero")),
+    ("Which organ pumps blood through the body?", ("heart",)),
+    ("What is the largest mammal?", ("blue whale", "whale")),
+    ("What do caterpillars turn into?", ("butterfly", "butterflies", "moth")),
     ("Who wrote 'Romeo and Juliet'?", ("shakespeare",)), ("What is the tallest animal?", ("giraffe",)),
     ("What language is spoken in Brazil?", ("portuguese",)), ("What is the main language of Mexico?", ("spanish",)),
     ("What is the longest river in Africa?", ("nile",)), ("What is the hardest natural substance?", ("diamond",)),
     ("What do we call a baby cat?", ("kitten",)), ("What do we call a baby dog?", ("puppy",)),
     ("What animal is known as the king of the jungle?", ("lion",)), ("What do cows drink?", ("water",)),
     ("What is the largest desert in the world?", ("sahara", "antarctic", "antarctica")),
-    ("What instrument has black and white keys?", ("piano",)), ("What do you use to write on a blackboard?", ("chalk",)),
+    ("What instrument has black and white keys?", ("piano",)),
+    ("What do you use to write on a blackboard?", ("chalk",)),
     ("Which planet do we live on?", ("earth",)), ("What is the opposite of north on a compass?", ("south",)),
     ("What is the main gas in the air we breathe?", ("nitrogen",)),
 ]

@@ -57,7 +57,8 @@ def score_model(lm, items: list[tuple[str, str]], taus: list[float], *, block_si
     runs = {"ar": DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=max_new_tokens)}
     for tau in taus:
         runs[f"tau{tau}"] = DecodeConfig(mode="mars", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
-    # verify mode's τ picks which mask guesses become drafts (τ >= 1: none); 0.3 as finetune.recipes.ab scores lossless
+    # verify mode's τ picks which mask guesses become drafts (τ >= 1: none); 0.3 as finetune.recipes.ab scores
+    # lossless
     runs["tree"] = DecodeConfig(mode="verify", tau=0.3, block_size=block_size, max_new_tokens=max_new_tokens,
                                 draft_layout="tree")
     out = {name: decode_batches(lm, ids, cfg, batch_size) for name, cfg in runs.items()}

@@ -194,7 +194,8 @@ PYTHON_TASKS = [
     "returns the even numbers from a list", "reads a text file and returns its number of lines",
     "computes the greatest common divisor of two numbers", "converts a list of strings to upper case",
     "returns the keys of a dictionary sorted by value", "checks whether a year is a leap year",
-    "computes the area of a circle", "returns a string with its words in reverse order", "squares every number in a list",
+    "computes the area of a circle", "returns a string with its words in reverse order",
+    "squares every number in a list",
     "finds the index of an item in a list", "counts the number of uppercase letters in a string",
     "converts a number to binary", "returns the length of the longest word in a sentence",
 ]
@@ -218,7 +219,8 @@ SHELL_TASKS = [
 ]
 EVERYDAY = [
     "Why is the sky blue?", "Why do leaves change colour in autumn?", "Why do we have leap years?",
-    "Why does bread go stale?", "How do bees make honey?", "Why do cats purr?", "How does a refrigerator keep food cold?",
+    "Why does bread go stale?", "How do bees make honey?", "Why do cats purr?",
+    "How does a refrigerator keep food cold?",
     "Why do onions make people cry?", "How do airplanes stay in the air?", "Why is the ocean salty?",
     "How do birds know where to fly in winter?", "Why do we yawn?", "How does soap clean our hands?",
     "Why do stars twinkle?", "How does a compass work?", "Why does ice float on water?",

@@ -20,7 +20,8 @@ from __future__ import annotations
 import random
 
 from finetune.evals.natural import CATEGORIES as NATURAL_CATEGORIES
-from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, prompt_table as natural_table, split_of, write_prompt_file
+from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, split_of, write_prompt_file
+from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
 SPLITS = ("train", "heldout")
@@ -30,9 +31,11 @@ SEQUENCES = [
     "seven continents", "four seasons", "vowels of the English alphabet", "first ten letters of the alphabet",
     "first ten prime numbers", "first ten square numbers", "Roman numerals from 1 to 10", "notes of the C major scale",
     "first five multiples of 7", "first ten even numbers", "first ten odd numbers", "oceans of the world",
-    "primary colours", "phases of the moon", "states of matter", "noble gases", "first six elements of the periodic table",
+    "primary colours", "phases of the moon", "states of matter", "noble gases",
+    "first six elements of the periodic table",
     "parts of a plant", "stages of the water cycle", "layers of the Earth", "bones of the human arm",
-    "chess pieces", "suits in a deck of cards", "ordinal numbers from first to tenth", "numbers from one to ten in words",
+    "chess pieces", "suits in a deck of cards", "ordinal numbers from first to tenth",
+    "numbers from one to ten in words",
     "steps of the scientific method", "parts of speech in English", "punctuation marks", "Python data types",
     "HTTP methods", "SQL keywords for reading data", "units of time from second to year", "metric units of length",
 ]
@@ -42,13 +45,17 @@ COUNT_TEMPLATES = ["Count from {a} to {b}.", "List the numbers from {a} to {b}, 
                    "Count down from {b} to {a}.", "Write every number from {a} to {b}, one per line.",
                    "Count from {a} to {b} in steps of {k}.", "Write the multiples of {k} from {a} to {b}."]
 
-ARITH_TEMPLATES = {"+": ["What is {a} + {b}?", "Calculate {a} + {b} step by step.", "Add {a} and {b}. Show your steps."],
-                   "-": ["What is {a} - {b}?", "Calculate {a} - {b} step by step.", "Subtract {b} from {a}. Show your work."],
+ARITH_TEMPLATES = {"+": ["What is {a} + {b}?", "Calculate {a} + {b} step by step.",
+                         "Add {a} and {b}. Show your steps."],
+                   "-": ["What is {a} - {b}?", "Calculate {a} - {b} step by step.",
+                         "Subtract {b} from {a}. Show your work."],
                    "*": ["What is {a} × {b}?", "Calculate {a} times {b} step by step.",
                          "Multiply {a} by {b}. Show your steps."]}
 WORD_PROBLEMS = [
-    "A shop sells {a} pens in the morning and {b} in the afternoon. How many pens does it sell that day? Explain step by step.",
-    "A train travels {a} km in the first hour and {b} km in the second. How far does it travel in total? Show your working.",
+    "A shop sells {a} pens in the morning and {b} in the afternoon. How many pens does it sell that day? "
+    "Explain step by step.",
+    "A train travels {a} km in the first hour and {b} km in the second. How far does it travel in total? "
+    "Show your working.",
     "A class has {a} students and {b} of them are absent. How many are present? Solve it step by step.",
     "Each box holds {b} eggs. How many eggs are in {a} boxes? Explain step by step.",
     "A book costs {b} dollars. How much do {a} books cost? Show the calculation.",
@@ -69,8 +76,10 @@ CODE_TASKS = PYTHON_TASKS + [
 ]
 CODE_TEMPLATES = ["Write a Python function that {t}.", "Write a short Python function that {t}. Only the code.",
                   "Give a one-line Python function that {t}.", "Show a Python function that {t}, with a docstring.",
-                  "Write a Python function that {t}, and one example call.", "Implement in Python: a function that {t}.",
-                  "Write Python code that {t}. Keep it under five lines.", "Write a Python lambda that {t}, if one fits."]
+                  "Write a Python function that {t}, and one example call.",
+                  "Implement in Python: a function that {t}.",
+                  "Write Python code that {t}. Keep it under five lines.",
+                  "Write a Python lambda that {t}, if one fits."]
 
 DEFINE_TEMPLATES = ["Define {t} in one sentence.", "Give a one-sentence definition of {t}.",
                     "What is {t}? Answer in one short sentence.", "{T}: give a dictionary-style definition."]

@@ -58,7 +58,8 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m finetune.recipes.ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="chat JSONL (finetune.recipes.distill's output); its first rows are dev")
+    ap.add_argument("--data", required=True,
+                    help="chat JSONL (finetune.recipes.distill's output); its first rows are dev")
     ap.add_argument("--work", default="runs/ab", help="run folder: the split, one folder per arm, table.md")
     ap.add_argument("--base", default="smollm2", help="the model every arm starts from")
     ap.add_argument("--arms", default="baseline,soft", help=f"comma-separated, from {','.join(ARMS)}")

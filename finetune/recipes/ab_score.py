@@ -115,7 +115,8 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
         cfg = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
         out[name] = decode_batches(lm, ids, cfg, batch_size)
     same, prefix = agreement([r.token_ids for r in out["lossy"]], [r.token_ids for r in out["lossless"]])
-    return {"lossless_tpf": mean_tokens_per_forward(out["lossless"]), "lossy_tpf": mean_tokens_per_forward(out["lossy"]),
+    return {"lossless_tpf": mean_tokens_per_forward(out["lossless"]),
+            "lossy_tpf": mean_tokens_per_forward(out["lossy"]),
             "lossy_same_answer": same, "lossy_prefix_share": prefix,
             # per prompt, so two arms can be compared prompt by prompt (paired), not only by their means
             "lossless_tpf_each": [r.tokens_per_forward for r in out["lossless"]],
@@ -125,8 +126,8 @@ def decode_metrics(lm, prompts: list[str], *, lossless_tau: float = 0.3, lossy_t
 
 def trained_model(checkpoint: Path, base) -> torch.nn.Module:
     """The fp32 model ``checkpoint`` (a finetune.train checkpoint dir) holds, on ``base`` (train_model.Base). A
-    gated run's adapter is applied as mars_core serves it (mars_core.engine.gated: the deltas at mask positions, the mask
-    row in the input embedding only)."""
+    gated run's adapter is applied as mars_core serves it (mars_core.engine.gated: the deltas at mask positions, the
+    mask row in the input embedding only)."""
     from finetune.checkpoint import STATE_FILE, load_weights
     from finetune.config import TrainConfig
     from mars_core.models.adapter import peft_modules

@@ -148,9 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-seen", default="", help="a data manifest (or a folder holding data_manifest.json, e.g. "
                     "an exported adapter): its prompts are not answered again, so a new round distils new prompts only")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", help="any format load_model takes: auto, float32, bfloat16 (fast on CPUs with "
+    ap.add_argument("--dtype", default="auto",
+                    help="any format load_model takes: auto, float32, bfloat16 (fast on CPUs with "
                     "avx512_bf16/AMX), or w8a16 / w8a8 (CPU: int8 weights, the fastest answers where bf16 is slow)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (use 1 per process on a 2-core machine)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (use 1 per process on a 2-core machine)")
     args = ap.parse_args(argv)
     for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens),
                         ("--threads", args.threads)):

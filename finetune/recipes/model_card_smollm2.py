@@ -72,7 +72,8 @@ def training_section(records: dict[str, dict]) -> str:
     made_with = "\n".join(f"    {c}" for c in commands) or "    (no recorded command)"
     return f"""## Training
 `finetune.train --stage mars`: LoRA r = {settings.get('lora_r')}, α = {settings.get('lora_alpha')} plus the mask row,
-{export.get('step', settings.get('max_steps'))} steps of batch {settings.get('batch_size')}, lr {settings.get('lr')} (cosine),
+{export.get('step', settings.get('max_steps'))} steps of batch {settings.get('batch_size')}, lr {settings.get('lr')} \
+(cosine),
 ar_weight {settings.get('ar_weight')}, random block grid, mixed precision {settings.get('mixed_precision', 'no')}.
 Adapter files: {export.get('bytes', 0) / 1e6:.1f} MB.
 
@@ -92,7 +93,8 @@ def evaluation_section(rows: list[dict]) -> str:
     return f"""## Evaluation
 `python -m finetune.evals.evaluate --suite natural` on held-out prompts (subjects no training prompt mentions), drawn
 with report seed 1. No setting was chosen on this sample: the recipe's settings came from training losses and
-from development checks drawn with other seeds from the same held-out split (which can share a few prompts). HumanEval runs model-written code in a
+from development checks drawn with other seeds from the same held-out split (which can share a few prompts). \
+HumanEval runs model-written code in a
 subprocess with a timeout. "Same answer as τ = 1": the share of natural and checkable answers identical to the
 model's own one-token-mode answer.
 

@@ -1,7 +1,7 @@
 """The embedded models' cards (OUT/<model>/README.md): shape, training runs, evaluation table and notes.
 
-Written from the recipe's settings (finetune.recipes.recipe_settings), its stage records (WORK/recipe_info.json) and this
-run's evaluation rows, so a card never repeats the numbers of an earlier run.
+Written from the recipe's settings (finetune.recipes.recipe_settings), its stage records (WORK/recipe_info.json) and
+this run's evaluation rows, so a card never repeats the numbers of an earlier run.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-# The stage settings (their own module, which finetune.recipes.model_cards quotes) keep their names here: recipe.MARS etc.
+# The stage settings (their own module, which finetune.recipes.model_cards quotes) keep their names here:
+# recipe.MARS etc.
 from finetune.recipes.recipe_settings import (
     ABLATION, AR_SFT, AR_SFT_2, AR_SFT_3, MARS, MODEL, STAGE1_ROWS, STAGE2, TIMING_PROMPTS, VOCAB_SIZE,
 )

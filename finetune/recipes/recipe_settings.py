@@ -1,7 +1,7 @@
 """The recipe's model shape and stage settings (finetune.recipes.recipe), and what its evaluation times.
 
-Apart from finetune.recipes.recipe so that finetune.recipes.model_cards can quote them without importing the recipe, which
-writes the cards.
+Apart from finetune.recipes.recipe so that finetune.recipes.model_cards can quote them without importing the recipe,
+which writes the cards.
 """
 
 from __future__ import annotations

@@ -215,7 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="training threads (default: all cores)")
     ap.add_argument("--n-natural", type=int, default=64, help="held-out natural prompts in the evaluation")
     ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems in the evaluation (0: skip)")
-    ap.add_argument("--n-checkable", type=int, default=None, help="checkable questions in the evaluation (default: all)")
+    ap.add_argument("--n-checkable", type=int, default=None,
+                    help="checkable questions in the evaluation (default: all)")
     ap.add_argument("--eval-threads", type=int, default=1, help="torch threads of each evaluation process")
     args = ap.parse_args(argv)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -247,7 +248,8 @@ def prepare(args: argparse.Namespace, argv: list[str] | None) -> Recipe:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     gpu, native = has_gpu(), native_bf16_cpu()
-    command = shlex.join(["python", "-m", "finetune.recipes.recipe_smollm2"] + (argv if argv is not None else sys.argv[1:]))
+    command = shlex.join(["python", "-m", "finetune.recipes.recipe_smollm2"]
+                         + (argv if argv is not None else sys.argv[1:]))
     return Recipe(args, work, Path(args.out), gpu, "bfloat16" if gpu or native else "float32",
                   train_settings(gpu, native, args.steps, args.scale), args.threads or os.cpu_count() or 1, command)
 
