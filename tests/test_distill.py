@@ -130,3 +130,19 @@ def test_looping_answers_are_recognised():
     assert repeats_itself([1, 2, 3, 4, 5, 6, 7, 8] * 3)
     assert not repeats_itself(list(range(40)))
     assert not repeats_itself([1, 2, 3, 4, 5, 6, 7, 8] * 2)
+
+
+def test_check_answers_drops_a_wrong_result_and_keeps_a_right_one():
+    from types import SimpleNamespace
+
+    from finetune.evals.structured import prompt_table
+    from finetune.recipes.distill import drop_reason
+
+    prompt = next(p for c, s, p in prompt_table("train") if c == "arithmetic" and p.startswith("What is")
+                  and " + " in p)
+    a, b = (int(x) for x in prompt[len("What is "):-1].split(" + "))
+    answer = lambda text: SimpleNamespace(finish_reason="eos", token_ids=list(range(12)), text=text)
+    assert drop_reason(answer(f"It is {a + b}."), prompt=prompt) is None
+    assert drop_reason(answer(f"It is {a + b + 2}."), prompt=prompt) == f"wrong: want {a + b}, wrote {a + b + 2}"
+    assert drop_reason(answer(f"It is {a + b + 2}.")) is None          # without --check-answers: kept
+    assert drop_reason(answer("The sky is blue."), prompt="Why is the sky blue?") is None   # nothing to check

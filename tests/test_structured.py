@@ -44,3 +44,49 @@ def test_the_command_writes_one_prompt_per_line(tmp_path):
     out = tmp_path / "p.txt"
     assert main(["--split", "heldout", "--n", "7", "--seed", "5", "--out", str(out)]) == 0
     assert out.read_text().splitlines() == structured_prompts("heldout", 7, seed=5)
+
+
+def test_the_checker_knows_each_arithmetic_and_counting_prompts_answer_from_its_numbers():
+    from finetune.evals.structured import check_answer
+
+    table = prompt_table("train") + prompt_table("heldout")
+    sums = [p for c, s, p in table if c == "arithmetic" and s.startswith("+") and p.startswith("What is")]
+    a, b = (int(x) for x in sums[0][len("What is "):-1].split(" + "))
+    assert check_answer(sums[0], f"{a} + {b} = {a + b}.") is None
+    assert check_answer(sums[0], f"{a} + {b} = {a + b + 1}.") == f"want {a + b}, wrote {a + b + 1}"
+    assert check_answer(sums[0], "I cannot say.") == f"want {a + b}, wrote no number"
+    # the last number is the answer: the right one written in a step, then a wrong total, is wrong
+    assert check_answer(sums[0], f"First {a + b}, so the answer is {a + b + 10}.") is not None
+    big = next(p for c, s, p in table if c == "arithmetic" and s.startswith("*") and p.startswith("What is"))
+    x, y = (int(v) for v in big[len("What is "):-1].split(" × "))
+    assert check_answer(big, f"{x} × {y} = {x * y}") is None
+    word = next(p for p in (q for _, _, q in table) if p.startswith("A farmer has"))
+    sheep, more = _two_numbers(word)
+    assert check_answer(word, f"{sheep} + {more} - 5 = {sheep + more - 5} sheep.") is None
+
+
+def _two_numbers(text):
+    nums = [int(w) for w in text.replace(",", " ").split() if w.isdigit()]
+    return nums[0], nums[1]
+
+
+def test_the_checker_wants_the_whole_counting_sequence_in_order():
+    from finetune.evals.structured import check_answer
+
+    table = prompt_table("train") + prompt_table("heldout")
+    up = next(p for c, _, p in table if c == "enumerate" and p.startswith("Count from") and "steps" not in p)
+    a, b = (int(x) for x in up[len("Count from "):-1].split(" to "))
+    assert check_answer(up, ", ".join(str(n) for n in range(a, b + 1))) is None
+    assert check_answer(up, "Sure: " + "\n".join(f"{n}." for n in range(a, b + 1)) + " Done.") is None
+    assert check_answer(up, ", ".join(str(n) for n in range(a, b))) is not None          # one short
+    assert check_answer(up, ", ".join(str(n) for n in range(b, a - 1, -1))) is not None  # the wrong way round
+    down = next(p for c, _, p in table if c == "enumerate" and p.startswith("Count down from"))
+    hi, lo = (int(x) for x in down[len("Count down from "):-1].split(" to "))
+    assert check_answer(down, " ".join(str(n) for n in range(hi, lo - 1, -1))) is None
+
+
+def test_prompts_without_one_exact_answer_are_not_judged():
+    from finetune.evals.structured import check_answer
+
+    assert check_answer("Define recycling in one sentence.", "anything at all") is None
+    assert check_answer("List the days of the week.", "Monday") is None

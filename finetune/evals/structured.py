@@ -185,6 +185,64 @@ def category_of() -> dict[str, str]:
     return table
 
 
+# ----------------------------------------------------------------------------- exact answers
+
+# what each word problem asks, in WORD_PROBLEMS' order
+_WORD_ANSWERS = (lambda a, b: a + b, lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b,
+                 lambda a, b: a * b, lambda a, b: a + b - 5)
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+# COUNT_TEMPLATES' sequences, in their order: up, up, down, up, in steps, multiples
+_COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1), lambda a, b, k: range(b, a - 1, -1),
+           lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1, k), lambda a, b, k: range(a, b + 1, k))
+
+
+def _exact_answers() -> dict[str, tuple[str, list[int]]]:
+    """Prompt -> ("result", [n]) for the arithmetic prompts, ("sequence", [n, ...]) for the counting ones: what a
+    correct answer holds, computed from the numbers the generator put in the prompt."""
+    table: dict[str, tuple[str, list[int]]] = {}
+    for subject, v in _count_subjects():
+        for template, seq in zip(COUNT_TEMPLATES, _COUNTS, strict=True):
+            table[template.format(**v)] = ("sequence", list(seq(v["a"], v["b"], v["k"])))
+    for op, subject, v in _arith_subjects():
+        if op.startswith("w"):
+            a, b = (int(x) for x in subject.split(":")[1].split(","))
+            table[WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)] = ("result", [_WORD_ANSWERS[int(op[1:])](a, b)])
+        else:
+            for template in ARITH_TEMPLATES[op]:
+                table[template.format(**v)] = ("result", [_OPS[op](v["a"], v["b"])])
+    return table
+
+
+_EXACT: dict[str, tuple[str, list[int]]] | None = None
+
+
+def _numbers(text: str) -> list[int]:
+    """The integers written in `text`, in order ("1,234" is one number; a minus sign counts only before a digit
+    that no word character precedes, so "5-3" reads 5 and 3)."""
+    import re
+
+    return [int(m.replace(",", "")) for m in re.findall(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?!\d)|(?<![\w.])-?\d+", text)]
+
+
+def check_answer(prompt: str, answer: str) -> str | None:
+    """Why `answer` is wrong for a generated arithmetic or counting prompt ('want N, wrote M'), None where it is
+    right or where the prompt has no single checkable answer. An arithmetic answer is right when the last number
+    it writes is the result; a counting answer when its numbers hold the whole sequence, in order, in a row."""
+    global _EXACT
+    if _EXACT is None:
+        _EXACT = _exact_answers()
+    kind, want = _EXACT.get(prompt, (None, None))
+    if kind is None:
+        return None
+    got = [abs(n) if kind == "sequence" else n for n in _numbers(answer)]
+    if kind == "result":
+        return None if got and got[-1] == want[0] else f"want {want[0]}, wrote {got[-1] if got else 'no number'}"
+    n = len(want)
+    if any(got[i: i + n] == want for i in range(len(got) - n + 1)):
+        return None
+    return f"want the sequence {want[0]}..{want[-1]} ({n} numbers), wrote {len(got)} numbers"
+
+
 ALL_CATEGORIES = NATURAL_CATEGORIES + CATEGORIES
 
 

@@ -5,6 +5,8 @@ model whose SFT data you lack (SmolLM2, say) its own greedy AR answers are that
 data. Answers cut off by --max-new-tokens are dropped (they would teach the
 model to stop mid-answer) unless --keep-truncated, and so are answers that
 repeat themselves (a loop, not an answer); the dropped prompts are counted.
+With --check-answers, wrong answers to the generated arithmetic and counting
+prompts (finetune.evals.structured computes their results) are dropped too.
 
     python -m finetune.recipes.distill --model smollm2 --prompts prompts.txt --out data.jsonl
     python -m finetune.train --stage mars --data data.jsonl ...
@@ -36,21 +38,28 @@ from mars_core.models.storage import storage_error   # standard library only: --
 MAX_NEW_TOKENS = 256
 
 
-def drop_reason(res, keep_truncated: bool = False) -> str | None:
-    """Why an answer is not training data: 'length' (hit the cap), 'repeat' (a loop), 'empty'; else None."""
+def drop_reason(res, keep_truncated: bool = False, prompt: str | None = None) -> str | None:
+    """Why an answer is not training data: 'length' (hit the cap), 'repeat' (a loop), 'empty', or with `prompt`
+    'wrong: …' where finetune.evals.structured knows the exact answer to it and this is not it; else None."""
     if res.finish_reason != "eos" and not keep_truncated:
         return "length"
     if repeats_itself(res.token_ids):
         return "repeat"
     if not res.text.strip():
         return "empty"
+    if prompt is not None:
+        from finetune.evals.structured import check_answer
+
+        why = check_answer(prompt, res.text)
+        return None if why is None else f"wrong: {why}"
     return None
 
 
 def distill_batches(lm, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8,
-                    keep_truncated: bool = False):
+                    keep_truncated: bool = False, check_answers: bool = False):
     """Yield (rows, dropped, new_tokens) per batch: greedy AR answers of `lm` as chat rows, and the
-    {"prompt", "reason"} of each dropped prompt."""
+    {"prompt", "reason"} of each dropped prompt. `check_answers`: also drop wrong answers to the generated
+    arithmetic and counting prompts (finetune.evals.structured.check_answer)."""
     from mars_core import DecodeConfig, generate
 
     cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
@@ -59,7 +68,7 @@ def distill_batches(lm, prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS
         rows, dropped, n_tokens = [], [], 0
         for prompt, res in zip(chunk, generate(lm, chunk, cfg), strict=True):
             n_tokens += len(res.token_ids)
-            reason = drop_reason(res, keep_truncated)
+            reason = drop_reason(res, keep_truncated, prompt if check_answers else None)
             if reason is not None:
                 dropped.append({"prompt": prompt, "reason": reason})
                 continue
@@ -144,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--keep-truncated", action="store_true", help="keep answers cut off by --max-new-tokens")
+    ap.add_argument("--check-answers", action="store_true",
+                    help="drop wrong answers to the generated arithmetic and counting prompts "
+                    "(finetune.evals.structured knows their results), so AR is not trained on its own mistakes")
     ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th prompt starting at K (default 0/1)")
     ap.add_argument("--skip-seen", default="", help="a data manifest (or a folder holding data_manifest.json, e.g. "
                     "an exported adapter): its prompts are not answered again, so a new round distils new prompts only")
@@ -207,7 +219,7 @@ def answer(args: argparse.Namespace, todo: list[str]) -> None:
     bar = tqdm(total=len(todo), unit="prompt", desc="distill", dynamic_ncols=True)
     try:
         for rows, lost, n_tokens in distill_batches(lm, todo, args.max_new_tokens, args.batch_size,
-                                                    args.keep_truncated):
+                                                    args.keep_truncated, args.check_answers):
             _append(out, rows)
             _append(dropped_path(out), lost)
             kept, dropped, tokens = kept + len(rows), dropped + len(lost), tokens + n_tokens
