@@ -30,6 +30,17 @@ def test_the_more_split_is_new_prompts_on_train_subjects_only():
             != natural_prompts("more", 50, seed=1))
 
 
+def test_the_more2_split_is_new_prompts_on_train_subjects_only():
+    """'more2' (after 'more' was used by v3) repeats no prompt of the three other splits and asks about no held-out
+    subject; every category has some."""
+    earlier = {p for split in ("train", "heldout", "more") for *_, p in prompt_table(split)}
+    more2 = prompt_table("more2")
+    assert len(more2) >= 2500 and len({p for *_, p in more2}) == len(more2)
+    assert not {p for *_, p in more2} & earlier
+    assert not {(c, s) for c, s, _ in more2} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more2} == set(CATEGORIES)
+    assert len(prompt_table("more")) == 3220
+
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
     """Every earlier run drew from these two (the report set is natural_prompts("heldout", 64, seed=1)): their
     sizes and a digest of their seed-0 order pin them."""

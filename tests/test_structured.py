@@ -90,3 +90,35 @@ def test_prompts_without_one_exact_answer_are_not_judged():
 
     assert check_answer("Define recycling in one sentence.", "anything at all") is None
     assert check_answer("List the days of the week.", "Monday") is None
+
+
+def test_the_more_split_is_new_prompts_on_train_subjects_only():
+    """'more' (training data after 'train' was used by v3) repeats no prompt of the other splits, asks about no
+    held-out subject, and leaves both earlier splits as they were (their sizes and a digest of their order)."""
+    import hashlib
+
+    train, held, more = prompt_table("train"), prompt_table("heldout"), prompt_table("more")
+    assert len(more) >= 3000 and len({p for *_, p in more}) == len(more)
+    assert not {p for *_, p in more} & ({p for *_, p in train} | {p for *_, p in held})
+    assert not {(c, s) for c, s, _ in more} & {(c, s) for c, s, _ in held}
+    assert {c for c, _, _ in more} == set(CATEGORIES)
+    digest = lambda split: hashlib.sha256("\n".join(structured_prompts(split)).encode()).hexdigest()[:12]
+    assert (len(train), digest("train")) == (5367, "d4cba39ce3e8")
+    assert (len(held), digest("heldout")) == (880, "903b8db7ec73")
+    tags = category_of()
+    assert all(tags[p] == c for c, _, p in more)
+
+
+def test_the_checker_knows_the_answers_of_the_more_prompts():
+    from finetune.evals.structured import check_answer
+
+    more = prompt_table("more")
+    back = next(p for c, _, p in more if p.startswith("Count backwards from"))
+    b, a = _two_numbers(back)
+    right = ", ".join(str(n) for n in range(b, a - 1, -1))
+    assert check_answer(back, right) is None
+    assert check_answer(back, ", ".join(str(n) for n in range(a, b + 1))) is not None
+    work = next(p for c, s, p in more if c == "arithmetic" and s.startswith("-") and p.startswith("Work out"))
+    x, y = (int(v) for v in work[len("Work out "):-1].split(" - "))
+    assert check_answer(work, f"{x} - {y} = {x - y}.") is None
+    assert check_answer(work, f"{x} - {y} = {x - y + 2}.") == f"want {x - y}, wrote {x - y + 2}"

@@ -79,7 +79,9 @@ def score_model(lm, items: list[tuple[str, str]], taus: list[float], *, block_si
             row[f"{name}_loops"] = sum(repeats_itself(res[k].token_ids) and not repeats_itself(ar[i])
                                        for k, i in enumerate(idx))
         summary[g] = row
-    return {"summary": summary, "answers": {name: [r.text for r in res] for name, res in out.items()}}
+    return {"summary": summary, "answers": {name: [r.text for r in res] for name, res in out.items()},
+            "forwards": {name: [r.forwards for r in res] for name, res in out.items()},
+            "tokens": {name: [len(r.token_ids) for r in res] for name, res in out.items()}}
 
 
 def format_table(name: str, summary: dict, taus: list[float]) -> str:

@@ -16,7 +16,7 @@ prompts therefore ask about subjects no training prompt of that category mention
 "more" is training data after "train" is used up (its 4,229 prompts went into smollm2-mars and its continuations):
 the templates of MORE, none of them in the main catalogue, on the train subjects only. It adds no held-out prompt
 and changes neither of the other splits (their prompts, order and seeds are what they were), so the report set
-and every earlier run stay comparable.
+and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more".
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import hashlib
 import random
 
 HELDOUT_PERCENT = 15
-SPLITS = ("train", "heldout", "more")
+SPLITS = ("train", "heldout", "more", "more2")
 
 # ----------------------------------------------------------------------------- subjects
 
@@ -308,6 +308,39 @@ MORE = {
 }
 
 
+# The "more2" split's templates: a third phrasing set on the train subjects, after "more" was used up by v3. Most
+# ask for short lists, steps or fixed shapes: the answers where a mask can guess the next words.
+MORE2 = {
+    "explain": ["List three key points about {t}.", "Explain {t} in four short steps.",
+                "What causes {t}? Answer in two sentences.", "Write a short paragraph for a school book on {t}.",
+                "Give two examples of {t} in everyday life.", "Explain {t} in one sentence, then give one example."],
+    "define": ["Define '{t}' and give two synonyms.", "Write a dictionary entry for the word '{t}'.",
+               "Use '{t}' in three different sentences.", "What part of speech is '{t}'? Give an example."],
+    "compare": ["Give three differences between {a} and {b} as a list.", "Is {a} more like {b} or not? Explain.",
+                "Write one sentence about {a} and one about {b}.", "Name one thing {a} and {b} have in common."],
+    "howto": ["Give five short steps to {t}.", "How long does it take to {t}? Explain briefly.",
+              "Write a numbered list of steps to {t}.", "What tools do I need to {t}?"],
+    "list": ["List six {t}, one per line.", "Name three {t} and one fact about each.",
+             "Give a comma-separated list of {t}.", "List {t} from the most to the least common."],
+    "rewrite": ["Rewrite this as a question: {s}", "Rewrite this in the future tense: {s}",
+                "Shorten this to five words: {s}", "Rewrite this for a child: {s}"],
+    "translate": ["Translate '{p}' into {lang}, then back into English.",
+                  "Give the {lang} for '{p}' and how to pronounce it."],
+    "write": ["Write a short thank-you message to {w}.", "Write a three-line message to {w}.",
+              "Write an email subject line and a short message to {w}."],
+    "poem": ["Write a two-line rhyme about {t}.", "Write an acrostic poem about {t}.",
+             "Write a short poem about {t} with four lines that rhyme."],
+    "story": ["Write a story about {t} in four sentences.", "Give a title and a first sentence for a story about {t}.",
+              "Write a short fable about {t} with a moral."],
+    "python": ["Write a Python function that {t}. Add a comment on each line.",
+               "Write a Python function that {t}, and a test for it.",
+               "Write a Python function that {t} using a loop."],
+    "sql": ["Write an SQL query that {t}. Use upper-case keywords.", "What SQL {t}? Only the query."],
+    "shell": ["What command {t}? Only the command.", "Write a one-line shell command that {t}."],
+    "everyday": ["{q} Give three short reasons.", "{q} Answer in two sentences."],
+    "math": ["{q} Answer with one sentence.", "{q} Write the calculation, then the answer."],
+}
+
 def _math_problems() -> list[tuple[str, str]]:
     """Short word problems, one subject per (names, item, numbers) combination."""
     out = []
@@ -328,14 +361,15 @@ def _math_problems() -> list[tuple[str, str]]:
     return out
 
 
-def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
-    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more`, those
-    of the MORE templates instead."""
+def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
+    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more` ("more"
+    or "more2"), those of the MORE or MORE2 templates instead, without the prompts of the earlier sets."""
     rows: list[tuple[str, str, str]] = []
+    extra = {"more": MORE, "more2": MORE2}.get(more)
 
     def add(category, subjects, templates, fmt):
         for s in subjects:
-            for t in (MORE[category] if more else templates):
+            for t in (extra[category] if extra else templates):
                 rows.append((category, str(s), fmt(t, s)))
 
     add("explain", TOPICS, EXPLAIN, lambda t, s: t.format(t=s))
@@ -355,11 +389,13 @@ def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
     add("everyday", EVERYDAY, ["{q}", "{q} Answer briefly.", "{q} Explain it to a child."],
         lambda t, s: t.format(q=s))
     for subject, q in _math_problems():
-        for t in (MORE["math"] if more else ["{q}", "{q} Show your working briefly."]):
+        for t in (extra["math"] if extra else ["{q}", "{q} Show your working briefly."]):
             rows.append(("math", subject, t.format(q=q)))
     if not more:
         return rows
     known = {prompt for _, _, prompt in _catalogue()}
+    if more == "more2":
+        known |= {prompt for _, _, prompt in _catalogue("more")}
     return [row for row in rows if row[2] not in known]
 
 
@@ -380,9 +416,9 @@ def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order ("more": the MORE templates
     on the train subjects)."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout' or 'more'")
-    if split == "more":
-        return [row for row in _catalogue(more=True) if split_of(row[0], row[1]) == "train"]
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more' or 'more2'")
+    if split in ("more", "more2"):
+        return [row for row in _catalogue(more=split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 
 

@@ -24,7 +24,7 @@ from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, split_of, write_
 from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "more")
 
 SEQUENCES = [
     "days of the week", "months of the year", "planets of the solar system", "colours of the rainbow",
@@ -92,8 +92,28 @@ FORMAT_TEMPLATES = ["Give three facts about {t} as a numbered list.",
                     "Write a bullet list of three points about {t}."]
 
 
-def _count_subjects() -> list[tuple[str, dict]]:
-    rng = random.Random("structured-count")
+# The "more" split: further templates and numbers on train subjects only (training data after "train" was used by
+# v3); it changes neither the train nor the held-out split.
+MORE_ENUM = ["Write the {t} separated by semicolons.", "List the {t} in reverse order.",
+             "Give the {t}, with a number before each.", "Which are the {t}? List them."]
+MORE_COUNT = ["Write the numbers from {a} to {b}.", "Count backwards from {b} to {a}, separated by commas.",
+              "List every {k}th number from {a} to {b}."]
+MORE_ARITH = {"+": ["Work out {a} + {b}.", "Find the sum of {a} and {b}. Explain each step."],
+              "-": ["Work out {a} - {b}.", "Find the difference between {a} and {b}. Explain each step."],
+              "*": ["Work out {a} × {b}.", "Find the product of {a} and {b}. Explain each step."]}
+MORE_CODE = ["Write a Python function that {t}. Use a for loop.",
+             "Write a Python function that {t} and print its result for one input.",
+             "Write a Python function that {t}, with a comment for each step."]
+MORE_DEFINE = ["In one sentence, what is {t}?", "Give a short glossary definition of {t}.",
+               "Define {t} in ten words or fewer."]
+MORE_FORMAT = ["Give two facts about {t} as a bulleted list.",
+               "Describe {t} as a JSON object with the keys \"topic\" and \"fact\".",
+               "Write a heading for {t} followed by two bullet points.",
+               "Give a numbered list of three questions about {t}.",
+               "Make a two-row table about {t} with the columns Term and Meaning."]
+
+def _count_subjects(seed: str = "structured-count") -> list[tuple[str, dict]]:
+    rng = random.Random(seed)
     out = []
     for i in range(400):
         k = rng.choice([2, 3, 4, 5, 10])
@@ -103,8 +123,8 @@ def _count_subjects() -> list[tuple[str, dict]]:
     return list(dict(out).items())
 
 
-def _arith_subjects() -> list[tuple[str, str, dict]]:
-    rng = random.Random("structured-arith")
+def _arith_subjects(seed: str = "structured-arith") -> list[tuple[str, str, dict]]:
+    rng = random.Random(seed)
     out = []
     for op in ("+", "-", "*"):
         for _ in range(260):
@@ -121,26 +141,33 @@ def _arith_subjects() -> list[tuple[str, str, dict]]:
     return out
 
 
-def _catalogue() -> list[tuple[str, str, str]]:
-    """Every structured prompt: (category, subject, prompt), in a fixed order, without duplicates."""
+def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
+    """Every structured prompt: (category, subject, prompt), in a fixed order, without duplicates; with `more`, the
+    MORE_* templates and a second draw of numbers instead, without the prompts of the first catalogue."""
+    enum, count, arith = (MORE_ENUM, MORE_COUNT, MORE_ARITH) if more else (ENUM_TEMPLATES, COUNT_TEMPLATES,
+                                                                          ARITH_TEMPLATES)
+    code, define, fmt = (MORE_CODE, MORE_DEFINE, MORE_FORMAT) if more else (CODE_TEMPLATES, DEFINE_TEMPLATES,
+                                                                           FORMAT_TEMPLATES)
+    suffix = "-more" if more else ""
     rows: list[tuple[str, str, str]] = []
     for s in SEQUENCES:
-        rows += [("enumerate", s, t.format(t=s)) for t in ENUM_TEMPLATES]
-    for subject, v in _count_subjects():
-        rows += [("enumerate", subject, t.format(**v)) for t in COUNT_TEMPLATES]
-    for op, subject, v in _arith_subjects():
+        rows += [("enumerate", s, t.format(t=s)) for t in enum]
+    counts = _count_subjects("structured-count" + suffix)
+    for subject, v in counts + (_count_subjects() if more else []):
+        rows += [("enumerate", subject, t.format(**v)) for t in count]
+    for op, subject, v in _arith_subjects("structured-arith" + suffix):
         if op.startswith("w"):
             a, b = (int(x) for x in subject.split(":")[1].split(","))
             rows.append(("arithmetic", subject, WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)))
         else:
-            rows += [("arithmetic", subject, t.format(**v)) for t in ARITH_TEMPLATES[op]]
+            rows += [("arithmetic", subject, t.format(**v)) for t in arith[op]]
     for s in CODE_TASKS:
-        rows += [("code", s, t.format(t=s)) for t in CODE_TEMPLATES]
+        rows += [("code", s, t.format(t=s)) for t in code]
     for s in TOPICS + WORDS:
-        rows += [("definition", s, t.format(t=s, T=s[:1].upper() + s[1:])) for t in DEFINE_TEMPLATES]
+        rows += [("definition", s, t.format(t=s, T=s[:1].upper() + s[1:])) for t in define]
     for s in TOPICS:
-        rows += [("format", s, t.format(t=s)) for t in FORMAT_TEMPLATES]
-    seen: set[str] = set()
+        rows += [("format", s, t.format(t=s)) for t in fmt]
+    seen: set[str] = {p for _, _, p in _catalogue()} if more else set()
     unique = []
     for row in rows:
         if row[2] not in seen:
@@ -152,7 +179,9 @@ def _catalogue() -> list[tuple[str, str, str]]:
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train' or 'heldout'")
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout' or 'more'")
+    if split == "more":
+        return [row for row in _catalogue(more=True) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 
 
@@ -179,9 +208,10 @@ def structured_prompts(split: str, n: int | None = None, seed: int = 0) -> list[
 def category_of() -> dict[str, str]:
     """Prompt text -> category over both catalogues (natural and structured, every split): tags distilled rows."""
     table: dict[str, str] = {}
-    for split in ("train", "heldout", "more"):
+    for split in ("train", "heldout", "more", "more2"):
         table.update({p: c for c, _, p in natural_table(split)})
     table.update({p: c for c, _, p in _catalogue()})
+    table.update({p: c for c, _, p in _catalogue(more=True)})
     return table
 
 
@@ -194,22 +224,29 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 # COUNT_TEMPLATES' sequences, in their order: up, up, down, up, in steps, multiples
 _COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1), lambda a, b, k: range(b, a - 1, -1),
            lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1, k), lambda a, b, k: range(a, b + 1, k))
+# what each of MORE_COUNT asks, in its order
+_MORE_COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(b, a - 1, -1),
+                lambda a, b, k: range(a, b + 1, k))
 
 
 def _exact_answers() -> dict[str, tuple[str, list[int]]]:
     """Prompt -> ("result", [n]) for the arithmetic prompts, ("sequence", [n, ...]) for the counting ones: what a
-    correct answer holds, computed from the numbers the generator put in the prompt."""
+    correct answer holds, computed from the numbers the generator put in the prompt (both catalogues)."""
     table: dict[str, tuple[str, list[int]]] = {}
-    for subject, v in _count_subjects():
-        for template, seq in zip(COUNT_TEMPLATES, _COUNTS, strict=True):
-            table[template.format(**v)] = ("sequence", list(seq(v["a"], v["b"], v["k"])))
-    for op, subject, v in _arith_subjects():
-        if op.startswith("w"):
-            a, b = (int(x) for x in subject.split(":")[1].split(","))
-            table[WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)] = ("result", [_WORD_ANSWERS[int(op[1:])](a, b)])
-        else:
-            for template in ARITH_TEMPLATES[op]:
-                table[template.format(**v)] = ("result", [_OPS[op](v["a"], v["b"])])
+    more_counts = _count_subjects("structured-count-more") + _count_subjects()
+    for subjects, templates, seqs in ((_count_subjects(), COUNT_TEMPLATES, _COUNTS),
+                                      (more_counts, MORE_COUNT, _MORE_COUNTS)):
+        for subject, v in subjects:
+            for template, seq in zip(templates, seqs, strict=True):
+                table.setdefault(template.format(**v), ("sequence", list(seq(v["a"], v["b"], v["k"]))))
+    for seed, templates in (("structured-arith", ARITH_TEMPLATES), ("structured-arith-more", MORE_ARITH)):
+        for op, subject, v in _arith_subjects(seed):
+            if op.startswith("w"):
+                a, b = (int(x) for x in subject.split(":")[1].split(","))
+                table[WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)] = ("result", [_WORD_ANSWERS[int(op[1:])](a, b)])
+            else:
+                for template in templates[op]:
+                    table[template.format(**v)] = ("result", [_OPS[op](v["a"], v["b"])])
     return table
 
 
