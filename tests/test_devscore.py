@@ -1,0 +1,49 @@
+"""finetune.evals.devscore: the per-group numbers it prints are recomputed here from the per-answer record."""
+
+import pytest
+
+from finetune.evals.devscore import dev_prompts, format_table, score_model
+
+
+@pytest.fixture(scope="module")
+def scored():
+    from mars_core import load_model
+
+    lm = load_model("tiny-mars", dtype="float32")
+    items = [("enumerate", "1 2 3 4 5"), ("arithmetic", "12+34="), ("explain", "count: a b c d"),
+             ("define", "9 8 7 6")]
+    return score_model(lm, items, [1.0, 0.6], block_size=4, max_new_tokens=24, batch_size=2), items
+
+
+def test_each_groups_tokens_per_forward_and_share_equal_to_ar_follow_from_the_answers(scored):
+    res, items = scored
+    groups = {"all": [0, 1, 2, 3], "structured": [0, 1], "natural": [2, 3], "enumerate": [0], "explain": [2]}
+    for g, idx in groups.items():
+        row = res["summary"][g]
+        assert row["n"] == len(idx)
+        for name in ("tau1.0", "tau0.6", "tree"):
+            tpf = sum(res["tokens"][name][i] / res["forwards"][name][i] for i in idx) / len(idx)
+            same = sum(res["answers"][name][i] == res["answers"]["ar"][i] for i in idx) / len(idx)
+            assert row[f"{name}_tpf"] == pytest.approx(tpf)
+            assert row[f"{name}_same"] == pytest.approx(same)
+
+
+def test_tau_one_is_ar_and_lossless_tree_gives_ars_answer_in_fewer_forwards(scored):
+    res, _ = scored
+    assert res["answers"]["tau1.0"] == res["answers"]["ar"] == res["answers"]["tree"]
+    assert res["forwards"]["tau1.0"] == res["forwards"]["ar"]
+    assert sum(res["forwards"]["tree"]) < sum(res["forwards"]["ar"])
+    assert res["summary"]["all"]["tau1.0_same"] == 1.0
+
+
+def test_the_table_prints_the_summary():
+    summary = {"all": {"n": 2, "tau0.9_tpf": 1.25, "tau0.9_same": 0.5, "tau0.9_loops": 1,
+                       "tree_tpf": 2.0, "tree_same": 1.0, "tree_loops": 0}}
+    table = format_table("m", summary, [0.9])
+    assert "| all | 2 | 1.250 (50%, 1) | 2.000 (100%, 0) |" in table
+
+
+def test_development_scores_refuse_the_report_seed():
+    with pytest.raises(ValueError, match="report seed"):
+        dev_prompts(2, 2, seed=1)
+    assert dev_prompts(2, 2, seed=3, report=True) == dev_prompts(2, 2, seed=1, report=True)
