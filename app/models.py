@@ -63,23 +63,24 @@ GENERAL_PROMPTS = [
 ]
 
 # The real-language MARS model's teaching prompts: development prompts (held-out natural and structured prompts,
-# seed 77, none in a report set) on which smollm2-mars v3's AR answer is correct, ends within the page's 112
-# tokens and does not loop (`python -m app.pick_examples`; most candidates failed that: a 135M model is often
-# wrong). Each maps to the facts its AR answer must hold (tests/test_teaching.py), in every served format: "List
-# the numbers from 8 to 28" (2.1 tokens per forward at τ 0.95 in w8a8) was dropped because in fp32 and w8a16 AR
-# counts 8, 12, 14, … past 28.
+# seed 77, none in a report set) on which smollm2-mars's AR answer is correct, ends within the page's 112 tokens and
+# does not loop (`python -m app.pick_examples`; most candidates failed that: a 135M model is often wrong). Each maps
+# to the facts its AR answer must hold (tests/test_teaching.py), in every served format (fp32, w8a8, w8a16). With
+# v3.1 "Write a bullet list of three points about elections." was dropped (AR loops in w8a16) and so was "List the
+# numbers from 8 to 28, separated by commas." (AR runs past the limit).
 TEACHING_FACTS: dict[str, tuple[str, ...]] = {
-    "Write a bullet list of three points about elections.": ("election", "vote"),
     "Give three facts about sleep as a numbered list.": ("1.", "2.", "3.", "health"),
+    "Write a Python function that adds two numbers, and one example call.": ("def ", "return", "+"),
     "Define recycling in one sentence.": ("recycling", "materials"),
     "Give a one-sentence definition of inertia.": ("inertia", "resist", "motion"),
 }
 TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-# smollm2-mars: 0.95, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.9
-# some differ; app.pick_examples).
-DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.95}
+# smollm2-mars: 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.95
+# the Python one differs in fp32 and w8a8); on the development prompts it is faster there than v3 at 0.95 with more
+# answers equal to AR (docs/experiments/training-smollm2.md, "v3.1").
+DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}
 DEFAULT_TAU = 0.9
 
 

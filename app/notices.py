@@ -113,7 +113,7 @@ def teaching_note(name: str) -> str:
         return ""
     # folded: on a projector the explanation must not push the lanes below the first screen
     return (PREDICT + f"\n\n<details><summary><b>What you are seeing</b> on {_short(name)} (open)</summary>"
-            f"{_short(name)} starts at τ 0.95, where its lossy answers to the examples are "
+            f"{_short(name)} starts at τ {models.default_tau(name):g}, where its lossy answers to the examples are "
             "AR's. Lists, counting and arithmetic arrive several tokens per forward more often; on ordinary "
             "sentences most chunks are one token, and one forward of MARS costs more than "
             "one of AR, so there the MARS lane can be slower than AR. The lossless lane checks each draft against "
