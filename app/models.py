@@ -79,7 +79,7 @@ TEACHING_PROMPTS = list(TEACHING_FACTS)
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
 # smollm2-mars: 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.95
 # the Python one differs in fp32 and w8a8); on the development prompts it is faster there than v3 at 0.95 with more
-# answers equal to AR (docs/experiments/training-smollm2.md, "v3.1").
+# answers equal to AR (docs/experiments/training-smollm2.md, "smollm2-mars v3.1").
 DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}
 DEFAULT_TAU = 0.9
 
