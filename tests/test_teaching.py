@@ -56,3 +56,10 @@ def test_the_teaching_prompts_lead_the_examples_and_are_development_prompts():
     assert models.example_prompts("smollm2-mars")[: len(models.TEACHING_PROMPTS)] == models.TEACHING_PROMPTS
     assert list(models.TEACHING_FACTS) == models.TEACHING_PROMPTS
     assert all(models.TEACHING_FACTS[p] for p in models.TEACHING_PROMPTS)
+
+
+def test_the_teaching_note_names_the_tau_the_page_starts_smollm2_mars_at():
+    from app import notices
+
+    tau = models.default_tau("smollm2-mars")
+    assert f"starts at τ {tau:g}," in notices.teaching_note("smollm2-mars")
