@@ -41,6 +41,20 @@ def test_the_more2_split_is_new_prompts_on_train_subjects_only():
     assert {c for c, _, _ in more2} == set(CATEGORIES)
     assert len(prompt_table("more")) == 3220
 
+
+def test_the_more3_split_is_new_prompts_on_train_subjects_only_and_leaves_more2_as_it_was():
+    """'more3' (after v3.1 used 'more2') repeats no prompt of the four other splits and asks about no held-out
+    subject; 'more2', which v3.1 was trained on, keeps its size and order."""
+    import hashlib
+    earlier = {p for split in ("train", "heldout", "more", "more2") for *_, p in prompt_table(split)}
+    more3 = prompt_table("more3")
+    assert len(more3) >= 2500 and len({p for *_, p in more3}) == len(more3)
+    assert not {p for *_, p in more3} & earlier
+    assert not {(c, s) for c, s, _ in more3} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more3} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(natural_prompts("more2")).encode()).hexdigest()[:12]
+    assert (len(prompt_table("more2")), digest) == (2731, "2941e05ca185")
+
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
     """Every earlier run drew from these two (the report set is natural_prompts("heldout", 64, seed=1)): their
     sizes and a digest of their seed-0 order pin them."""

@@ -109,6 +109,37 @@ def test_the_more_split_is_new_prompts_on_train_subjects_only():
     assert all(tags[p] == c for c, _, p in more)
 
 
+def test_the_more2_split_is_new_prompts_on_train_subjects_only_and_leaves_more_as_it_was():
+    """'more2' (after v3.1 used 'more') repeats no prompt of the three other splits and asks about no held-out
+    subject; 'more', which v3.1 was trained on, keeps its size and order; every new prompt has its category."""
+    import hashlib
+
+    earlier = {p for split in ("train", "heldout", "more") for *_, p in prompt_table(split)}
+    more2 = prompt_table("more2")
+    assert len(more2) >= 3000 and len({p for *_, p in more2}) == len(more2)
+    assert not {p for *_, p in more2} & earlier
+    assert not {(c, s) for c, s, _ in more2} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more2} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(structured_prompts("more")).encode()).hexdigest()[:12]
+    assert (len(prompt_table("more")), digest) == (3759, "8b7d417cd056")
+    tags = category_of()
+    assert all(tags[p] == c for c, _, p in more2)
+
+
+def test_the_checker_knows_the_answers_of_the_more2_prompts():
+    from finetune.evals.structured import check_answer
+
+    more2 = prompt_table("more2")
+    down = next(p for c, _, p in more2 if p.startswith("Count down from") and p.endswith("one per line."))
+    b, a = _two_numbers(down)
+    assert check_answer(down, "\n".join(str(n) for n in range(b, a - 1, -1))) is None
+    assert check_answer(down, "\n".join(str(n) for n in range(b, a, -1))) is not None
+    prod = next(p for c, s, p in more2 if c == "arithmetic" and s.startswith("*") and p.startswith("Compute"))
+    x, y = (int(v) for v in prod[len("Compute "):-1].split(" × "))
+    assert check_answer(prod, f"{x} × {y} = {x * y}") is None
+    assert check_answer(prod, f"{x} × {y} = {x * y + 1}") == f"want {x * y}, wrote {x * y + 1}"
+
+
 def test_the_checker_knows_the_answers_of_the_more_prompts():
     from finetune.evals.structured import check_answer
 

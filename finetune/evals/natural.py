@@ -16,7 +16,8 @@ prompts therefore ask about subjects no training prompt of that category mention
 "more" is training data after "train" is used up (its 4,229 prompts went into smollm2-mars and its continuations):
 the templates of MORE, none of them in the main catalogue, on the train subjects only. It adds no held-out prompt
 and changes neither of the other splits (their prompts, order and seeds are what they were), so the report set
-and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more".
+and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more",
+and "more3" with the MORE3 templates, after v3.1 used "more2".
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hashlib
 import random
 
 HELDOUT_PERCENT = 15
-SPLITS = ("train", "heldout", "more", "more2")
+SPLITS = ("train", "heldout", "more", "more2", "more3")
 
 # ----------------------------------------------------------------------------- subjects
 
@@ -341,6 +342,38 @@ MORE2 = {
     "math": ["{q} Answer with one sentence.", "{q} Write the calculation, then the answer."],
 }
 
+# The "more3" split's templates: a fourth phrasing set on the train subjects, after "more2" was used by v3.1.
+MORE3 = {
+    "explain": ["Summarise {t} in three numbered points.", "Explain {t} to a ten-year-old in three sentences.",
+                "What are two facts everyone should know about {t}?", "Describe {t} in one short paragraph.",
+                "Why does {t} matter? Give two reasons.", "Write a short FAQ about {t} with two questions."],
+    "define": ["Explain the word '{t}' in simple English.", "Give the meaning of '{t}' and one example sentence.",
+               "What does '{t}' mean? Answer in one sentence.",
+               "Write a definition of '{t}' for a children's dictionary."],
+    "compare": ["Compare {a} and {b} in two sentences.", "What is the main difference between {a} and {b}?",
+                "Write a list with one advantage of {a} and one of {b}.", "Which is older, {a} or {b}? Explain briefly."],
+    "howto": ["List the steps to {t}, one per line.", "How can I {t} quickly? Give three tips.",
+              "Explain in three steps how to {t}.", "What is the first thing to do when you {t}?"],
+    "list": ["Write a bulleted list of five {t}.", "List four {t} in alphabetical order.",
+             "Give a numbered list of three {t}.", "Name five {t}. Only the names."],
+    "rewrite": ["Rewrite this in a formal tone: {s}", "Turn this into a headline: {s}",
+                "Rewrite this in the first person: {s}", "Make this sentence more polite: {s}"],
+    "translate": ["Translate into {lang}: '{p}'.", "How would you write '{p}' in {lang}? Give one answer."],
+    "write": ["Write a short invitation to {w}.", "Write a short apology to {w}.",
+              "Write a short reminder message to {w}."],
+    "poem": ["Write a three-line poem about {t}.", "Write a short poem about {t} for a greeting card.",
+             "Write a six-line poem about {t}."],
+    "story": ["Write the first three sentences of a story about {t}.", "Tell a short bedtime story about {t}.",
+              "Write a story about {t} in five sentences."],
+    "python": ["Write a short Python function that {t}.", "Write a Python function named solve that {t}.",
+               "Give a Python function that {t}, and explain how it works in two sentences."],
+    "sql": ["Write the SQL query that {t}.", "Show a simple SQL query that {t}."],
+    "shell": ["Which shell command {t}?", "Give the terminal command that {t}."],
+    "everyday": ["{q} Give a two-sentence answer.", "{q} List two tips."],
+    "math": ["{q} Answer briefly.", "{q} Write one line of working and then the answer."],
+}
+
+
 def _math_problems() -> list[tuple[str, str]]:
     """Short word problems, one subject per (names, item, numbers) combination."""
     out = []
@@ -363,9 +396,10 @@ def _math_problems() -> list[tuple[str, str]]:
 
 def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
     """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more` ("more"
-    or "more2"), those of the MORE or MORE2 templates instead, without the prompts of the earlier sets."""
+    "more2" or "more3"), those of the MORE, MORE2 or MORE3 templates instead, without the prompts of the earlier
+    sets."""
     rows: list[tuple[str, str, str]] = []
-    extra = {"more": MORE, "more2": MORE2}.get(more)
+    extra = {"more": MORE, "more2": MORE2, "more3": MORE3}.get(more)
 
     def add(category, subjects, templates, fmt):
         for s in subjects:
@@ -394,8 +428,8 @@ def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
     if not more:
         return rows
     known = {prompt for _, _, prompt in _catalogue()}
-    if more == "more2":
-        known |= {prompt for _, _, prompt in _catalogue("more")}
+    for earlier in ("more", "more2")[:("more", "more2", "more3").index(more)]:
+        known |= {prompt for _, _, prompt in _catalogue(earlier)}
     return [row for row in rows if row[2] not in known]
 
 
@@ -416,8 +450,8 @@ def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order ("more": the MORE templates
     on the train subjects)."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more' or 'more2'")
-    if split in ("more", "more2"):
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more', 'more2' or 'more3'")
+    if split in ("more", "more2", "more3"):
         return [row for row in _catalogue(more=split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 

@@ -24,7 +24,7 @@ from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, split_of, write_
 from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
-SPLITS = ("train", "heldout", "more")
+SPLITS = ("train", "heldout", "more", "more2")
 
 SEQUENCES = [
     "days of the week", "months of the year", "planets of the solar system", "colours of the rainbow",
@@ -112,6 +112,24 @@ MORE_FORMAT = ["Give two facts about {t} as a bulleted list.",
                "Give a numbered list of three questions about {t}.",
                "Make a two-row table about {t} with the columns Term and Meaning."]
 
+# The "more2" split: a third set of templates and a third draw of numbers (training data after v3.1 used "more").
+MORE2_ENUM = ["Name all the {t}.", "Write the {t} on one line, separated by commas.",
+              "List the {t} with a dash before each.", "Tell me the {t}, one per line, numbered."]
+MORE2_COUNT = ["Say the numbers from {a} to {b}, separated by commas.", "Count down from {b} to {a}, one per line.",
+               "Skip count by {k} from {a} to {b}."]
+MORE2_ARITH = {"+": ["Compute {a} + {b}.", "What do you get when you add {a} and {b}? Show the steps."],
+               "-": ["Compute {a} - {b}.", "What is {b} less than {a}? Show the steps."],
+               "*": ["Compute {a} × {b}.", "What is {a} multiplied by {b}? Show the steps."]}
+MORE2_CODE = ["Write a Python function that {t}. Keep it under ten lines.",
+              "Write a Python function that {t}, with a docstring and one example in it.",
+              "Write a Python function that {t}, and call it once."]
+MORE2_DEFINE = ["What does {t} mean? Answer in two sentences.", "Define {t} for a beginner.",
+                "Write a one-line definition of {t}."]
+MORE2_FORMAT = ["List three facts about {t} as a numbered list.",
+                "Write {t} as a JSON object with the keys \"name\" and \"summary\".",
+                "Give a title and three bullet points about {t}.",
+                "Write a table about {t} with the columns Question and Answer, two rows."]
+
 def _count_subjects(seed: str = "structured-count") -> list[tuple[str, dict]]:
     rng = random.Random(seed)
     out = []
@@ -141,21 +159,41 @@ def _arith_subjects(seed: str = "structured-arith") -> list[tuple[str, str, dict
     return out
 
 
-def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
-    """Every structured prompt: (category, subject, prompt), in a fixed order, without duplicates; with `more`, the
-    MORE_* templates and a second draw of numbers instead, without the prompts of the first catalogue."""
-    enum, count, arith = (MORE_ENUM, MORE_COUNT, MORE_ARITH) if more else (ENUM_TEMPLATES, COUNT_TEMPLATES,
-                                                                          ARITH_TEMPLATES)
-    code, define, fmt = (MORE_CODE, MORE_DEFINE, MORE_FORMAT) if more else (CODE_TEMPLATES, DEFINE_TEMPLATES,
-                                                                           FORMAT_TEMPLATES)
-    suffix = "-more" if more else ""
+# The template sets in the order they were added: "" is the first catalogue (train and held-out), "more" was
+# distilled for v3.1, "more2" after it. Counting templates run over their own draw of numbers and every earlier
+# draw; arithmetic ones over their own draw only.
+_SETS = ("", "more", "more2")
+
+
+def _templates(more: str):
+    """(enum, count, count sequences, arithmetic, code, define, format) templates of one set."""
+    return {"": (ENUM_TEMPLATES, COUNT_TEMPLATES, _COUNTS, ARITH_TEMPLATES, CODE_TEMPLATES, DEFINE_TEMPLATES,
+                 FORMAT_TEMPLATES),
+            "more": (MORE_ENUM, MORE_COUNT, _MORE_COUNTS, MORE_ARITH, MORE_CODE, MORE_DEFINE, MORE_FORMAT),
+            "more2": (MORE2_ENUM, MORE2_COUNT, _MORE2_COUNTS, MORE2_ARITH, MORE2_CODE, MORE2_DEFINE,
+                      MORE2_FORMAT)}[more]
+
+
+def _draw_seed(kind: str, more: str) -> str:
+    return f"structured-{kind}" + (f"-{more}" if more else "")
+
+
+def _count_draws(more: str) -> list[tuple[str, dict]]:
+    """The counting subjects a set's templates use: its own draw first, then the earlier sets' draws."""
+    sets = _SETS[:_SETS.index(more) + 1]
+    return [row for m in reversed(sets) for row in _count_subjects(_draw_seed("count", m))]
+
+
+def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
+    """Every structured prompt: (category, subject, prompt), in a fixed order, without duplicates; with `more`
+    ("more" or "more2"), that set's templates and draw of numbers instead, without the earlier sets' prompts."""
+    enum, count, _, arith, code, define, fmt = _templates(more)
     rows: list[tuple[str, str, str]] = []
     for s in SEQUENCES:
         rows += [("enumerate", s, t.format(t=s)) for t in enum]
-    counts = _count_subjects("structured-count" + suffix)
-    for subject, v in counts + (_count_subjects() if more else []):
+    for subject, v in _count_draws(more):
         rows += [("enumerate", subject, t.format(**v)) for t in count]
-    for op, subject, v in _arith_subjects("structured-arith" + suffix):
+    for op, subject, v in _arith_subjects(_draw_seed("arith", more)):
         if op.startswith("w"):
             a, b = (int(x) for x in subject.split(":")[1].split(","))
             rows.append(("arithmetic", subject, WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)))
@@ -167,7 +205,7 @@ def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
         rows += [("definition", s, t.format(t=s, T=s[:1].upper() + s[1:])) for t in define]
     for s in TOPICS:
         rows += [("format", s, t.format(t=s)) for t in fmt]
-    seen: set[str] = {p for _, _, p in _catalogue()} if more else set()
+    seen = {p for m in _SETS[:_SETS.index(more)] for _, _, p in _catalogue(m)}
     unique = []
     for row in rows:
         if row[2] not in seen:
@@ -179,9 +217,9 @@ def _catalogue(more: bool = False) -> list[tuple[str, str, str]]:
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout' or 'more'")
-    if split == "more":
-        return [row for row in _catalogue(more=True) if split_of(row[0], row[1]) == "train"]
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more' or 'more2'")
+    if split in ("more", "more2"):
+        return [row for row in _catalogue(split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 
 
@@ -208,10 +246,10 @@ def structured_prompts(split: str, n: int | None = None, seed: int = 0) -> list[
 def category_of() -> dict[str, str]:
     """Prompt text -> category over both catalogues (natural and structured, every split): tags distilled rows."""
     table: dict[str, str] = {}
-    for split in ("train", "heldout", "more", "more2"):
+    for split in ("train", "heldout", "more", "more2", "more3"):
         table.update({p: c for c, _, p in natural_table(split)})
-    table.update({p: c for c, _, p in _catalogue()})
-    table.update({p: c for c, _, p in _catalogue(more=True)})
+    for more in _SETS:
+        table.update({p: c for c, _, p in _catalogue(more)})
     return table
 
 
@@ -227,25 +265,25 @@ _COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1), lam
 # what each of MORE_COUNT asks, in its order
 _MORE_COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(b, a - 1, -1),
                 lambda a, b, k: range(a, b + 1, k))
+# and of MORE2_COUNT: up, down, in steps
+_MORE2_COUNTS = _MORE_COUNTS
 
 
 def _exact_answers() -> dict[str, tuple[str, list[int]]]:
     """Prompt -> ("result", [n]) for the arithmetic prompts, ("sequence", [n, ...]) for the counting ones: what a
     correct answer holds, computed from the numbers the generator put in the prompt (both catalogues)."""
     table: dict[str, tuple[str, list[int]]] = {}
-    more_counts = _count_subjects("structured-count-more") + _count_subjects()
-    for subjects, templates, seqs in ((_count_subjects(), COUNT_TEMPLATES, _COUNTS),
-                                      (more_counts, MORE_COUNT, _MORE_COUNTS)):
-        for subject, v in subjects:
-            for template, seq in zip(templates, seqs, strict=True):
+    for more in _SETS:
+        _, count, seqs, arith, *_ = _templates(more)
+        for subject, v in _count_draws(more):
+            for template, seq in zip(count, seqs, strict=True):
                 table.setdefault(template.format(**v), ("sequence", list(seq(v["a"], v["b"], v["k"]))))
-    for seed, templates in (("structured-arith", ARITH_TEMPLATES), ("structured-arith-more", MORE_ARITH)):
-        for op, subject, v in _arith_subjects(seed):
+        for op, subject, v in _arith_subjects(_draw_seed("arith", more)):
             if op.startswith("w"):
                 a, b = (int(x) for x in subject.split(":")[1].split(","))
                 table[WORD_PROBLEMS[int(op[1:])].format(a=a, b=b)] = ("result", [_WORD_ANSWERS[int(op[1:])](a, b)])
             else:
-                for template in templates[op]:
+                for template in arith[op]:
                     table[template.format(**v)] = ("result", [_OPS[op](v["a"], v["b"])])
     return table
 
