@@ -69,3 +69,73 @@ def test_a_fine_tune_that_moved_the_embedding_is_refused_by_name(tiny, tmp_path)
     with pytest.raises(ValueError, match="--rank 0"):
         main(["--checkpoint", str(out / "checkpoint-1"), "--base", str(model_dir), "--rank", "0",
               "--out", str(tmp_path / "d")])
+
+
+def test_int8_factors_are_within_one_rounding_step_and_a_zero_component_stays_zero():
+    from mars_core.models.adapter import quantize_factors
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(6, 20, generator=g), torch.randn(15, 6, generator=g)
+    a[3], b[:, 3] = 0, 0   # a padded (zero) component
+    q = quantize_factors(a, b)
+    assert q["lora_A"].dtype == q["lora_B"].dtype == torch.int8
+    assert q["lora_A_scale"].shape == q["lora_B_scale"].shape == (6,)
+    back_a = q["lora_A"].float() * q["lora_A_scale"][:, None]
+    back_b = q["lora_B"].float() * q["lora_B_scale"][None, :]
+    assert ((back_a - a).abs() <= q["lora_A_scale"][:, None] / 2 + 1e-7).all()
+    assert ((back_b - b).abs() <= q["lora_B_scale"][None, :] / 2 + 1e-7).all()
+    assert not back_a[3].any() and not back_b[:, 3].any()
+    assert q["lora_A"].abs().amax(dim=1)[[0, 1, 2, 4, 5]].eq(127).all()   # each row uses the whole int8 range
+
+
+def test_an_int8_delta_is_half_the_bytes_loads_and_decodes_like_the_float_one(tiny, full_ft, tmp_path, monkeypatch):
+    """--dtype int8 stores the factors as int8 with a scale per rank component; the loader dequantizes them, so
+    the merged model is the float32 delta's up to int8 rounding, τ = 1 is its AR and lossless equals AR."""
+    from mars_core import DecodeConfig, generate, load_model
+    from mars_core.models.adapter import read_adapter
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, _ = tiny
+    outs = {}
+    for dtype in ("float32", "bfloat16", "int8"):
+        outs[dtype] = tmp_path / dtype
+        assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--rank", "16", "--out",
+                     str(outs[dtype]), "--dtype", dtype]) == 0
+    from safetensors.torch import load_file
+
+    def factor_bytes(folder):
+        return sum(t.numel() * t.element_size() for k, t in load_file(str(folder / "adapter.safetensors")).items()
+                   if ".lora_" in k)
+    size = {d: factor_bytes(o) for d, o in outs.items()}
+    assert size["int8"] < 0.55 * size["bfloat16"] < 0.3 * size["float32"]
+    cfg, mods8, _ = read_adapter(outs["int8"])
+    _, mods32, _ = read_adapter(outs["float32"])
+    assert cfg["dtype"] == "int8" and set(mods8) == set(mods32)
+    for m, (a, b) in mods32.items():
+        assert mods8[m][0].dtype == torch.float32
+        err = (mods8[m][1] @ mods8[m][0] - b @ a).norm() / (b @ a).norm().clamp_min(1e-12)
+        assert err < 0.03, m
+    merged = load_model(str(outs["int8"]), device="cpu", dtype="float32", cpu_layout=False)
+    prompt = "What is 12 + 7?"
+    ar = generate(merged, [prompt], DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=16))[0]
+    assert generate(merged, [prompt], DecodeConfig(mode="mars", tau=1.0, max_new_tokens=16))[0].token_ids == \
+        ar.token_ids
+    assert generate(merged, [prompt], DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16))[0].token_ids == \
+        ar.token_ids
+
+
+def test_an_int8_adapter_without_its_scales_is_refused_by_name(tiny, full_ft, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mars_core.models.adapter import read_adapter
+
+    model_dir, _ = tiny
+    out = tmp_path / "d"
+    assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--rank", "4", "--out", str(out),
+                 "--dtype", "int8"]) == 0
+    tensors = load_file(str(out / "adapter.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_B_scale"))
+    tensors.pop(key)
+    save_file(tensors, str(out / "adapter.safetensors"))
+    with pytest.raises(ValueError, match=key.rpartition(".")[0].replace(".", r"\.") + " has only"):
+        read_adapter(out)

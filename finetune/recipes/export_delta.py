@@ -85,18 +85,22 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
 def save(out: Path, parts: dict, spec: AdapterSpec) -> None:
     """Write the folder beside `out` and swap it in (mars_core.models.storage.replace_folder): never half a folder.
 
-    `spec.r` is the rank (the config's alpha is `spec.alpha`; `r` gives scale 1), `spec.dtype` a DTYPES name.
+    `spec.r` is the rank (the config's alpha is `spec.alpha`; `r` gives scale 1), `spec.dtype` a DTYPES name or
+    "int8" (factors int8 with a float32 scale per rank component: mars_core.models.adapter.quantize_factors).
     """
     from safetensors.torch import save_file
 
-    from mars_core.models.adapter import CONFIG_FILE, DTYPES, FORMAT, MASK_ROW_KEY, NORM_SUFFIX, WEIGHTS_FILE
+    from mars_core.models.adapter import (CONFIG_FILE, DTYPES, FORMAT, INT8, MASK_ROW_KEY, NORM_SUFFIX, WEIGHTS_FILE,
+                                          quantize_factors)
     from mars_core.models.storage import replace_folder
 
-    store = DTYPES[spec.dtype]
     tensors = {}
     for name, (a, b) in sorted(parts["modules"].items()):
-        tensors[f"{name}.lora_A"] = a.to(store).contiguous()
-        tensors[f"{name}.lora_B"] = b.to(store).contiguous()
+        if spec.dtype == INT8:
+            tensors.update({f"{name}.{key}": t for key, t in quantize_factors(a, b).items()})
+        else:
+            tensors[f"{name}.lora_A"] = a.to(DTYPES[spec.dtype]).contiguous()
+            tensors[f"{name}.lora_B"] = b.to(DTYPES[spec.dtype]).contiguous()
     tensors[MASK_ROW_KEY] = parts["mask_row"].contiguous()
     for name, w in sorted(parts["norms"].items()):
         tensors[f"{name}.{NORM_SUFFIX}"] = w.contiguous()
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default="smollm2", help="the model the adapter goes on (default: smollm2)")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--out", required=True, help="the adapter folder to write (replaced by rename if it exists)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"],
+                    help="how the factors are stored (int8: half of bfloat16's bytes, a float32 scale per component)")
     args = ap.parse_args(argv)
     if args.rank < 1:
         raise ValueError(f"--rank {args.rank}: use 1 or more (64 ships SmolLM2's change in ~40 MB)")

@@ -9,7 +9,9 @@ than merging it.
 A folder holds
   adapter.safetensors   "<module>.lora_A" [r, in] and "<module>.lora_B" [out, r] for each adapted nn.Linear
                         (module paths inside the CausalLM, e.g. "model.layers.0.self_attn.q_proj"), in the
-                        config's dtype; optionally "mask_row" [hidden] in float32, the trained embedding
+                        config's dtype; with dtype "int8", int8 factors and float32 "<module>.lora_A_scale" [r]
+                        (one per row of A) and "<module>.lora_B_scale" [r] (one per column of B): half the bytes
+                        of bfloat16, so twice the rank in the same folder; optionally "mask_row" [hidden] in float32, the trained embedding
                         row of the mask token, and "<module>.norm_weight" [hidden] in float32: the new weight
                         of a normalisation layer (a full fine-tune changes those 1-D weights, which no low-rank
                         delta can hold; finetune.recipes.export_delta writes them)
@@ -43,6 +45,8 @@ MASK_ROW_KEY = "mask_row"
 NORM_SUFFIX = "norm_weight"   # "<module>.norm_weight": a normalisation layer's new weight, replacing the base's
 REQUIRED_KEYS = ("format", "base", "r", "alpha", "mask_id", "mask_token", "block_size", "dtype")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INT8 = "int8"   # a stored dtype only (read_adapter dequantizes): factors int8, one float32 scale per rank component
+SCALE_SUFFIX = "_scale"
 PEFT_PREFIX = "base_model.model."
 RECIPE_HINT = "rebuild it with its recipe (`python -m finetune.recipes.recipe_smollm2` for smollm2-mars)"
 
@@ -204,8 +208,8 @@ def _check_config(cfg, path: Path, fix: str = RECIPE_HINT) -> None:
         bad("mask_token", "must be the mask token's text (e.g. '<repo_name>')")
     if not isinstance(cfg["block_size"], int) or isinstance(cfg["block_size"], bool) or cfg["block_size"] < 1:
         bad("block_size", "must be a positive integer (B, the block size it was trained with)")
-    if cfg["dtype"] not in DTYPES:
-        bad("dtype", f"must be one of {sorted(DTYPES)}")
+    if cfg["dtype"] not in (*DTYPES, INT8):
+        bad("dtype", f"must be one of {sorted(DTYPES) + [INT8]}")
 
 
 def read_adapter_config(adapter_dir) -> dict:
@@ -257,7 +261,8 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
         tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error type for truncated or garbled files
         raise ValueError(f"{path} is damaged or truncated ({exc}): {_restore_hint(path)}") from exc
-    r, store = cfg["r"], DTYPES[cfg["dtype"]]
+    r, int8 = cfg["r"], cfg["dtype"] == INT8
+    store = torch.int8 if int8 else DTYPES[cfg["dtype"]]
     mask_row = tensors.pop(MASK_ROW_KEY, None)
     if mask_row is not None and (mask_row.ndim != 1 or mask_row.dtype != torch.float32):
         raise ValueError(f"{path}: mask_row is {mask_row.dtype} {tuple(mask_row.shape)}, not a float32 row: "
@@ -267,6 +272,12 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
         module, _, part = key.rpartition(".")
         if part == NORM_SUFFIX and _MODULE_PATH.fullmatch(module):
             continue
+        if int8 and part in ("lora_A" + SCALE_SUFFIX, "lora_B" + SCALE_SUFFIX) and _MODULE_PATH.fullmatch(module):
+            if tensor.ndim != 1 or tensor.dtype != torch.float32 or tensor.shape[0] != r:
+                raise ValueError(f"{path}: {key} is {tensor.dtype} {tuple(tensor.shape)}, not float32 [{r}] (one "
+                                 f"scale per rank component): {_restore_hint(path)}")
+            parts.setdefault(module, {})[part] = tensor
+            continue
         if part not in ("lora_A", "lora_B") or not _MODULE_PATH.fullmatch(module):
             raise ValueError(f"{path}: unknown tensor {key!r} (want '<module>.lora_A', '<module>.lora_B' or "
                              f"'mask_row'): {_restore_hint(path)}")
@@ -275,13 +286,17 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
                              f"{cfg['dtype']}: {_restore_hint(path)}")
         parts.setdefault(module, {})[part] = tensor
     modules = {}
+    want = {"lora_A", "lora_B"} | ({"lora_A" + SCALE_SUFFIX, "lora_B" + SCALE_SUFFIX} if int8 else set())
     for module, p in sorted(parts.items()):
-        if set(p) != {"lora_A", "lora_B"}:
-            raise ValueError(f"{path}: {module} has only {sorted(p)}: {_restore_hint(path)}")
+        if set(p) != want:
+            raise ValueError(f"{path}: {module} has only {sorted(p)}, not {sorted(want)}: {_restore_hint(path)}")
         a, b = p["lora_A"], p["lora_B"]
         if a.shape[0] != r or b.shape[1] != r:
             raise ValueError(f"{path}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have "
                              f"the config's rank r={r}: {_restore_hint(path)}")
+        if int8:
+            a = a.float() * p["lora_A" + SCALE_SUFFIX][:, None]
+            b = b.float() * p["lora_B" + SCALE_SUFFIX][None, :]
         modules[module] = (a, b)
     if not modules and mask_row is None:
         raise ValueError(f"{path} holds no LoRA weights and no mask_row: {_restore_hint(path)}")
@@ -289,6 +304,20 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
         if t is not None and not torch.isfinite(t.float()).all():
             raise ValueError(f"{path}: {name} holds NaN or inf: {_restore_hint(path)}")
     return cfg, modules, mask_row
+
+
+def quantize_factors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A [r, in] and B [out, r] as int8 with one float32 scale per rank component (A's rows, B's columns),
+    symmetric and rounded to nearest: {"lora_A", "lora_A_scale", "lora_B", "lora_B_scale"}. A zero component
+    gets scale 1 (its int8 values are 0 either way)."""
+    out = {}
+    for name, t, dim in (("lora_A", a.float(), 1), ("lora_B", b.float(), 0)):
+        scale = t.abs().amax(dim=dim) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        shaped = scale[:, None] if dim == 1 else scale[None, :]
+        out[name] = torch.round(t / shaped).clamp(-127, 127).to(torch.int8).contiguous()
+        out[name + SCALE_SUFFIX] = scale.contiguous()
+    return out
 
 
 def adapter_files_size(adapter_dir) -> int:
