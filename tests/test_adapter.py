@@ -391,7 +391,9 @@ SHIPPED = sources.REPO_ROOT / "assets" / "smollm2-mars"
 
 def test_shipped_smollm2_mars_adapter_is_small_and_well_formed():
     """Reads the shipped files only (no SmolLM2): size budget, config, every tensor well-formed."""
-    assert adapter_files_size(SHIPPED) <= 30 * 10**6   # v3: a rank-48 delta of a full fine-tune; assets stay < 30 MB
+    # issue 52: the adapter folder ≤ 48 MB (v3.1: a rank-128 delta of a full fine-tune, int8 factors), under the
+    # 50 MB at which GitHub warns about a file
+    assert adapter_files_size(SHIPPED) <= 48 * 10**6
     assert (SHIPPED / "README.md").is_file()
     cfg, modules, mask_row = read_adapter(SHIPPED)
     assert cfg["base"] == "smollm2" and cfg["mask_token"] == "<repo_name>" and cfg["mask_id"] == 3

@@ -31,8 +31,8 @@ def natural():
     return natural_prompts("heldout", 12, seed=3)
 
 
-def test_the_adapter_files_fit_30_mb_and_load_from_the_package_and_the_repo(lm):
-    assert adapter_files_size(SHIPPED) <= 30 * 10**6   # the project keeps every asset file under 30 MB
+def test_the_adapter_files_fit_48_mb_and_load_from_the_package_and_the_repo(lm):
+    assert adapter_files_size(SHIPPED) <= 48 * 10**6   # issue 52: the adapter folder stays within 48 MB
     assert lm.mask_id == 3 and lm.tokenizer.convert_ids_to_tokens(3) == "<repo_name>"
     assert sources.is_prepared("smollm2-mars")
 
