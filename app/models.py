@@ -66,21 +66,24 @@ GENERAL_PROMPTS = [
 # seed 77, none in a report set) on which smollm2-mars's AR answer is correct, ends within the page's 112 tokens and
 # does not loop (`python -m app.pick_examples`; most candidates failed that: a 135M model is often wrong). Each maps
 # to the facts its AR answer must hold (tests/test_teaching.py), in every served format (fp32, w8a8, w8a16). With
-# v3.1 "Write a bullet list of three points about elections." was dropped (AR loops in w8a16) and so was "List the
-# numbers from 8 to 28, separated by commas." (AR runs past the limit).
+# v3.1 at rank 128 the set leads with a sequence, where the masks guess most (about 2 tokens per forward), then code,
+# a list and a one-sentence definition, where they guess least: the lesson is where MARS pays and where it does not.
+# "Write a Python function that adds two numbers, and one example call." was dropped (in fp32 and w8a16 AR runs
+# past the limit) and so was "Give a one-sentence definition of inertia." (1.05 tokens per forward in w8a8 at τ 0.95;
+# the recycling definition, kept, 1.10–1.15 in the three formats).
 TEACHING_FACTS: dict[str, tuple[str, ...]] = {
+    "Write the multiples of 10 from 0 to 100.": ("10, 20, 30", "80, 90, 100"),
+    "Write a Python function that adds two numbers.": ("def ", "return", "+"),
     "Give three facts about sleep as a numbered list.": ("1.", "2.", "3.", "health"),
-    "Write a Python function that adds two numbers, and one example call.": ("def ", "return", "+"),
     "Define recycling in one sentence.": ("recycling", "materials"),
-    "Give a one-sentence definition of inertia.": ("inertia", "resist", "motion"),
 }
 TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-# smollm2-mars: 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.95
-# the Python one differs in fp32 and w8a8); on the development prompts it is faster there than v3 at 0.95 with more
-# answers equal to AR (docs/experiments/training-smollm2.md, "smollm2-mars v3.1").
-DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}
+# smollm2-mars: 0.95, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (so are they
+# at 0.97, with fewer tokens per forward); on the development prompts 85% of its answers are AR's there and 1 of 88
+# loops, as at 0.97 (docs/experiments/training-smollm2.md, "Rank 48 was costing v3.1 a third of its gain").
+DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.95}
 DEFAULT_TAU = 0.9
 
 
