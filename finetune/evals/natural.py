@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import random
 
+from finetune.evals.natural_more import MORE, MORE2, MORE3
+
 HELDOUT_PERCENT = 15
 SPLITS = ("train", "heldout", "more", "more2", "more3")
 
@@ -268,110 +270,6 @@ PYTHON = ["Write a Python function that {t}.", "Write a short Python function th
           "Show me Python code that {t}."]
 SQL = ["Write an SQL query that {t}.", "Show an SQL statement that {t}."]
 SHELL = ["Write a shell command that {t}.", "Give a bash one-liner that {t}."]
-
-
-# The "more" split's templates, per category (the catalogue's templates for the same subjects are not repeated).
-MORE = {
-    "explain": ["What are the main ideas behind {t}?", "Give a real-life example of {t}.",
-                "What is a common misunderstanding about {t}?", "Explain {t} in three bullet points.",
-                "Write a short quiz question about {t}, with its answer.", "Explain {t} with a simple comparison.",
-                "What is one question people often ask about {t}? Answer it.", "Teach me about {t} in five sentences."],
-    "define": ["What is the opposite of '{t}'?", "Write two sentences that use the word '{t}'.",
-               "Is '{t}' a positive or a negative word? Explain briefly.",
-               "Give an example that shows what '{t}' means.", "Explain '{t}' to someone learning English."],
-    "compare": ["List two similarities and two differences between {a} and {b}.",
-                "When would you choose {a} instead of {b}?", "Explain the difference between {a} and {b} to a child.",
-                "Make a short table that compares {a} and {b}."],
-    "howto": ["What mistakes should I avoid when I {t}?", "What do I need before I {t}?",
-              "Explain to a complete beginner how to {t}.", "Give me a short checklist to {t}.",
-              "I want to {t}. Where do I start?"],
-    "list": ["List ten {t}.", "Give three examples of {t} and say why each one fits.",
-             "Name two {t} and describe each in one sentence.", "Make a numbered list of {t}."],
-    "rewrite": ["Rewrite this in the past tense: {s}", "Say the same thing in fewer words: {s}",
-                "Write a question that this sentence answers: {s}", "Make this sentence sound more exciting: {s}",
-                "List the key facts in this sentence: {s}", "Rewrite this for a newspaper: {s}"],
-    "translate": ["What is '{p}' in {lang}? Give only the translation.",
-                  "Translate '{p}' into {lang} and explain each word."],
-    "write": ["Write a friendly text message to {w}.", "Write a formal letter to {w}.",
-              "Write a two-sentence note to {w}."],
-    "poem": ["Write a limerick about {t}.", "Write a short rhyming poem about {t}.",
-             "Write a poem for children about {t}."],
-    "story": ["Write a very short story about {t} with a happy ending.",
-              "Write a story about {t} in exactly three sentences.",
-              "Describe the main character of a story about {t}."],
-    "python": ["Write a Python function that {t}, and show one example call.",
-               "Implement a Python function that {t}, with type hints.",
-               "Write a Python function that {t}, then explain it in one sentence."],
-    "sql": ["Write an SQL query that {t}, and explain it in one sentence.", "Give the SQL that {t}."],
-    "shell": ["Show a Linux command that {t}.", "Write a terminal command that {t}, and explain its parts."],
-    "everyday": ["{q} Give a short answer.", "{q} Answer in one sentence."],
-    "math": ["{q} Give only the number.", "{q} Explain your reasoning step by step."],
-}
-
-
-# The "more2" split's templates: a third phrasing set on the train subjects, after "more" was used up by v3. Most
-# ask for short lists, steps or fixed shapes: the answers where a mask can guess the next words.
-MORE2 = {
-    "explain": ["List three key points about {t}.", "Explain {t} in four short steps.",
-                "What causes {t}? Answer in two sentences.", "Write a short paragraph for a school book on {t}.",
-                "Give two examples of {t} in everyday life.", "Explain {t} in one sentence, then give one example."],
-    "define": ["Define '{t}' and give two synonyms.", "Write a dictionary entry for the word '{t}'.",
-               "Use '{t}' in three different sentences.", "What part of speech is '{t}'? Give an example."],
-    "compare": ["Give three differences between {a} and {b} as a list.", "Is {a} more like {b} or not? Explain.",
-                "Write one sentence about {a} and one about {b}.", "Name one thing {a} and {b} have in common."],
-    "howto": ["Give five short steps to {t}.", "How long does it take to {t}? Explain briefly.",
-              "Write a numbered list of steps to {t}.", "What tools do I need to {t}?"],
-    "list": ["List six {t}, one per line.", "Name three {t} and one fact about each.",
-             "Give a comma-separated list of {t}.", "List {t} from the most to the least common."],
-    "rewrite": ["Rewrite this as a question: {s}", "Rewrite this in the future tense: {s}",
-                "Shorten this to five words: {s}", "Rewrite this for a child: {s}"],
-    "translate": ["Translate '{p}' into {lang}, then back into English.",
-                  "Give the {lang} for '{p}' and how to pronounce it."],
-    "write": ["Write a short thank-you message to {w}.", "Write a three-line message to {w}.",
-              "Write an email subject line and a short message to {w}."],
-    "poem": ["Write a two-line rhyme about {t}.", "Write an acrostic poem about {t}.",
-             "Write a short poem about {t} with four lines that rhyme."],
-    "story": ["Write a story about {t} in four sentences.", "Give a title and a first sentence for a story about {t}.",
-              "Write a short fable about {t} with a moral."],
-    "python": ["Write a Python function that {t}. Add a comment on each line.",
-               "Write a Python function that {t}, and a test for it.",
-               "Write a Python function that {t} using a loop."],
-    "sql": ["Write an SQL query that {t}. Use upper-case keywords.", "What SQL {t}? Only the query."],
-    "shell": ["What command {t}? Only the command.", "Write a one-line shell command that {t}."],
-    "everyday": ["{q} Give three short reasons.", "{q} Answer in two sentences."],
-    "math": ["{q} Answer with one sentence.", "{q} Write the calculation, then the answer."],
-}
-
-# The "more3" split's templates: a fourth phrasing set on the train subjects, after "more2" was used by v3.1.
-MORE3 = {
-    "explain": ["Summarise {t} in three numbered points.", "Explain {t} to a ten-year-old in three sentences.",
-                "What are two facts everyone should know about {t}?", "Describe {t} in one short paragraph.",
-                "Why does {t} matter? Give two reasons.", "Write a short FAQ about {t} with two questions."],
-    "define": ["Explain the word '{t}' in simple English.", "Give the meaning of '{t}' and one example sentence.",
-               "What does '{t}' mean? Answer in one sentence.",
-               "Write a definition of '{t}' for a children's dictionary."],
-    "compare": ["Compare {a} and {b} in two sentences.", "What is the main difference between {a} and {b}?",
-                "Write a list with one advantage of {a} and one of {b}.", "Which is older, {a} or {b}? Explain briefly."],
-    "howto": ["List the steps to {t}, one per line.", "How can I {t} quickly? Give three tips.",
-              "Explain in three steps how to {t}.", "What is the first thing to do when you {t}?"],
-    "list": ["Write a bulleted list of five {t}.", "List four {t} in alphabetical order.",
-             "Give a numbered list of three {t}.", "Name five {t}. Only the names."],
-    "rewrite": ["Rewrite this in a formal tone: {s}", "Turn this into a headline: {s}",
-                "Rewrite this in the first person: {s}", "Make this sentence more polite: {s}"],
-    "translate": ["Translate into {lang}: '{p}'.", "How would you write '{p}' in {lang}? Give one answer."],
-    "write": ["Write a short invitation to {w}.", "Write a short apology to {w}.",
-              "Write a short reminder message to {w}."],
-    "poem": ["Write a three-line poem about {t}.", "Write a short poem about {t} for a greeting card.",
-             "Write a six-line poem about {t}."],
-    "story": ["Write the first three sentences of a story about {t}.", "Tell a short bedtime story about {t}.",
-              "Write a story about {t} in five sentences."],
-    "python": ["Write a short Python function that {t}.", "Write a Python function named solve that {t}.",
-               "Give a Python function that {t}, and explain how it works in two sentences."],
-    "sql": ["Write the SQL query that {t}.", "Show a simple SQL query that {t}."],
-    "shell": ["Which shell command {t}?", "Give the terminal command that {t}."],
-    "everyday": ["{q} Give a two-sentence answer.", "{q} List two tips."],
-    "math": ["{q} Answer briefly.", "{q} Write one line of working and then the answer."],
-}
 
 
 def _math_problems() -> list[tuple[str, str]]:

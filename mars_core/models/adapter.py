@@ -11,10 +11,10 @@ A folder holds
                         (module paths inside the CausalLM, e.g. "model.layers.0.self_attn.q_proj"), in the
                         config's dtype; with dtype "int8", int8 factors and float32 "<module>.lora_A_scale" [r]
                         (one per row of A) and "<module>.lora_B_scale" [r] (one per column of B): half the bytes
-                        of bfloat16, so twice the rank in the same folder; optionally "mask_row" [hidden] in float32, the trained embedding
-                        row of the mask token, and "<module>.norm_weight" [hidden] in float32: the new weight
-                        of a normalisation layer (a full fine-tune changes those 1-D weights, which no low-rank
-                        delta can hold; finetune.recipes.export_delta writes them)
+                        of bfloat16, so twice the rank in the same folder; optionally "mask_row" [hidden] in
+                        float32, the trained embedding row of the mask token, and "<module>.norm_weight" [hidden]
+                        in float32: the new weight of a normalisation layer (a full fine-tune changes those 1-D
+                        weights, which no low-rank delta can hold; finetune.recipes.export_delta writes them)
   adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id",
                          "mask_token", "block_size", "dtype", ...extra}
   README.md             (optional) how it was made
