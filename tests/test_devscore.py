@@ -47,3 +47,33 @@ def test_development_scores_refuse_the_report_seed():
     with pytest.raises(ValueError, match="report seed"):
         dev_prompts(2, 2, seed=1)
     assert dev_prompts(2, 2, seed=3, report=True) == dev_prompts(2, 2, seed=1, report=True)
+
+
+def test_no_development_prompt_is_a_report_prompt():
+    from finetune.evals.devscore import REPORT_RESERVE
+
+    report = {p for _, p in dev_prompts(REPORT_RESERVE, REPORT_RESERVE, seed=0, report=True)}
+    for seed in (77, 78, 5):
+        dev = [p for _, p in dev_prompts(200, 200, seed=seed)]
+        assert len(dev) == len(set(dev)) == 400 and not set(dev) & report, seed
+
+
+def test_a_development_sample_is_its_seeds_order_with_the_report_prompts_left_out():
+    from finetune.evals.natural import natural_prompts
+
+    from finetune.evals.devscore import report_reserve
+
+    reserve = report_reserve()
+    order = natural_prompts("heldout", 60, seed=77)
+    assert any(p in reserve for p in order[:40])   # the overlap this rule removes is real for seed 77
+    want = [p for p in order if p not in reserve][:40]
+    assert [p for _, p in dev_prompts(40, 0, seed=77)] == want
+
+
+def test_the_report_sample_cannot_outgrow_the_prompts_development_leaves_out():
+    from finetune.evals.devscore import REPORT_RESERVE
+
+    with pytest.raises(ValueError, match=f"at most {REPORT_RESERVE} of each"):
+        dev_prompts(REPORT_RESERVE + 1, 2, seed=0, report=True)
+    with pytest.raises(ValueError, match="--natural 10000: the held-out split has"):
+        dev_prompts(10000, 2, seed=77)

@@ -1,8 +1,9 @@
 """Score models on development prompts, per category: ``python -m finetune.evals.devscore --model A --model B``.
 
 For choosing training settings (smollm2-mars v3's learning-rate and step probe) without touching the report set:
-prompts are ``natural_prompts("heldout", n, seed)`` plus ``structured_prompts("heldout", n, seed)`` with a
-development seed (77 by default; the report seed 1 is refused). Per model and category it prints
+prompts are the first ``n`` of ``natural_prompts("heldout", seed=seed)`` and of ``structured_prompts(...)`` with a
+development seed (77 by default; the report seed 1 is refused), leaving out the report seed's first 64 of each, so
+no development prompt is a report prompt. Per model and category it prints
 
 - tokens per forward of lossy MARS at each τ and the share of those answers identical to the model's own τ = 1
   (AR) answer,
@@ -21,22 +22,48 @@ import time
 from pathlib import Path
 
 REPORT_SEED = 1
+# The report sample is a prefix of the report seed's order; so is a development sample of its seed's. Both orders
+# range over the same held-out split, so without this a development sample shared prompts with the report (12 of
+# seed 77's 88 did). Development samples skip the report seed's first REPORT_RESERVE prompts of each group (the set
+# app.pick_examples keeps out of the page's examples as well), and the report may not ask for more than those.
+REPORT_RESERVE = 64
+
+
+def report_reserve() -> set[str]:
+    """The report seed's first REPORT_RESERVE natural and structured held-out prompts: never development prompts."""
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.structured import structured_prompts
+
+    return (set(natural_prompts("heldout", REPORT_RESERVE, seed=REPORT_SEED))
+            | set(structured_prompts("heldout", REPORT_RESERVE, seed=REPORT_SEED)))
 
 
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False) -> list[tuple[str, str]]:
-    """(category, prompt) pairs: natural then structured held-out prompts of a development seed, or with `report`
-    of the report seed (for the final report only, once the settings are chosen)."""
+    """(category, prompt) pairs: natural then structured held-out prompts of a development seed, none of them a
+    report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen)."""
     from finetune.evals.natural import natural_prompts
     from finetune.evals.structured import category_of, structured_prompts
 
+    cats = category_of()
     if report:
-        seed = REPORT_SEED
-    elif seed == REPORT_SEED:
+        if max(n_natural, n_structured) > REPORT_RESERVE:
+            raise ValueError(f"--report with --natural {n_natural} --structured {n_structured}: the report sample is "
+                             f"at most {REPORT_RESERVE} of each (the prompts development samples leave out); ask for "
+                             "fewer")
+        prompts = (natural_prompts("heldout", n_natural, seed=REPORT_SEED)
+                   + structured_prompts("heldout", n_structured, seed=REPORT_SEED))
+        return [(cats[p], p) for p in prompts]
+    if seed == REPORT_SEED:
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
                          "(77), or pass --report for the final report once every setting is chosen")
-    cats = category_of()
-    prompts = natural_prompts("heldout", n_natural, seed=seed) + structured_prompts("heldout", n_structured, seed=seed)
-    return [(cats[p], p) for p in prompts]
+    reserve = report_reserve()
+    natural = [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+    structured = [p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve]
+    for flag, n, pool in (("--natural", n_natural, natural), ("--structured", n_structured, structured)):
+        if n > len(pool):
+            raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "
+                             "report's are left out); ask for at most that many")
+    return [(cats[p], p) for p in natural[:n_natural] + structured[:n_structured]]
 
 
 def group_of(category: str) -> str:
