@@ -326,3 +326,46 @@ def test_cli_natural_suite_writes_json_and_html(tiny_dir, tmp_path, capsys):
         main(common + ["--n-natural", "-1"])
     with pytest.raises(ValueError, match="nothing to evaluate"):
         main(common + ["--n-natural", "0", "--n-checkable", "0", "--humaneval", "0"])
+
+
+def test_a_development_draw_shares_no_prompt_or_question_with_the_report():
+    from finetune.evals.checkable import checkable_set
+    from finetune.evals.devscore import REPORT_CHECKABLE, report_reserve
+    from finetune.evals.evaluate_natural import development_draw
+
+    report_questions = {i.prompt for i in checkable_set(REPORT_CHECKABLE, seed=1)}
+    plain = {i.prompt for i in checkable_set(120, seed=77)}
+    assert plain & report_questions   # seed 77's plain draw overlaps the report's: what the flag is for
+    prompts, items = development_draw(48, 120, seed=77)
+    assert len(prompts) == 48 and len(items) == 120
+    assert not set(prompts) & report_reserve() and not {i.prompt for i in items} & report_questions
+    order = [i.prompt for i in checkable_set(None, seed=77)]
+    assert [i.prompt for i in items] == [q for q in order if q not in report_questions][:120]
+    _, every = development_draw(0, None, seed=77)
+    assert len(every) == len(order) - REPORT_CHECKABLE
+
+
+def test_a_development_draw_refuses_the_report_seed_and_too_many():
+    from finetune.evals.evaluate_natural import development_draw
+
+    with pytest.raises(ValueError, match="--development --seed 1: 1 is the report seed"):
+        development_draw(4, 4, seed=1)
+    with pytest.raises(ValueError, match="--development --n-checkable 300: 218 are left"):
+        development_draw(4, 300, seed=77)
+
+
+def test_development_rows_say_so_and_the_cli_draws_them():
+    import argparse
+
+    from finetune.evals.evaluate_natural import (NaturalSweepSettings, _natural_row_settings, add_natural_args,
+                                                 development_draw, natural_inputs)
+
+    assert _natural_row_settings(NaturalSweepSettings(development=True), "mars")["development"] is True
+    assert _natural_row_settings(NaturalSweepSettings(), "mars")["development"] is False
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    add_natural_args(ap)
+    args = ap.parse_args(["--seed", "77", "--development", "--n-natural", "5", "--n-checkable", "6",
+                          "--humaneval", "0"])
+    prompts, items, problems = natural_inputs(args)
+    assert (prompts, items, problems) == (*development_draw(5, 6, seed=77), [])

@@ -27,6 +27,9 @@ REPORT_SEED = 1
 # seed 77's 88 did). Development samples skip the report seed's first REPORT_RESERVE prompts of each group (the set
 # app.pick_examples keeps out of the page's examples as well), and the report may not ask for more than those.
 REPORT_RESERVE = 64
+# The report's checkable questions (finetune.evals.evaluate --seed 1 --n-checkable 120): evaluate --development
+# leaves them out.
+REPORT_CHECKABLE = 120
 
 
 def report_reserve() -> set[str]:

