@@ -77,3 +77,14 @@ def test_the_report_sample_cannot_outgrow_the_prompts_development_leaves_out():
         dev_prompts(REPORT_RESERVE + 1, 2, seed=0, report=True)
     with pytest.raises(ValueError, match="--natural 10000: the held-out split has"):
         dev_prompts(10000, 2, seed=77)
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_each_prompt_is_grouped_by_the_list_it_was_drawn_from(report):
+    """A prompt text in both catalogues (a natural `python` one is also a structured `code` one) counts as natural
+    when drawn as natural: asking for 48 natural and 40 structured gives groups of 48 and 40."""
+    from finetune.evals.devscore import group_of
+
+    items = dev_prompts(48, 40, seed=1 if report else 77, report=report)
+    groups = [group_of(c) for c, _ in items]
+    assert groups == ["natural"] * 48 + ["structured"] * 40

@@ -45,17 +45,23 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
     """(category, prompt) pairs: natural then structured held-out prompts of a development seed, none of them a
     report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen)."""
     from finetune.evals.natural import natural_prompts
+    from finetune.evals.natural import prompt_table as natural_table
     from finetune.evals.structured import category_of, structured_prompts
 
-    cats = category_of()
+    # A prompt text in both catalogues gets the category of the list it was drawn from: category_of() gives it the
+    # structured one, which filed a natural prompt under `code` and split the groups 47 / 41 for 48 / 40.
+    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
+
+    def tagged(natural: list[str], structured: list[str]) -> list[tuple[str, str]]:
+        return [(natural_cats[p], p) for p in natural] + [(cats[p], p) for p in structured]
+
     if report:
         if max(n_natural, n_structured) > REPORT_RESERVE:
             raise ValueError(f"--report with --natural {n_natural} --structured {n_structured}: the report sample is "
                              f"at most {REPORT_RESERVE} of each (the prompts development samples leave out); ask for "
                              "fewer")
-        prompts = (natural_prompts("heldout", n_natural, seed=REPORT_SEED)
-                   + structured_prompts("heldout", n_structured, seed=REPORT_SEED))
-        return [(cats[p], p) for p in prompts]
+        return tagged(natural_prompts("heldout", n_natural, seed=REPORT_SEED),
+                      structured_prompts("heldout", n_structured, seed=REPORT_SEED))
     if seed == REPORT_SEED:
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
                          "(77), or pass --report for the final report once every setting is chosen")
@@ -66,7 +72,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
         if n > len(pool):
             raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "
                              "report's are left out); ask for at most that many")
-    return [(cats[p], p) for p in natural[:n_natural] + structured[:n_structured]]
+    return tagged(natural[:n_natural], structured[:n_structured])
 
 
 def group_of(category: str) -> str:
