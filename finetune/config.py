@@ -57,6 +57,13 @@ class TrainConfig:
     1 = KL alone. Not in the paper (issue 29)."""
     soft_target_top_k: int = 0
     """With --soft-target-weight: keep the teacher's top k tokens (renormalised); 0 = the whole vocabulary."""
+    ar_anchor: str = ""
+    """MARS: a model (name or folder, same tokenizer) whose next-token distribution the clean stream is pulled
+    toward: the AR term becomes (1 - w) * CE + w * KL(anchor || clean), w = --ar-anchor-weight. Every step of
+    MARS training also moves the one-token path; anchoring it to the base model's full distribution (not only its
+    greedy token) holds AR's answers near the base's. Empty: off (the paper). Not in the paper (issue 52)."""
+    ar_anchor_weight: float = 1.0
+    """With --ar-anchor: the KL share w of the clean-stream term (1 = KL alone)."""
     random_block_offset: bool = False
     """MARS: shift the block grid by a random r in [0, B) at every step (block(i) = (i + r) // B) instead of
     the fixed grid (docs/algorithm.md), so the mask runs the decoder appends at any position are in the training
@@ -181,6 +188,13 @@ class TrainConfig:
         _need(0 <= self.soft_target_weight <= 1,
              f"soft_target_weight={self.soft_target_weight}; use a value in [0, 1] (0 = off, 1 = KL alone)")
         _need(self.soft_target_top_k >= 0, f"soft_target_top_k={self.soft_target_top_k}; use 0 (all) or more")
+        _need(0 < self.ar_anchor_weight <= 1,
+             f"ar_anchor_weight={self.ar_anchor_weight}; use a value in (0, 1] (1 = KL to the anchor alone)")
+        _need(not self.ar_anchor or (self.stage == "mars" and self.ar_weight > 0 and not self.gated_lora
+                                     and self.soft_target_weight == 0),
+             f"ar_anchor={self.ar_anchor!r} anchors the clean-stream term of --stage mars with ar_weight > 0; it "
+             "does not combine with --gated-lora (its clean stream is the base already) or --soft-target-weight: "
+             "drop one of them")
         _need(self.lr > 0, f"lr={self.lr}; use a positive learning rate such as 1e-5")
         _need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}; use 0 or more")
         _need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}; use a value in [0, 1]")

@@ -24,7 +24,10 @@ Loss: ``CE(noisy) + ar_weight * CE(clean)``, each the mean over labelled
 tokens, with the usual causal shift inside each half. With ``soft_weight = w`` (not in the paper; 0 = off) the
 mask term becomes ``(1 - w) * CE(noisy) + w * KL(teacher || noisy)``: the teacher is the clean stream's detached
 next-token distribution at the same target (computed in the same forward, so it costs one LM-head pass that the
-AR loss already makes), over the whole vocabulary or its top-k renormalised. Logits are computed only
+AR loss already makes), over the whole vocabulary or its top-k renormalised. With an anchor (``--ar-anchor``, not
+in the paper; issue 52) the clean term becomes ``(1 - a) * CE(clean) + a * KL(anchor || clean)``, the anchor a frozen
+model (the base) run causally on the example: a hard CE on greedy answers pulls only the argmax, the KL the whole
+distribution, so AR's answers on prompts outside the data drift less. Logits are computed only
 for the rows that carry a label: the hidden states of those rows are gathered
 first and only then multiplied by the LM head (with SmolLM2's 49k-token
 vocabulary that matmul would otherwise be the largest single cost).
@@ -279,12 +282,18 @@ class MarsLossSettings:
     soft_weight: float = 0.0
     soft_top_k: int = 0
     frozen_clean: bool = False
+    anchor_weight: float = 0.0
 
 
 def mars_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-              settings: MarsLossSettings) -> LossOutput:
-    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward (``MarsLossSettings`` says how)."""
+              settings: MarsLossSettings, anchor=None) -> LossOutput:
+    """``L = CE(noisy, labels) + ar_weight * CE(clean, labels)`` in one forward (``MarsLossSettings`` says how).
+
+    With ``anchor`` (a frozen causal LM with the same vocabulary) and ``anchor_weight = w`` the clean term is
+    ``(1 - w) * CE(clean) + w * KL(anchor || clean)`` over the same labelled rows; the anchor runs the plain causal
+    forward of the example without a graph. ``loss_ar`` still reports the clean CE."""
     s = settings
+    assert (anchor is not None) == (s.anchor_weight > 0), "an anchor model goes with anchor_weight > 0"
     n = input_ids.shape[1]
     targets = shift_labels(labels)
     n_labels = int((targets != IGNORE_INDEX).sum())
@@ -301,7 +310,32 @@ def mars_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, valid: torch
         ).last_hidden_state  # [b, m + n, d]
     if s.soft_weight > 0:
         return _soft_mars_loss(hidden, m, targets[:, start:], targets, model.lm_head, s, n_labels)
+    if anchor is not None:
+        return _anchored_mars_loss(hidden, m, targets[:, start:], targets, model.lm_head, s, n_labels,
+                                   anchor_logits(anchor, input_ids, valid, targets))
     return _hard_mars_loss(hidden, m, targets[:, start:], targets, model.lm_head, s, n_labels)
+
+
+def anchor_logits(anchor, input_ids: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[L, vocab]`` logits of the frozen ``anchor`` at the labelled rows of ``targets`` (row-major, the order
+    ``labelled_cross_entropy`` gathers them in), from its plain causal forward with positions ``0..n-1``."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    with torch.no_grad():
+        hidden = anchor.model(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
+                              use_cache=False).last_hidden_state  # [b, n, d]
+        return anchor.lm_head(hidden[targets != IGNORE_INDEX]).float()
+
+
+def _anchored_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossSettings, n_labels,
+                        anchor: torch.Tensor) -> LossOutput:
+    """``mars_loss``'s terms with the clean stream pulled toward the anchor's distribution ``anchor`` ``[L, vocab]``."""
+    loss_mask = labelled_cross_entropy(hidden[:, :m], targets_noisy, lm_head, s.mask_label_smoothing)
+    rows = targets != IGNORE_INDEX
+    clean = lm_head(hidden[:, m:][rows]).float()  # [L, vocab]
+    loss_ar = F.cross_entropy(clean, targets[rows])
+    w = s.anchor_weight
+    loss = loss_mask + s.ar_weight * ((1 - w) * loss_ar + w * soft_target_loss(clean, anchor))
+    return LossOutput(loss, loss_mask.detach(), loss_ar.detach(), n_labels)
 
 
 def _hard_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossSettings, n_labels) -> LossOutput:

@@ -40,6 +40,16 @@ def load_base(name: str) -> Base:
     return Base(lm.model, lm.tokenizer, lm.mask_id, list(lm.eos_ids), lm.path)
 
 
+def load_anchor(name: str, lm: nn.Module) -> nn.Module:
+    """The frozen model of --ar-anchor, refused unless its vocabulary is ``lm``'s (the KL compares token by token)."""
+    anchor = load_base(name).model.eval().requires_grad_(False)
+    ours, theirs = lm.get_output_embeddings().weight.shape[0], anchor.get_output_embeddings().weight.shape[0]
+    if ours != theirs:
+        raise ValueError(f"ar_anchor={name!r} has a {theirs}-token vocabulary, the trained model {ours}: anchor it "
+                         "to a model with the same tokenizer (its base model)")
+    return anchor
+
+
 def add_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -255,6 +265,9 @@ class TrainModule(nn.Module):
         self.soft_target_weight, self.soft_target_top_k = cfg.soft_target_weight, cfg.soft_target_top_k
         self.mask_row = MaskRow(self.causal_lm(), mask_id) if cfg.train_mask_row else None
         self.gate = MaskGate(self.causal_lm(), mask_id) if cfg.gated_lora else None
+        self.anchor_weight = cfg.ar_anchor_weight if cfg.ar_anchor else 0.0
+        # A tuple, not a submodule: the frozen anchor stays out of parameters(), state_dict() and any sharding.
+        self._anchor = (load_anchor(cfg.ar_anchor, self.causal_lm()),) if cfg.ar_anchor else ()
 
     def causal_lm(self) -> nn.Module:
         """The transformers model (with LoRA layers injected in place when training LoRA)."""
@@ -268,9 +281,10 @@ class TrainModule(nn.Module):
                 mask_label_smoothing=self.mask_label_smoothing, block_offset=block_offset,
                 soft_weight=self.soft_target_weight, soft_top_k=self.soft_target_top_k,
                 # gated: the clean stream holds no mask token, so it is the base model and needs no backward pass
-                frozen_clean=self.gate is not None,
+                frozen_clean=self.gate is not None, anchor_weight=self.anchor_weight,
             )
-            return mars_loss(lm, input_ids, labels, valid, settings)
+            anchor = self._anchor[0].to(input_ids.device) if self._anchor else None
+            return mars_loss(lm, input_ids, labels, valid, settings, anchor)
         return ar_loss(lm, input_ids, labels, valid)
 
 

@@ -443,3 +443,69 @@ def test_a_gated_run_trains_the_masks_exactly_as_the_joint_forward_with_no_backw
     with torch.no_grad():
         module(input_ids, labels, valid, block_offset=offset)
     assert grad_modes == [False, False]
+
+
+# ----------------------------------------------------------------------------- an anchor for the clean stream
+
+def test_an_anchor_replaces_part_of_the_clean_ce_by_the_kl_from_the_anchors_own_causal_forward(model):
+    from finetune.losses import soft_target_loss
+
+    anchor = tiny_causal_lm(VOCAB, context=128, seed=7, head_scale=20.0)   # confident: a KL well above 0
+    input_ids, labels, valid = make_batch([14, 9, 12], [5, 3, 7], seed=1)
+    n = input_ids.shape[1]
+    rows = shift_rows(labels)
+    with torch.no_grad():
+        clean = all_logits(model, *mars_inputs(input_ids, labels, valid, MASK_ID, 4))[:, n:][rows]
+        theirs = anchor(input_ids=input_ids, attention_mask=valid.long()).logits[rows]   # the stock forward
+    kl = soft_target_loss(clean, theirs)
+    assert float(kl) > 0.1   # a different model: the term is not trivially zero
+    hard = mars_loss(model, input_ids, labels, valid, MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.5))
+    for w in (0.3, 1.0):
+        got = mars_loss(model, input_ids, labels, valid,
+                        MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.5, anchor_weight=w), anchor)
+        want = hard.loss_mask + 0.5 * ((1 - w) * hard.loss_ar + w * kl)
+        torch.testing.assert_close(got.loss, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.loss_ar, hard.loss_ar, atol=1e-6, rtol=0)   # still the clean CE
+        torch.testing.assert_close(got.loss_mask, hard.loss_mask, atol=1e-6, rtol=0)
+
+
+def test_anchored_to_itself_with_kl_alone_the_clean_stream_adds_no_gradient():
+    """At the anchor the KL is at its minimum: its gradient is zero, so only the mask CE moves the weights (the
+    hard clean CE would add a gradient of its own)."""
+    import copy
+
+    model = tiny_causal_lm(VOCAB, context=128)
+    anchor = copy.deepcopy(model).requires_grad_(False)
+    input_ids, labels, valid = make_batch([14, 9], [5, 3], seed=4)
+
+    def grads(settings, *extra):
+        model.zero_grad()
+        out = mars_loss(model, input_ids, labels, valid, settings, *extra)
+        out.loss.backward()
+        return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    anchored, g_anchored = grads(MarsLossSettings(block_size=4, mask_id=MASK_ID, anchor_weight=1.0), anchor)
+    masks, g_masks = grads(MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.0))
+    _, g_hard = grads(MarsLossSettings(block_size=4, mask_id=MASK_ID))
+    torch.testing.assert_close(anchored.loss, masks.loss, atol=1e-5, rtol=0)
+    for k in g_masks:
+        torch.testing.assert_close(g_anchored[k], g_masks[k], atol=1e-5, rtol=1e-4)
+    assert any(not torch.allclose(g_hard[k], g_masks[k], atol=1e-4) for k in g_masks)
+
+
+def test_the_anchor_settings_name_the_fix_and_the_module_refuses_another_vocabulary(model, tmp_path):
+    from finetune.config import TrainConfig
+    from finetune.train_model import TrainModule
+    from tests.tiny_fixtures import make_tiny_model_dir
+
+    for bad, match in [(dict(ar_anchor="m", ar_anchor_weight=0.0), "ar_anchor_weight=0.0"),
+                       (dict(ar_anchor="m", ar_anchor_weight=1.5), "ar_anchor_weight=1.5"),
+                       (dict(ar_anchor="m", stage="ar-sft"), "ar_anchor='m'"),
+                       (dict(ar_anchor="m", soft_target_weight=0.5), "soft-target-weight"),
+                       (dict(ar_anchor="m", lora=True, gated_lora=True), "gated-lora"),
+                       (dict(ar_anchor="m", ar_weight=0.0), "ar_weight > 0")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)
+    other = make_tiny_model_dir(tmp_path / "other")   # the repo's tiny model folder: not this fixture's vocabulary
+    with pytest.raises(ValueError, match="vocabulary"):
+        TrainModule(model, TrainConfig(stage="mars", ar_anchor=str(other)), MASK_ID)

@@ -85,8 +85,10 @@ def test_compiled_training_follows_the_eager_losses_and_saves_the_same_checkpoin
     AutoModelForCausalLM.from_pretrained(runs["compiled"] / "checkpoint-4")
 
 
-@pytest.mark.parametrize("objective", [["--stage", "ar-sft"], ["--stage", "mars", "--random-block-offset"]])
+@pytest.mark.parametrize("objective", [["--stage", "ar-sft"], ["--stage", "mars", "--random-block-offset"],
+                                       ["--stage", "mars", "--ar-anchor", "TINY", "--ar-anchor-weight", "0.7"]])
 def test_resume_continues_step_count_and_optimizer_state_exactly(tiny, tmp_path, objective):
+    objective = [str(tiny[0]) if flag == "TINY" else flag for flag in objective]   # anchored to the base model
     flags = [*objective, "--max-steps", "8", "--lr", "3e-3", "--warmup-steps", "2", "--keep-checkpoints", "5"]
     straight = tmp_path / "straight"
     main(train_flags(tiny, straight, *flags, "--save-every", "4"))
