@@ -41,6 +41,14 @@ def report_reserve() -> set[str]:
             | set(structured_prompts("heldout", REPORT_RESERVE, seed=REPORT_SEED)))
 
 
+def development_natural(seed: int) -> list[str]:
+    """A development seed's whole order of held-out natural prompts, without the report's (report_reserve)."""
+    from finetune.evals.natural import natural_prompts
+
+    reserve = report_reserve()
+    return [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+
+
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False) -> list[tuple[str, str]]:
     """(category, prompt) pairs: natural then structured held-out prompts of a development seed, none of them a
     report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen)."""
@@ -66,7 +74,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
                          "(77), or pass --report for the final report once every setting is chosen")
     reserve = report_reserve()
-    natural = [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+    natural = development_natural(seed)
     structured = [p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve]
     for flag, n, pool in (("--natural", n_natural, natural), ("--structured", n_structured, structured)):
         if n > len(pool):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from finetune.evals.devscore import REPORT_CHECKABLE, REPORT_RESERVE, REPORT_SEED, report_reserve
+from finetune.evals.devscore import REPORT_CHECKABLE, REPORT_RESERVE, REPORT_SEED, development_natural
 from finetune.evals.evaluate_common import (
     curve_label,
     decode_batches,
@@ -307,13 +307,11 @@ def development_draw(n_natural: int, n_checkable: int | None, seed: int) -> tupl
     """The natural prompts and checkable questions of a development seed, in its order, without the report seed's
     first REPORT_RESERVE prompts and REPORT_CHECKABLE questions (n_checkable None: every one left)."""
     from finetune.evals.checkable import checkable_set
-    from finetune.evals.natural import natural_prompts
 
     if seed == REPORT_SEED:
         raise ValueError(f"--development --seed {seed}: {seed} is the report seed; pick a development seed (77)")
-    reserve = report_reserve()
     report_questions = {item.prompt for item in checkable_set(REPORT_CHECKABLE, seed=REPORT_SEED)}
-    prompts = [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+    prompts = development_natural(seed)   # the natural prompts devscore's development samples draw from
     items = [item for item in checkable_set(None, seed=seed) if item.prompt not in report_questions]
     for flag, n, pool in (("--n-natural", n_natural, prompts), ("--n-checkable", n_checkable, items)):
         if n is not None and n > len(pool):
