@@ -41,6 +41,7 @@ STATE_KEYS = ("step", "optimizer", "rng")
 RESUME_KEYS = ("base_model", "stage", "lora", "gated_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_layers",
                "train_mask_row", "freeze_embeddings", "block_size",
                "ar_weight", "mask_label_smoothing", "soft_target_weight", "soft_target_top_k", "random_block_offset",
+               "ar_anchor", "ar_anchor_weight",
                "data", "builtin_weights", "seed", "init_adapter", "skip_seen",
                "batch_size", "grad_accum", "max_length", "overlong", "group_by_length",
                # sharded and unsharded checkpoints hold the optimizer state differently (finetune.sharding)

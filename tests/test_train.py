@@ -124,6 +124,13 @@ def test_resume_refuses_a_different_objective_or_data_draw(tiny, tmp_path, chang
         main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "2", *changed))
 
 
+def test_resume_refuses_another_anchor(tiny, tmp_path):
+    out = tmp_path / "run"
+    main(train_flags(tiny, out, "--stage", "mars", "--max-steps", "1"))
+    with pytest.raises(ValueError, match="holds a run with ar_anchor=''"):
+        main(train_flags(tiny, out, "--stage", "mars", "--max-steps", "2", "--ar-anchor", str(tiny[0])))
+
+
 def test_resume_refuses_a_checkpoint_written_by_another_process_count(tiny, tmp_path):
     out = tmp_path / "run"
     main(train_flags(tiny, out, "--stage", "ar-sft", "--max-steps", "1"))
