@@ -2,6 +2,8 @@
 merges."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -139,3 +141,28 @@ def test_an_int8_adapter_without_its_scales_is_refused_by_name(tiny, full_ft, tm
     save_file(tensors, str(out / "adapter.safetensors"))
     with pytest.raises(ValueError, match=key.rpartition(".")[0].replace(".", r"\.") + " has only"):
         read_adapter(out)
+
+
+def modes(folder) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in [folder, *folder.iterdir()]}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_exported_delta_and_a_checkpoint_get_the_users_umask_not_private_modes(tiny, full_ft, tmp_path, umask):
+    """safetensors writes its files 0600 and a temp folder is made 0700; a folder another user on the machine is
+    meant to load must come out as a plain mkdir/open would make it under the umask, and never wider."""
+    model_dir, _ = tiny
+    old = os.umask(umask)
+    try:
+        assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--rank", "4", "--out",
+                     str(tmp_path / "delta"), "--dtype", "int8"]) == 0
+        ckpt = tmp_path / "run"
+        train_main(train_flags(tiny, ckpt, "--stage", "mars", "--max-steps", "1", "--decay", "constant"))
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "delta", ckpt, ckpt / "checkpoint-1"):
+        got = modes(folder)
+        assert "adapter.safetensors" in got or "model.safetensors" in got or folder == ckpt, got
+        want = {name: (0o777 if (folder / name).is_dir() or name == folder.name else 0o666) & ~umask
+                for name in got}
+        assert got == want, folder

@@ -310,6 +310,24 @@ def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, mo
     assert target.read_text() == "old" and leftovers(tmp_path) == []
 
 
+def test_an_atomic_write_by_a_private_writer_gets_the_umask_and_never_more(tmp_path):
+    """safetensors' save_file makes its file 0600; through atomic_path it lands as open() would make it."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(0o027)
+    try:
+        with storage.atomic_path(tmp_path / "w.safetensors") as tmp:
+            save_file({"a": torch.zeros(2)}, str(tmp))
+        with storage.atomic_path(tmp_path / "x.sh") as tmp:
+            tmp.write_text("#!/bin/sh\n")
+            tmp.chmod(0o700)   # a bit the writer set on purpose is kept
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "w.safetensors").stat().st_mode & 0o7777) == oct(0o640)
+    assert oct((tmp_path / "x.sh").stat().st_mode & 0o7777) == oct(0o740)
+
+
 def test_a_run_status_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
     """finetune.status.write_json (status.json, config.json): the app reads these while the trainer writes them."""
     from finetune import status

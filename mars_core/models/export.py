@@ -105,7 +105,6 @@ def export(model: str | None, out: str | os.PathLike, *, force: bool = False, dt
         saved = json.loads((tmp / "config.json").read_text())
         if saved.get("mask_token_id") != lm.mask_id or saved.get("pard_token") != lm.mask_id or "auto_map" in saved:
             raise ValueError(f"the saved config.json of {model!r} lost mask_token_id or kept auto_map: report this")
-        _plain_permissions(tmp)
         # --force (check_out refused a non-empty one without it): the old export leaves only once this one is in
         replace_folder(tmp, out)
     except OSError as exc:   # a full or read-only disk: one line; the temp folder goes in finally
@@ -151,15 +150,6 @@ def _temp_folder(out: Path, net, what: str) -> Path:
         return Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.export-"))
     except OSError as exc:
         raise ValueError(storage_error(exc, out, what)) from None
-
-
-def _plain_permissions(folder: Path) -> None:
-    """mkdtemp makes a private folder (and some writers private files); give them the user's umask instead."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        os.chmod(path, 0o666 & ~umask)
 
 
 def _card(info: dict) -> str:

@@ -71,6 +71,31 @@ def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> Non
                          f"device holding {p}: free space there or {WHERE_ELSE}")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def plain_permissions(path: str | os.PathLike) -> None:
+    """Widen ``path`` (a file, or a folder and everything in it) to what a plain ``open``/``mkdir`` would give
+    under the user's umask. safetensors writes its files 0600 and mkdtemp its folders 0700, so without this an
+    exported model is unreadable by the other users of a shared machine. Bits are only added, never taken."""
+    path = Path(path)
+    mask = _umask()
+    todo = [path]
+    while todo:
+        p = todo.pop()
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        if p.is_dir():
+            os.chmod(p, (mode | (0o777 & ~mask)) & 0o7777)
+            todo.extend(p.iterdir())
+        else:
+            os.chmod(p, (mode | (0o666 & ~mask)) & 0o7777)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike, what: str | None = None):
     """Yield a temp path next to ``path``; once the block finishes it is renamed onto ``path``. On any failure the
@@ -79,6 +104,7 @@ def atomic_path(path: str | os.PathLike, what: str | None = None):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        plain_permissions(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         raise ValueError(storage_error(exc, path, what or path.name)) from None
@@ -113,8 +139,10 @@ def replace_folder(new: str | os.PathLike, final: str | os.PathLike) -> None:
     """Put the finished folder ``new`` at ``final``, replacing what is there: the old folder leaves by rename and
     is deleted only once the new one is in place, so a kill at any moment leaves a complete folder at ``final``
     (old or new; with the atomic exchange there is no moment without one) and never a half-deleted one.
-    ``new`` must lie beside ``final`` (one file system)."""
+    ``new`` must lie beside ``final`` (one file system). It goes in with the permissions of a plainly made folder
+    (`plain_permissions`)."""
     new, final = Path(new), Path(final)
+    plain_permissions(new)
     if not final.exists() and not final.is_symlink():
         os.replace(new, final)
         return
