@@ -96,3 +96,36 @@ def test_the_cli_names_a_folder_that_is_no_checkpoint_in_one_line(tmp_path):
         f"error: {tmp_path} has no train_config.json: pass a checkpoint folder of a finetune.train run "
         "(e.g. runs/x/train/checkpoint-200)"]
     assert not (tmp_path / "a").exists()
+
+
+def test_an_int8_gated_export_is_half_bf16s_bytes_and_decodes_like_the_float_one(tiny, gated_export, tmp_path):
+    """--dtype int8 stores each factor as int8 with a float32 scale per rank component (as export_delta's int8
+    folders): the loader dequantizes, the masks' logits stay within int8 rounding of the float32 export's, and
+    τ = 1 and lossless are still the base model's answers."""
+    from safetensors.torch import load_file
+
+    from finetune.recipes.export_adapter import export_adapter
+    from mars_core import DecodeConfig, generate, load_model
+
+    checkpoint, f32 = gated_export
+    for dtype in ("bfloat16", "int8"):
+        assert export_adapter(checkpoint, tmp_path / dtype, dtype=dtype)["format"] == "mars-gated-lora-v1"
+
+    def factor_bytes(folder):
+        return sum(t.numel() * t.element_size() for k, t in load_file(str(folder / "adapter.safetensors")).items()
+                   if ".lora_" in k)
+    assert json.loads((tmp_path / "int8" / "adapter_config.json").read_text())["dtype"] == "int8"
+    assert factor_bytes(tmp_path / "int8") < 0.6 * factor_bytes(tmp_path / "bfloat16")
+    lm8, lm32 = (load_model(str(a), device="cpu", dtype="float32", backend="hf") for a in (tmp_path / "int8", f32))
+    ids = torch.tensor([lm8.encode("What is 3 + 4?") + [lm8.mask_id] * 3])
+    with torch.no_grad():
+        l8, l32 = lm8.model(input_ids=ids).logits, lm32.model(input_ids=ids).logits
+    moved = (l32[0, -3:] - l8[0, -3:]).abs().max()
+    assert moved <= 0.02 * l32[0, -3:].abs().max()   # int8 rounding, not another adapter
+    base = load_model(str(tiny[0]), device="cpu", dtype="float32", backend="hf")
+    with torch.no_grad():
+        assert (base.model(input_ids=ids).logits[0, -3:] - l32[0, -3:]).abs().max() > 10 * moved   # it is applied
+    prompts = ["What is 3 + 4?", "What is 12 + 5?"]
+    ar = [r.token_ids for r in generate(base, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=12))]
+    assert [r.token_ids for r in generate(lm8, prompts, DecodeConfig(mode="mars", tau=1.0, max_new_tokens=12))] == ar
+    assert [r.token_ids for r in generate(lm8, prompts, DecodeConfig(mode="verify", tau=0.1, max_new_tokens=12))] == ar

@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-STORE_DTYPES = ("bfloat16", "float32")
+STORE_DTYPES = ("bfloat16", "float32", "int8")   # int8: int8 factors, a float32 scale per rank component
 
 
 def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = None) -> dict:
@@ -53,7 +53,7 @@ def export_adapter(checkpoint, out, dtype: str = "bfloat16", base: str | None = 
     try:
         spec = AdapterSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, base=base or cfg.base_model, mask_id=lm.mask_id,
                            mask_token=lm.tokenizer.convert_ids_to_tokens(lm.mask_id), block_size=cfg.block_size,
-                           dtype=getattr(torch, dtype), gated=cfg.gated_lora,
+                           dtype=dtype, gated=cfg.gated_lora,
                            extra={"steps": state["step"], "checkpoint": checkpoint.name})
         save_adapter(tmp, state["lora"], state.get("mask_row"), spec)
         if (checkpoint / MANIFEST_FILE).is_file():

@@ -67,10 +67,13 @@ def _restore_hint(path: Path) -> str:
 
 
 def _dtype_name(dtype) -> str:
+    if dtype == INT8:
+        return INT8
     for name, value in DTYPES.items():
         if dtype == value or dtype == name:
             return name
-    raise ValueError(f"dtype={dtype!r} is not supported for adapter weights: use torch.bfloat16, float16 or float32")
+    raise ValueError(f"dtype={dtype!r} is not supported for adapter weights: use torch.bfloat16, float16, float32 "
+                     f"or {INT8!r}")
 
 
 # ----------------------------------------------------------------------------- saving
@@ -119,9 +122,9 @@ class AdapterSpec:
 
     `r`/`alpha` the LoRA rank and scale numerator, `base` the model it goes on, `mask_id`/`mask_token` the mask
     token, `block_size` the MARS block it was trained with. LoRA tensors are stored in `dtype` (a torch dtype or its
-    name), the mask row in fp32 (one row: precision is free there). `extra`: more config keys (never one of
-    REQUIRED_KEYS). `gated`: the delta was trained to act at mask positions only (--gated-lora), so the folder is
-    written as mars-gated-lora-v1.
+    name, or "int8": int8 factors with a float32 scale per rank component, `quantize_factors`), the mask row in fp32
+    (one row: precision is free there). `extra`: more config keys (never one of REQUIRED_KEYS). `gated`: the delta
+    was trained to act at mask positions only (--gated-lora), so the folder is written as mars-gated-lora-v1.
     """
 
     r: int
@@ -158,10 +161,13 @@ def save_adapter(out_dir, lora_state: dict, mask_row: torch.Tensor | None, spec:
                          "pass plain numbers, strings, lists") from exc
     modules = _modules_from_peft(lora_state, r)
     tensors: dict[str, torch.Tensor] = {}
-    store = DTYPES[config["dtype"]]
     for module, parts in sorted(modules.items()):
-        tensors[f"{module}.lora_A"] = parts["A"].detach().to("cpu", store).contiguous()
-        tensors[f"{module}.lora_B"] = parts["B"].detach().to("cpu", store).contiguous()
+        a, b = parts["A"].detach().to("cpu"), parts["B"].detach().to("cpu")
+        if config["dtype"] == INT8:   # half bf16's bytes; read_adapter dequantizes
+            tensors.update({f"{module}.{key}": t for key, t in quantize_factors(a, b).items()})
+        else:
+            tensors[f"{module}.lora_A"] = a.to(DTYPES[config["dtype"]]).contiguous()
+            tensors[f"{module}.lora_B"] = b.to(DTYPES[config["dtype"]]).contiguous()
     if mask_row is not None:
         if not isinstance(mask_row, torch.Tensor) or mask_row.ndim != 1 or not mask_row.is_floating_point():
             raise ValueError(f"mask_row must be a 1-D float tensor [hidden], got "
