@@ -310,7 +310,7 @@ def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, mo
     assert target.read_text() == "old" and leftovers(tmp_path) == []
 
 
-def test_an_atomic_write_by_a_private_writer_gets_the_umask_and_never_more(tmp_path):
+def test_an_atomic_write_by_a_private_writer_gets_the_umask_and_keeps_its_own_bits(tmp_path):
     """safetensors' save_file makes its file 0600; through atomic_path it lands as open() would make it."""
     import torch
     from safetensors.torch import save_file
@@ -326,6 +326,23 @@ def test_an_atomic_write_by_a_private_writer_gets_the_umask_and_never_more(tmp_p
         os.umask(old)
     assert oct((tmp_path / "w.safetensors").stat().st_mode & 0o7777) == oct(0o640)
     assert oct((tmp_path / "x.sh").stat().st_mode & 0o7777) == oct(0o740)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the umask from Linux's /proc")
+def test_reading_the_umask_never_sets_it(tmp_path, monkeypatch):
+    """os.umask reads only by setting: meanwhile another thread's new file would get that mode. Where /proc shows
+    the umask, plain_permissions must not call os.umask at all."""
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(storage.os, "umask", lambda *_: pytest.fail("os.umask was called"))
+        f = tmp_path / "f"
+        f.write_bytes(b"")
+        f.chmod(0o600)
+        storage.plain_permissions(f)
+        assert oct(f.stat().st_mode & 0o7777) == oct(0o640)
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
 
 
 def test_a_run_status_write_on_a_full_disk_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):

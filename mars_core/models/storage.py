@@ -72,7 +72,16 @@ def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> Non
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process umask, read without setting it where Linux shows it (/proc/self/status, 4.7+): os.umask can
+    only be read by setting it, and for that moment a file another thread creates would be world-writable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)   # elsewhere: the briefest window, and a private one
     os.umask(mask)
     return mask
 
