@@ -78,6 +78,7 @@ from finetune.data import (
     IGNORE_INDEX, build_examples, collate, epoch_batches, leave_out_seen, load_conversations, manifest_path,
     pad_id_of, prompt_key, read_manifest,
 )
+from finetune.host_memory import keep_freed_memory
 from finetune.run_dir import (
     check_output_dir, claim_run_dir, drop_stale_stop_request, start_run_dir, stop_exit, stopped_before_start,
     write_failed_status,
@@ -431,8 +432,10 @@ def end_fit(run: Run, status: StatusWriter, step: int, state: str, elapsed: floa
 # ----------------------------------------------------------------------------- entry points
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     cfg, flags = parse_train_command(argv)
+    if own_process and cfg.keep_freed_memory and uses_cpu():  # process-wide: only the trainer's own process
+        keep_freed_memory()
     if flags.dry_run:
         from finetune.plan import print_plan
 
@@ -493,4 +496,4 @@ def train_run(run: Run) -> int:
 if __name__ == "__main__":
     from finetune.config import run_main
 
-    run_main(main)
+    run_main(lambda: main(own_process=True))
