@@ -154,6 +154,20 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
+HEAD_ROW_MULTIPLE = 64
+
+
+def head_logits(lm_head, h: torch.Tensor) -> torch.Tensor:
+    """``lm_head(h)`` as fp32 ``[L, vocab]`` for gathered rows ``h`` ``[L, d]``, run on ``L`` rounded up to a
+    multiple of ``HEAD_ROW_MULTIPLE`` (zero rows, sliced off again: no value or gradient changes). Why: ``L`` is the
+    batch's labelled-token count, new nearly every step, and a CPU's bf16 matmul library builds and caches a kernel
+    per shape; a few dozen shapes instead of one per step."""
+    pad = -h.shape[0] % HEAD_ROW_MULTIPLE
+    if pad == 0:
+        return lm_head(h).float()
+    return lm_head(F.pad(h, (0, 0, 0, pad)))[: h.shape[0]].float()
+
+
 def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head,
                            label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean CE over rows whose target is not -100, running the LM head on those rows only.
@@ -162,7 +176,7 @@ def labelled_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head,
     """
     rows = targets != IGNORE_INDEX  # [b, n]
     h = hidden[rows]  # [m, d]
-    logits = lm_head(h).float()  # [m, vocab]
+    logits = head_logits(lm_head, h)  # [m, vocab]
     return F.cross_entropy(logits, targets[rows], label_smoothing=label_smoothing)
 
 
@@ -199,8 +213,8 @@ def mask_stream_loss(hidden_noisy: torch.Tensor, hidden_clean: torch.Tensor, tar
     """
     rows_noisy, rows_clean = targets_noisy != IGNORE_INDEX, targets_clean != IGNORE_INDEX
     assert int(rows_noisy.sum()) == int(rows_clean.sum()), "a label lies before the noisy half's start"
-    student = lm_head(hidden_noisy[rows_noisy]).float()  # [L, vocab]
-    teacher = lm_head(hidden_clean[rows_clean]).float()  # [L, vocab]
+    student = head_logits(lm_head, hidden_noisy[rows_noisy])  # [L, vocab]
+    teacher = head_logits(lm_head, hidden_clean[rows_clean])  # [L, vocab]
     labels = targets_clean[rows_clean]
     hard = F.cross_entropy(student, labels, label_smoothing=label_smoothing)
     loss_ar = F.cross_entropy(teacher, labels)
@@ -323,7 +337,7 @@ def anchor_logits(anchor, input_ids: torch.Tensor, valid: torch.Tensor, targets:
     with torch.no_grad():
         hidden = anchor.model(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
                               use_cache=False).last_hidden_state  # [b, n, d]
-        return anchor.lm_head(hidden[targets != IGNORE_INDEX]).float()
+        return head_logits(anchor.lm_head, hidden[targets != IGNORE_INDEX])
 
 
 def _anchored_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossSettings, n_labels,
@@ -331,7 +345,7 @@ def _anchored_mars_loss(hidden, m, targets_noisy, targets, lm_head, s: MarsLossS
     """``mars_loss``'s terms with the clean stream pulled toward the anchor's distribution ``anchor`` ``[L, vocab]``."""
     loss_mask = labelled_cross_entropy(hidden[:, :m], targets_noisy, lm_head, s.mask_label_smoothing)
     rows = targets != IGNORE_INDEX
-    clean = lm_head(hidden[:, m:][rows]).float()  # [L, vocab]
+    clean = head_logits(lm_head, hidden[:, m:][rows])  # [L, vocab]
     loss_ar = F.cross_entropy(clean, targets[rows])
     w = s.anchor_weight
     loss = loss_mask + s.ar_weight * ((1 - w) * loss_ar + w * soft_target_loss(clean, anchor))

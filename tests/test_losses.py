@@ -6,10 +6,12 @@ import torch.nn.functional as F
 from tests.tiny_fixtures import tiny_causal_lm
 
 from finetune.losses import (
+    HEAD_ROW_MULTIPLE,
     IGNORE_INDEX,
     MarsLossSettings,
     ar_loss,
     batched_mars_attention_mask,
+    head_logits,
     mars_attention_mask,
     mars_inputs,
     mars_loss,
@@ -367,8 +369,11 @@ def test_with_kl_alone_and_no_ar_loss_the_clean_logits_get_no_gradient_of_their_
                     MarsLossSettings(block_size=4, mask_id=MASK_ID, ar_weight=0.0, soft_weight=1.0))
     out.loss.backward()
     rows = int(shift_rows(labels).sum())
-    # one LM-head call per stream; only the mask stream's output carries a gradient
-    assert len(seen) == 1 and seen[0].shape[0] == rows and seen[0].abs().sum() > 0
+    # one LM-head call per stream (on the rows rounded up to a multiple of 64, the padding rows getting no
+    # gradient); only the mask stream's output carries a gradient
+    padded = -(-rows // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+    assert len(seen) == 1 and seen[0].shape[0] == padded and seen[0][:rows].abs().sum() > 0
+    assert not seen[0][rows:].any()
     assert model.lm_head.weight.grad is not None
 
 
@@ -509,3 +514,25 @@ def test_the_anchor_settings_name_the_fix_and_the_module_refuses_another_vocabul
     other = make_tiny_model_dir(tmp_path / "other")   # the repo's tiny model folder: not this fixture's vocabulary
     with pytest.raises(ValueError, match="vocabulary"):
         TrainModule(model, TrainConfig(stage="mars", ar_anchor=str(other)), MASK_ID)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 200])
+def test_the_lm_head_runs_on_a_multiple_of_64_rows_and_gives_the_same_values_and_gradients(rows):
+    # The labelled-row count changes every step; the head's matmul sees few shapes (finetune.losses.head_logits).
+    torch.manual_seed(rows)
+    head = torch.nn.Linear(16, 50, bias=False)
+    seen = []
+    head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    h1 = torch.randn(rows, 16, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    target = torch.randint(0, 50, (rows,))
+    padded = head_logits(head, h1)
+    assert padded.shape == (rows, 50) and padded.dtype == torch.float32
+    assert seen == [-(-rows // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE] and seen[0] % 64 == 0
+    F.cross_entropy(padded, target).backward()
+    grad_weight, head.weight.grad = head.weight.grad.clone(), None
+    plain = head(h2).float()
+    F.cross_entropy(plain, target).backward()
+    torch.testing.assert_close(padded, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_weight, head.weight.grad, rtol=1e-5, atol=1e-7)
