@@ -68,3 +68,26 @@ def test_the_recipe_distils_trains_exports_evaluates_and_resumes(tmp_path):
     assert again.returncode == 0
     for stage in ("prompts", "distill", "train", "eval-base", "export", "eval"):
         assert f"{stage}: done before" in again.stdout
+
+
+def test_compile_auto_compiles_only_a_long_cpu_run_with_native_bf16_and_a_working_compiler():
+    from finetune.recipes.recipe_smollm2 import COMPILE_FROM_STEPS, TRAIN, parse_args, train_settings
+
+    probes = []
+
+    def works():
+        probes.append(1)
+        return True
+
+    assert TRAIN["max_steps"] >= COMPILE_FROM_STEPS   # the recipe's own run is a long one
+    assert train_settings(False, True, None, 1.0, "auto", works)["compile"] is True
+    assert train_settings(False, True, None, 1.0, "auto", lambda: False).get("compile") is None   # no compiler
+    n = len(probes)
+    assert train_settings(False, True, COMPILE_FROM_STEPS - 1, 1.0, "auto", works).get("compile") is None  # short
+    assert train_settings(False, True, None, 0.01, "auto", works).get("compile") is None   # a smoke run
+    assert train_settings(False, False, None, 1.0, "auto", works).get("compile") is None   # emulated bf16 (fp32)
+    assert train_settings(True, True, None, 1.0, "auto", works).get("compile") is None     # a GPU: not measured
+    assert len(probes) == n   # the compiler is probed only when the answer matters
+    assert train_settings(False, False, 10, 1.0, "on")["compile"] is True
+    assert train_settings(False, True, None, 1.0, "off").get("compile") is None
+    assert parse_args([]).compile == "auto" and parse_args(["--compile", "off"]).compile == "off"

