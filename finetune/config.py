@@ -161,7 +161,8 @@ class TrainConfig:
     keep_freed_memory: bool = True
     """On a CPU, keep freed host memory in the process (glibc's malloc: no block of its own mapping, no trimming),
     so a step does not page-fault its activations in afresh: SmolLM2 steps 1.13x (with --compile) to 1.3x faster,
-    peak memory ~12% higher (finetune.host_memory). Changes no number a step computes; false: glibc's defaults."""
+    peak memory up to an eighth higher (finetune.host_memory). Changes no number a step computes; false: glibc's
+    defaults."""
 
     def __post_init__(self):
         check_types(self)

@@ -56,9 +56,10 @@ def test_a_steps_freed_tensors_are_reused_instead_of_page_faulted_in_again():
     pages = default["pages"]
     # glibc's default: each tensor gets a mapping of its own, unmapped when freed: every round faults most pages in
     assert default["mapped"] > 0.25 * pages * 4096 and min(default["faults"]) > 0.5 * pages, default
-    # kept: the tensors come from the heap, which keeps the pages; by the fourth round they are all reused
+    # kept: the tensors come from the heap, which keeps the pages: after the first round nearly all are reused
     assert kept["kept"] is True
-    assert kept["mapped"] < 0.05 * pages * 4096 and kept["faults"][-1] < 0.05 * pages, kept
+    assert kept["mapped"] < 0.05 * pages * 4096 and min(kept["faults"][1:]) < 0.05 * pages, kept
+    assert sum(kept["faults"][1:]) < 0.2 * sum(default["faults"][1:]), (kept, default)
 
 
 def test_only_the_trainers_own_process_changes_the_policy(monkeypatch, tmp_path):
@@ -92,7 +93,9 @@ kept = None
     done = subprocess.run([sys.executable, "-c", script, "cli"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=True)
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["mapped"] < 0.05 * report["pages"] * 4096 and report["faults"][-1] < 0.05 * report["pages"], report
+    # glibc's defaults fault more than half the pages in each of rounds 2-4 (the test above): 1.5x pages or more
+    pages = report["pages"]
+    assert report["mapped"] < 0.05 * pages * 4096 and sum(report["faults"][1:]) < 0.3 * pages, report
 
 
 def test_the_setting_changes_no_number_a_step_computes(tiny, tmp_path):
