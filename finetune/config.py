@@ -339,7 +339,7 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-def _bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
@@ -365,9 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = {"bool": _bool, "int": int, "int | None": int, "float": float, "str": str}[f.type]
+        kind = {"bool": parse_bool, "int": int, "int | None": int, "float": float, "str": str}[f.type]
         if f.type == "bool":
-            parser.add_argument(flag, nargs="?", const=True, type=_bool, default=None, help=docs[f.name])
+            parser.add_argument(flag, nargs="?", const=True, type=parse_bool, default=None, help=docs[f.name])
             continue
         # default=None marks "not given", so a --config file value is not overridden by a default
         shown = "" if default is None else f" (default: {default})"

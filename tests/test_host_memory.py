@@ -114,3 +114,55 @@ def test_the_setting_changes_no_number_a_step_computes(tiny, tmp_path):
     assert [r["loss"] for r in train_metrics(runs["true"])] == [r["loss"] for r in train_metrics(runs["false"])]
     a, b = (load_file(str(runs[k] / "checkpoint-3" / "model.safetensors")) for k in ("true", "false"))
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def _distill_flags(tmp_path, out_name: str) -> list[str]:
+    from tests.test_distill import _tiny_model_dir
+
+    model_dir = tmp_path / "m"
+    if not model_dir.exists():
+        _tiny_model_dir(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 3?\nSort in ascending order: 5, 1, 3\nName a colour.\n")
+    return ["--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / out_name),
+            "--max-new-tokens", "6", "--keep-truncated", "--device", "cpu"]
+
+
+def test_only_the_distillers_own_process_on_a_cpu_changes_the_policy(monkeypatch, tmp_path):
+    import finetune.recipes.distill as distill_cli
+
+    calls = []
+    monkeypatch.setattr(distill_cli, "keep_freed_memory", lambda: calls.append(1) or True)
+    flags = _distill_flags(tmp_path, "a.jsonl")
+    assert distill_cli.main(flags) == 0 and calls == []
+    flags = _distill_flags(tmp_path, "b.jsonl")
+    assert distill_cli.main(flags, own_process=True) == 0 and calls == [1]
+    flags = _distill_flags(tmp_path, "c.jsonl")
+    assert distill_cli.main([*flags, "--keep-freed-memory", "false"], own_process=True) == 0 and calls == [1]
+    assert distill_cli.runs_on_cpu("cpu") and not distill_cli.runs_on_cpu("cuda")
+
+
+@glibc_only
+def test_python_m_distill_sets_it_in_its_own_process_and_writes_the_same_answers(tmp_path):
+    # The distiller run as a program, then PROBE's rounds in that same process; and with the policy off, the same
+    # bytes out.
+    outs = {}
+    for keep in ("true", "false"):
+        flags = [*_distill_flags(tmp_path, f"{keep}.jsonl"), "--keep-freed-memory", keep]
+        script = PROBE.replace('kept = hm.keep_freed_memory() if sys.argv[1] == "keep" else None', f"""
+import runpy
+sys.argv = ["finetune.recipes.distill", *{flags!r}]
+try:
+    runpy.run_module("finetune.recipes.distill", run_name="__main__")
+except SystemExit as stop:
+    assert not stop.code, stop.code
+kept = None
+""")
+        done = subprocess.run([sys.executable, "-c", script, "cli"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, check=True)
+        outs[keep] = json.loads(done.stdout.strip().splitlines()[-1])
+    pages = outs["true"]["pages"]
+    assert outs["true"]["mapped"] < 0.05 * pages * 4096 and sum(outs["true"]["faults"][1:]) < 0.3 * pages, outs
+    assert outs["false"]["mapped"] > 0.25 * pages * 4096 and min(outs["false"]["faults"]) > 0.5 * pages, outs
+    written = [(tmp_path / f"{keep}.jsonl").read_bytes() for keep in ("true", "false")]
+    assert written[0] == written[1] and written[0].count(b"\n") == 3

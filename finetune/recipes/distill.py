@@ -32,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.config import parse_bool   # standard library only, like the next three
 from finetune.evals.evaluate_common import repeats_itself   # no torch there either: --help stays quick
+from finetune.host_memory import keep_freed_memory
 from mars_core.models.storage import storage_error   # standard library only: --help stays quick
 
 MAX_NEW_TOKENS = 256
@@ -165,6 +167,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "avx512_bf16/AMX), or w8a16 / w8a8 (CPU: int8 weights, the fastest answers where bf16 is slow)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (use 1 per process on a 2-core machine)")
+    ap.add_argument("--keep-freed-memory", nargs="?", const=True, default=True, type=parse_bool,
+                    help="on a CPU, keep freed memory in this process instead of handing it back to the kernel "
+                    "after every batch (default true; the same answers, 3 to 7 percent faster measured); false "
+                    "keeps glibc's malloc defaults")
     args = ap.parse_args(argv)
     for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens),
                         ("--threads", args.threads)):
@@ -203,13 +209,19 @@ def prompts_to_do(args: argparse.Namespace) -> list[str]:
     return todo
 
 
-def answer(args: argparse.Namespace, todo: list[str]) -> None:
-    """Load the model and append its answers to --out (and the dropped prompts to its sidecar), batch by batch."""
+def answer(args: argparse.Namespace, todo: list[str], own_process: bool = False) -> None:
+    """Load the model and append its answers to --out (and the dropped prompts to its sidecar), batch by batch.
+    ``own_process``: this process is the distiller's own (``python -m``), so it may change the process-wide malloc
+    policy; a caller of ``main()`` keeps its own."""
     import torch
     from tqdm.auto import tqdm
 
     from mars_core import load_model
 
+    if own_process and args.keep_freed_memory and runs_on_cpu(args.device):
+        # each batch's KV cache and logits are tens of MB: glibc maps and unmaps them afresh every batch, and the
+        # kernel zeroes those pages again (3.8 M page faults for 128 prompts against 0.3 M kept: finetune.host_memory)
+        keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -234,15 +246,22 @@ def answer(args: argparse.Namespace, todo: list[str]) -> None:
           f"{tokens} tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def runs_on_cpu(device: str) -> bool:
+    """Whether ``--device`` puts the model on the CPU (auto does where no CUDA device is present)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     args = parse_args(argv)
     todo = prompts_to_do(args)
     if todo:
-        answer(args, todo)
+        answer(args, todo, own_process)
     return 0
 
 
 if __name__ == "__main__":
     from finetune.config import run_main
 
-    run_main(main)
+    run_main(lambda: main(own_process=True))
