@@ -70,7 +70,8 @@ GENERAL_PROMPTS = [
 # a list and a one-sentence definition, where they guess least: the lesson is where MARS pays and where it does not.
 # "Write a Python function that adds two numbers, and one example call." was dropped (in fp32 and w8a16 AR runs
 # past the limit) and so was "Give a one-sentence definition of inertia." (1.05 tokens per forward in w8a8 at τ 0.95;
-# the recycling definition, kept, 1.10–1.15 in the three formats).
+# the recycling definition, kept, 1.10–1.15 in the three formats). v3.5 answers all four rightly in the three formats
+# (`python -m finetune.evals.teaching --model assets/smollm2-mars`).
 TEACHING_FACTS: dict[str, tuple[str, ...]] = {
     "Write the multiples of 10 from 0 to 100.": ("10, 20, 30", "80, 90, 100"),
     "Write a Python function that adds two numbers.": ("def ", "return", "+"),
@@ -80,10 +81,10 @@ TEACHING_FACTS: dict[str, tuple[str, ...]] = {
 TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-# smollm2-mars: 0.95, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (so are they
-# at 0.97, with fewer tokens per forward); on the development prompts 85% of its answers are AR's there and 1 of 88
-# loops, as at 0.97 (docs/experiments/training-smollm2.md, "Rank 48 was costing v3.1 a third of its gain").
-DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.95}
+# smollm2-mars (v3.5): 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.95
+# the Python one differs) and, on the development prompts, 86% of its answers are AR's and 1 of 88 loops, at 1.33 tokens
+# per forward (docs/experiments/training-smollm2.md, "The same run with its clean stream held to v3.1").
+DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}
 DEFAULT_TAU = 0.9
 
 
