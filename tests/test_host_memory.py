@@ -50,6 +50,22 @@ def probe(mode: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def probe_after_program(module: str, argv: list[str]) -> dict:
+    """`python -m module argv` run in a fresh process (as its entry point, `__main__`), then PROBE's rounds there."""
+    script = PROBE.replace('kept = hm.keep_freed_memory() if sys.argv[1] == "keep" else None', f"""
+import runpy
+sys.argv = [{module!r}, *{argv!r}]
+try:
+    runpy.run_module({module!r}, run_name="__main__")
+except SystemExit as stop:
+    assert not stop.code, stop.code
+kept = None
+""")
+    done = subprocess.run([sys.executable, "-c", script, "cli"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @glibc_only
 def test_a_steps_freed_tensors_are_reused_instead_of_page_faulted_in_again():
     default, kept = probe("default"), probe("keep")
@@ -81,18 +97,8 @@ def test_only_the_trainers_own_process_changes_the_policy(monkeypatch, tmp_path)
 def test_python_m_finetune_train_sets_it_in_its_own_process(tmp_path):
     # The module run as a program (what the app, accelerate launch and torchrun start), here with --dry-run so that
     # it returns at once; afterwards the same process runs PROBE's rounds.
-    script = PROBE.replace('kept = hm.keep_freed_memory() if sys.argv[1] == "keep" else None', f"""
-import runpy
-sys.argv = ["finetune.train", "--base-model", "tiny-mars", "--output-dir", {str(tmp_path / 'run')!r}, "--dry-run"]
-try:
-    runpy.run_module("finetune.train", run_name="__main__")
-except SystemExit as stop:
-    assert not stop.code, stop.code
-kept = None
-""")
-    done = subprocess.run([sys.executable, "-c", script, "cli"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, check=True)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = probe_after_program("finetune.train", ["--base-model", "tiny-mars", "--output-dir", str(tmp_path / "run"),
+                                                    "--dry-run"])
     # glibc's defaults fault more than half the pages in each of rounds 2-4 (the test above): 1.5x pages or more
     pages = report["pages"]
     assert report["mapped"] < 0.05 * pages * 4096 and sum(report["faults"][1:]) < 0.3 * pages, report
@@ -149,18 +155,7 @@ def test_python_m_distill_sets_it_in_its_own_process_and_writes_the_same_answers
     outs = {}
     for keep in ("true", "false"):
         flags = [*_distill_flags(tmp_path, f"{keep}.jsonl"), "--keep-freed-memory", keep]
-        script = PROBE.replace('kept = hm.keep_freed_memory() if sys.argv[1] == "keep" else None', f"""
-import runpy
-sys.argv = ["finetune.recipes.distill", *{flags!r}]
-try:
-    runpy.run_module("finetune.recipes.distill", run_name="__main__")
-except SystemExit as stop:
-    assert not stop.code, stop.code
-kept = None
-""")
-        done = subprocess.run([sys.executable, "-c", script, "cli"], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, check=True)
-        outs[keep] = json.loads(done.stdout.strip().splitlines()[-1])
+        outs[keep] = probe_after_program("finetune.recipes.distill", flags)
     pages = outs["true"]["pages"]
     assert outs["true"]["mapped"] < 0.05 * pages * 4096 and sum(outs["true"]["faults"][1:]) < 0.3 * pages, outs
     assert outs["false"]["mapped"] > 0.25 * pages * 4096 and min(outs["false"]["faults"]) > 0.5 * pages, outs
