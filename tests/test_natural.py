@@ -55,6 +55,20 @@ def test_the_more3_split_is_new_prompts_on_train_subjects_only_and_leaves_more2_
     digest = hashlib.sha256("\n".join(natural_prompts("more2")).encode()).hexdigest()[:12]
     assert (len(prompt_table("more2")), digest) == (2731, "2941e05ca185")
 
+def test_the_more4_split_is_new_prompts_on_train_subjects_only_and_leaves_more3_as_it_was():
+    """'more4' (after v3.5 used 'more3') repeats no prompt of the five other splits and asks about no held-out
+    subject; 'more3', which v3.5 was trained on, keeps its size and order."""
+    import hashlib
+    earlier = {p for split in ("train", "heldout", "more", "more2", "more3") for *_, p in prompt_table(split)}
+    more4 = prompt_table("more4")
+    assert len(more4) >= 2500 and len({p for *_, p in more4}) == len(more4)
+    assert not {p for *_, p in more4} & earlier
+    assert not {(c, s) for c, s, _ in more4} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more4} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(natural_prompts("more3")).encode()).hexdigest()[:12]
+    assert (len(prompt_table("more3")), digest) == (2691, "1a0ed6b2dd98")
+
+
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
     """Every earlier run drew from these two (the report set is natural_prompts("heldout", 64, seed=1)): their
     sizes and a digest of their seed-0 order pin them."""

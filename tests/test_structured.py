@@ -126,6 +126,38 @@ def test_the_more2_split_is_new_prompts_on_train_subjects_only_and_leaves_more_a
     assert all(tags[p] == c for c, _, p in more2)
 
 
+def test_the_more3_split_is_new_prompts_on_train_subjects_only_and_leaves_more2_as_it_was():
+    """'more3' (after v3.5 used 'more2') repeats no prompt of the four other splits and asks about no held-out
+    subject; 'more2', which v3.5 was trained on, keeps its size and order; every new prompt has its category."""
+    import hashlib
+
+    earlier = {p for split in ("train", "heldout", "more", "more2") for *_, p in prompt_table(split)}
+    more3 = prompt_table("more3")
+    assert len(more3) >= 3000 and len({p for *_, p in more3}) == len(more3)
+    assert not {p for *_, p in more3} & earlier
+    assert not {(c, s) for c, s, _ in more3} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more3} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(structured_prompts("more2")).encode()).hexdigest()[:12]
+    assert (len(prompt_table("more2")), digest) == (3565, "9c2747df1362")
+    tags = category_of()
+    assert all(tags[p] == c for c, _, p in more3)
+
+
+def test_the_checker_knows_the_answers_of_the_more3_prompts():
+    from finetune.evals.structured import check_answer
+
+    more3 = prompt_table("more3")
+    up = next(p for c, _, p in more3 if p.startswith("List the numbers from") and "going up by" in p)
+    a, b = _two_numbers(up)
+    k = int(up.rstrip(".").split()[-1])
+    assert check_answer(up, ", ".join(str(n) for n in range(a, b + 1, k))) is None
+    assert k > 1 and check_answer(up, ", ".join(str(n) for n in range(a, b + 1))) is not None
+    prod = next(p for c, s, p in more3 if c == "arithmetic" and s.startswith("*") and p.startswith("Multiply"))
+    x, y = (int(v) for v in prod[len("Multiply "):-1].split(" and "))
+    assert check_answer(prod, f"{x} × {y} = {x * y}") is None
+    assert check_answer(prod, f"{x} × {y} = {x * y + 1}") == f"want {x * y}, wrote {x * y + 1}"
+
+
 def test_the_checker_knows_the_answers_of_the_more2_prompts():
     from finetune.evals.structured import check_answer
 

@@ -17,7 +17,8 @@ prompts therefore ask about subjects no training prompt of that category mention
 the templates of MORE, none of them in the main catalogue, on the train subjects only. It adds no held-out prompt
 and changes neither of the other splits (their prompts, order and seeds are what they were), so the report set
 and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more",
-and "more3" with the MORE3 templates, after v3.1 used "more2".
+"more3" with the MORE3 templates, after v3.1 used "more2", and "more4" with the MORE4 templates, after v3.5 used
+"more3".
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from __future__ import annotations
 import hashlib
 import random
 
-from finetune.evals.natural_more import MORE, MORE2, MORE3
+from finetune.evals.natural_more import MORE, MORE2, MORE3, MORE4
 
 HELDOUT_PERCENT = 15
-SPLITS = ("train", "heldout", "more", "more2", "more3")
+SPLITS = ("train", "heldout", "more", "more2", "more3", "more4")
+MORE_SPLITS = SPLITS[2:]   # the extra training splits, in the order they were added
 
 # ----------------------------------------------------------------------------- subjects
 
@@ -293,11 +295,10 @@ def _math_problems() -> list[tuple[str, str]]:
 
 
 def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
-    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more` ("more"
-    "more2" or "more3"), those of the MORE, MORE2 or MORE3 templates instead, without the prompts of the earlier
-    sets."""
+    """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more` (one of
+    MORE_SPLITS), that split's templates (MORE, MORE2, ...) instead, without the prompts of the earlier sets."""
     rows: list[tuple[str, str, str]] = []
-    extra = {"more": MORE, "more2": MORE2, "more3": MORE3}.get(more)
+    extra = {"more": MORE, "more2": MORE2, "more3": MORE3, "more4": MORE4}.get(more)
 
     def add(category, subjects, templates, fmt):
         for s in subjects:
@@ -326,7 +327,7 @@ def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
     if not more:
         return rows
     known = {prompt for _, _, prompt in _catalogue()}
-    for earlier in ("more", "more2")[:("more", "more2", "more3").index(more)]:
+    for earlier in MORE_SPLITS[:MORE_SPLITS.index(more)]:
         known |= {prompt for _, _, prompt in _catalogue(earlier)}
     return [row for row in rows if row[2] not in known]
 
@@ -348,8 +349,8 @@ def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order ("more": the MORE templates
     on the train subjects)."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more', 'more2' or 'more3'")
-    if split in ("more", "more2", "more3"):
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use one of those")
+    if split in MORE_SPLITS:
         return [row for row in _catalogue(more=split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 

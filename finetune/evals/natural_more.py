@@ -1,4 +1,4 @@
-"""The templates of the natural catalogue's extra training splits ("more", "more2", "more3"), one set per round of
+"""The templates of the natural catalogue's extra training splits ("more" to "more4"), one set per round of
 smollm2-mars training data after the train split was used up. They are applied to the train subjects of
 `finetune.evals.natural` only, so they never ask about a held-out subject; each set leaves out the prompts of the
 sets before it (natural._catalogue)."""
@@ -105,4 +105,35 @@ MORE3 = {
     "shell": ["Which shell command {t}?", "Give the terminal command that {t}."],
     "everyday": ["{q} Give a two-sentence answer.", "{q} List two tips."],
     "math": ["{q} Answer briefly.", "{q} Write one line of working and then the answer."],
+}
+
+# The "more4" split's templates: a fifth phrasing set on the train subjects, after v3.5 used "more3". Short, fixed
+# shapes again (one sentence, a few numbered points, one line of code): where a model's next words are its own
+# habit, which its masks learn from its own answers.
+MORE4 = {
+    "explain": ["Explain {t} in exactly two sentences.", "Give three short bullet points about {t}.",
+                "What is {t}, and why is it useful? Answer briefly.", "Explain {t} as if writing a dictionary note.",
+                "Name two things that depend on {t}.", "Summarise {t} in one line."],
+    "define": ["Define '{t}' in one short sentence.", "What is the meaning of the word '{t}'? Be brief.",
+               "Give a synonym and an antonym for '{t}'.", "Write one example sentence with '{t}' and explain it."],
+    "compare": ["How are {a} and {b} alike? One sentence.", "Give two differences between {a} and {b}, numbered.",
+                "Describe {a} and {b} in one sentence each.", "Which would a beginner prefer, {a} or {b}? Why?"],
+    "howto": ["Give three numbered steps to {t}.", "Describe how to {t} in two sentences.",
+              "What is the most important tip when you {t}?", "Write a to-do list to {t}."],
+    "list": ["List five {t} as a numbered list.", "Give three {t}, separated by commas.",
+             "Write four {t}, one per line.", "Name the three best-known {t}."],
+    "rewrite": ["Rewrite this sentence more simply: {s}", "Rewrite this as a short command: {s}",
+                "Change this sentence to the passive voice: {s}", "Rewrite this with one word changed: {s}"],
+    "translate": ["Translate this phrase into {lang}: '{p}'", "In {lang}, how do you say '{p}'? Answer briefly."],
+    "write": ["Write a one-sentence message to {w}.", "Write a short note of congratulations to {w}.",
+              "Write a polite request to {w} in two sentences."],
+    "poem": ["Write a four-line poem about {t}.", "Write a haiku about {t}.", "Write a rhyming couplet about {t}."],
+    "story": ["Begin a story about {t} in two sentences.", "Write a one-paragraph story about {t}.",
+              "Tell a story about {t} for a five-year-old in four sentences."],
+    "python": ["Write a Python function that {t}. Only the code.", "Write a small Python function that {t}.",
+               "Write a Python function that {t}, and print one example."],
+    "sql": ["Write a short SQL query that {t}.", "Give an SQL statement that {t}. Only the SQL."],
+    "shell": ["What shell command {t}? Give the command and one sentence.", "Name the command that {t}."],
+    "everyday": ["{q} Be brief.", "{q} Answer in three short points."],
+    "math": ["{q} Show the calculation in one line.", "{q} Give the answer and one sentence of working."],
 }

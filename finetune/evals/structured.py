@@ -20,11 +20,12 @@ from __future__ import annotations
 import random
 
 from finetune.evals.natural import CATEGORIES as NATURAL_CATEGORIES
+from finetune.evals.natural import SPLITS as NATURAL_SPLITS
 from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, split_of, write_prompt_file
 from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
-SPLITS = ("train", "heldout", "more", "more2")
+SPLITS = ("train", "heldout", "more", "more2", "more3")
 
 SEQUENCES = [
     "days of the week", "months of the year", "planets of the solar system", "colours of the rainbow",
@@ -130,6 +131,24 @@ MORE2_FORMAT = ["List three facts about {t} as a numbered list.",
                 "Give a title and three bullet points about {t}.",
                 "Write a table about {t} with the columns Question and Answer, two rows."]
 
+# The "more3" split: a fourth set of templates and draw of numbers (training data after v3.5 used "more2").
+MORE3_ENUM = ["Give the {t} as a comma-separated list.", "Write out the {t} in order, numbered.",
+              "What are the {t}? One per line.", "Recite the {t}."]
+MORE3_COUNT = ["Write the numbers {a} to {b} on one line.", "Count from {b} down to {a}, separated by commas.",
+               "List the numbers from {a} to {b} going up by {k}."]
+MORE3_ARITH = {"+": ["Add {a} to {b}.", "How much is {a} plus {b}? Show one line of working."],
+               "-": ["Take {b} away from {a}.", "How much is {a} minus {b}? Show one line of working."],
+               "*": ["Multiply {a} and {b}.", "How much is {a} times {b}? Show one line of working."]}
+MORE3_CODE = ["Write a Python function that {t}. Only the function.",
+              "Write a Python function that {t}, and an example of its output.",
+              "Write a simple Python function that {t}."]
+MORE3_DEFINE = ["Define {t} in one short sentence.", "Explain in one sentence what {t} is.",
+                "What is {t}? One sentence for a student."]
+MORE3_FORMAT = ["Give two facts about {t} as a numbered list.",
+                "Write {t} as a JSON object with the keys \"term\" and \"definition\".",
+                "Write three bullet points about {t}.",
+                "Answer in the format 'Name: ...; Fact: ...' for {t}."]
+
 def _count_subjects(seed: str = "structured-count") -> list[tuple[str, dict]]:
     rng = random.Random(seed)
     out = []
@@ -160,9 +179,9 @@ def _arith_subjects(seed: str = "structured-arith") -> list[tuple[str, str, dict
 
 
 # The template sets in the order they were added: "" is the first catalogue (train and held-out), "more" was
-# distilled for v3.1, "more2" after it. Counting templates run over their own draw of numbers and every earlier
-# draw; arithmetic ones over their own draw only.
-_SETS = ("", "more", "more2")
+# distilled for v3.1, "more2" after it, "more3" after v3.5. Counting templates run over their own draw of numbers
+# and every earlier draw; arithmetic ones over their own draw only.
+_SETS = ("", "more", "more2", "more3")
 
 
 def _templates(more: str):
@@ -171,7 +190,9 @@ def _templates(more: str):
                  FORMAT_TEMPLATES),
             "more": (MORE_ENUM, MORE_COUNT, _MORE_COUNTS, MORE_ARITH, MORE_CODE, MORE_DEFINE, MORE_FORMAT),
             "more2": (MORE2_ENUM, MORE2_COUNT, _MORE2_COUNTS, MORE2_ARITH, MORE2_CODE, MORE2_DEFINE,
-                      MORE2_FORMAT)}[more]
+                      MORE2_FORMAT),
+            "more3": (MORE3_ENUM, MORE3_COUNT, _MORE3_COUNTS, MORE3_ARITH, MORE3_CODE, MORE3_DEFINE,
+                      MORE3_FORMAT)}[more]
 
 
 def _draw_seed(kind: str, more: str) -> str:
@@ -186,7 +207,8 @@ def _count_draws(more: str) -> list[tuple[str, dict]]:
 
 def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
     """Every structured prompt: (category, subject, prompt), in a fixed order, without duplicates; with `more`
-    ("more" or "more2"), that set's templates and draw of numbers instead, without the earlier sets' prompts."""
+    ("more", "more2" or "more3"), that set's templates and draw of numbers instead, without the earlier sets'
+    prompts."""
     enum, count, _, arith, code, define, fmt = _templates(more)
     rows: list[tuple[str, str, str]] = []
     for s in SEQUENCES:
@@ -217,8 +239,8 @@ def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order."""
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use 'train', 'heldout', 'more' or 'more2'")
-    if split in ("more", "more2"):
+        raise ValueError(f"split={split!r} is not one of {SPLITS}; use one of those")
+    if split in _SETS[1:]:
         return [row for row in _catalogue(split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
 
@@ -246,7 +268,7 @@ def structured_prompts(split: str, n: int | None = None, seed: int = 0) -> list[
 def category_of() -> dict[str, str]:
     """Prompt text -> category over both catalogues (natural and structured, every split): tags distilled rows."""
     table: dict[str, str] = {}
-    for split in ("train", "heldout", "more", "more2", "more3"):
+    for split in NATURAL_SPLITS:
         table.update({p: c for c, _, p in natural_table(split)})
     for more in _SETS:
         table.update({p: c for c, _, p in _catalogue(more)})
@@ -265,8 +287,8 @@ _COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(a, b + 1), lam
 # what each of MORE_COUNT asks, in its order
 _MORE_COUNTS = (lambda a, b, k: range(a, b + 1), lambda a, b, k: range(b, a - 1, -1),
                 lambda a, b, k: range(a, b + 1, k))
-# and of MORE2_COUNT: up, down, in steps
-_MORE2_COUNTS = _MORE_COUNTS
+# and of MORE2_COUNT and MORE3_COUNT: up, down, in steps
+_MORE2_COUNTS = _MORE3_COUNTS = _MORE_COUNTS
 
 
 def _exact_answers() -> dict[str, tuple[str, list[int]]]:
