@@ -35,6 +35,8 @@ table.stats {border-collapse: collapse; font-size: 14px; width: 100%;}
 table.stats th, table.stats td {border-bottom: 1px solid #e5e7eb; padding: 4px 10px; text-align: right;}
 table.stats th:first-child {text-align: left; color: #374151;}
 table.stats thead th {background: #f9fafb;}
+/* on a phone the three lanes' numbers fit beside their labels, so the MARS column is never off the screen */
+@media (max-width: 480px) {table.stats {font-size: 12px;} table.stats th, table.stats td {padding: 3px 4px;}}
 .speedup {margin-top: 8px; font-size: 20px;}
 .speedup .how {font-size: 12px; color: #6b7280; margin-left: 8px;}
 .defs {font-size: 12.5px; color: #4b5563;}

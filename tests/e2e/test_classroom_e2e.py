@@ -61,6 +61,12 @@ def test_on_a_phone_the_lanes_stack_in_order(browser, app_server):
         assert boxes[0]["y"] + boxes[0]["height"] <= boxes[1]["y"] + 1
         assert boxes[1]["y"] + boxes[1]["height"] <= boxes[2]["y"] + 1
         assert all(b["x"] + b["width"] <= 390 for b in boxes), boxes
+        page.fill("#prompt textarea", prompt_for_model())
+        click_and_wait_done(page, "#generate-btn", 180_000)
+        # every lane's column of the stats table, numbers filled in, is readable without scrolling sideways
+        widths = page.evaluate("""() => { const t = document.querySelector('#stats table.stats');
+            return [t.getBoundingClientRect().right, t.scrollWidth, t.parentElement.clientWidth]; }""")
+        assert widths[0] <= 390 and widths[1] <= widths[2], widths
         page.screenshot(path=str(ARTIFACTS / "classroom-390.png"), full_page=True)
     finally:
         page.context.close()
