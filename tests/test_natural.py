@@ -69,6 +69,20 @@ def test_the_more4_split_is_new_prompts_on_train_subjects_only_and_leaves_more3_
     assert (len(prompt_table("more3")), digest) == (2691, "1a0ed6b2dd98")
 
 
+def test_the_more5_split_is_new_prompts_on_train_subjects_only_and_leaves_more4_as_it_was():
+    """'more5' (the round after 'more4') repeats no prompt of the six other splits and asks about no held-out subject;
+    'more4', the data of the round after v3.5, keeps its size and order."""
+    import hashlib
+    earlier = {p for split in ("train", "heldout", "more", "more2", "more3", "more4") for *_, p in prompt_table(split)}
+    more5 = prompt_table("more5")
+    assert len(more5) >= 2500 and len({p for *_, p in more5}) == len(more5)
+    assert not {p for *_, p in more5} & earlier
+    assert not {(c, s) for c, s, _ in more5} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in more5} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(natural_prompts("more4")).encode()).hexdigest()[:12]
+    assert (len(prompt_table("more4")), digest) == (2697, "e1e3666f84f5")
+
+
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
     """Every earlier run drew from these two (the report set is natural_prompts("heldout", 64, seed=1)): their
     sizes and a digest of their seed-0 order pin them."""

@@ -17,8 +17,8 @@ prompts therefore ask about subjects no training prompt of that category mention
 the templates of MORE, none of them in the main catalogue, on the train subjects only. It adds no held-out prompt
 and changes neither of the other splits (their prompts, order and seeds are what they were), so the report set
 and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more",
-"more3" with the MORE3 templates, after v3.1 used "more2", and "more4" with the MORE4 templates, after v3.5 used
-"more3".
+"more3" with the MORE3 templates, after v3.1 used "more2", "more4" with the MORE4 templates, after v3.5 used
+"more3", and "more5" with the MORE5 templates, for the round after that.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import random
 
-from finetune.evals.natural_more import MORE, MORE2, MORE3, MORE4
+from finetune.evals.natural_more import MORE, MORE2, MORE3, MORE4, MORE5
 
 HELDOUT_PERCENT = 15
-SPLITS = ("train", "heldout", "more", "more2", "more3", "more4")
+SPLITS = ("train", "heldout", "more", "more2", "more3", "more4", "more5")
 MORE_SPLITS = SPLITS[2:]   # the extra training splits, in the order they were added
 
 # ----------------------------------------------------------------------------- subjects
@@ -298,7 +298,7 @@ def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
     """Every prompt the generator can produce: (category, subject, prompt), in a fixed order; with `more` (one of
     MORE_SPLITS), that split's templates (MORE, MORE2, ...) instead, without the prompts of the earlier sets."""
     rows: list[tuple[str, str, str]] = []
-    extra = {"more": MORE, "more2": MORE2, "more3": MORE3, "more4": MORE4}.get(more)
+    extra = {"more": MORE, "more2": MORE2, "more3": MORE3, "more4": MORE4, "more5": MORE5}.get(more)
 
     def add(category, subjects, templates, fmt):
         for s in subjects:

@@ -1,4 +1,4 @@
-"""The templates of the natural catalogue's extra training splits ("more" to "more4"), one set per round of
+"""The templates of the natural catalogue's extra training splits ("more" to "more5"), one set per round of
 smollm2-mars training data after the train split was used up. They are applied to the train subjects of
 `finetune.evals.natural` only, so they never ask about a held-out subject; each set leaves out the prompts of the
 sets before it (natural._catalogue)."""
@@ -136,4 +136,33 @@ MORE4 = {
     "shell": ["What shell command {t}? Give the command and one sentence.", "Name the command that {t}."],
     "everyday": ["{q} Be brief.", "{q} Answer in three short points."],
     "math": ["{q} Show the calculation in one line.", "{q} Give the answer and one sentence of working."],
+}
+
+# The "more5" split's templates: a sixth phrasing set on the train subjects, for the round after "more4".
+MORE5 = {
+    "explain": ["Tell me about {t} in three sentences.", "Explain {t} with one everyday example.",
+                "Give a two-line explanation of {t}.", "What should a student remember about {t}?",
+                "List two causes and two effects of {t}.", "Describe {t} for a quiz card."],
+    "define": ["Define the word '{t}'.", "Write a short definition of '{t}' and use it in a sentence.",
+               "What does the word '{t}' mean in everyday English?", "Explain '{t}' in five words or fewer."],
+    "compare": ["Write two sentences comparing {a} and {b}.", "List one similarity and one difference of {a} and {b}.",
+                "What makes {a} different from {b}? Answer briefly.", "Compare {a} with {b} in a short list."],
+    "howto": ["Tell me how to {t} in four steps.", "Write short instructions to {t}.",
+              "What are the steps to {t}? Number them.", "Give two tips to {t} well."],
+    "list": ["List three {t}.", "Write a numbered list of four {t}.", "Give five {t}, separated by commas.",
+             "Name some {t}, one per line."],
+    "rewrite": ["Rewrite this sentence in plain English: {s}", "Rewrite this as a tweet: {s}",
+                "Make this sentence shorter: {s}", "Rewrite this in the present tense: {s}"],
+    "translate": ["Give the {lang} translation of '{p}'.", "Translate '{p}' to {lang}. Only the translation."],
+    "write": ["Write a short greeting to {w}.", "Write a brief message to {w} in three sentences.",
+              "Write a two-line note of thanks to {w}."],
+    "poem": ["Write a short poem about {t}.", "Write a five-line poem about {t}.", "Write a tiny rhyme about {t}."],
+    "story": ["Write a three-sentence story about {t}.", "Tell a short story about {t}.",
+              "Write the opening line of a story about {t}."],
+    "python": ["Write a Python function that {t}.", "Write a Python function that {t}, with one test.",
+               "Show Python code that {t}."],
+    "sql": ["Write SQL that {t}.", "Give a short SQL query that {t}, and nothing else."],
+    "shell": ["Give a shell command that {t}.", "What is the command that {t}? Explain it briefly."],
+    "everyday": ["{q} Answer in a few words.", "{q} Give one reason."],
+    "math": ["{q} Give the answer with a short explanation.", "{q} Work it out step by step, briefly."],
 }
