@@ -236,6 +236,9 @@ def step_html(lm, prompt: str, event, show_last: int = 10, context_ids: list[int
     masks = "".join(f'<div class="cell maskcell">⟨mask⟩<small>mask {j}</small></div>' for j in range(1, B))
     p = len(ids)
     rows = []
+    # the pass stops at t_n on a confidence below τ, or because the answer finished in this pass
+    ended = {"eos": "the answer ended (end of turn)", "length": "the token limit was reached",
+             "stop": "a stop string ended the answer"}.get(row.finish_reason or "")
     for j, (t, c) in enumerate(zip(row.candidates, row.confidences)):
         src = "last committed token" if j == 0 else f"mask {j}"
         if j == 0:
@@ -243,14 +246,15 @@ def step_html(lm, prompt: str, event, show_last: int = 10, context_ids: list[int
         elif j < n:
             before = "t₀ was accepted" if j == 1 else f"t₀..t{_sub(j - 1)} were accepted"
             verdict, cls = f"accepted — c = {c:.3f} ≥ τ and {before}", "acc"
-        elif j == n and c < tau:
+        elif j == n and not ended:
             verdict, cls = f"rejected — c = {c:.3f} < τ = {tau:.2f}; stops the pass", "stop"
-        elif j == n:
-            verdict, cls = "not used — the sequence ended before it", "stop"
+        elif ended:
+            verdict, cls = f"not used — {ended} before it", "stop" if j == n else "skip"
         else:
             verdict, cls = f"dropped — t{n} was rejected before it (accepted tokens must be contiguous)", "skip"
         rows.append(f"<tr class='{cls}'><td>output at {e(src)}</td><td>→ position {p + j}</td>"
-                    f"<td>t{j} = <b>{e(_tok(lm, t))}</b></td><td>{c:.3f}</td><td>{e(verdict)}</td></tr>")
+                    f"<td>t{j} = <b>{e(_tok(lm, t))}</b></td><td data-label='confidence '>{c:.3f}</td>"
+                    f"<td>{e(verdict)}</td></tr>")
     accepted = "".join(f'<div class="cell accepted">{e(_tok(lm, t))}</div>' for t in row.accepted_ids)
     return (f"<div class='learn-step'>"
             f"<div class='lane'><span class='lane-label'>"
@@ -270,6 +274,7 @@ def confidence_figure(lm, event) -> go.Figure:
     fig = go.Figure(go.Bar(x=labels, y=row.confidences, marker_color=colours,
                            text=[f"{c:.3f}" for c in row.confidences], textposition="outside"))
     fig.add_hline(y=event.tau, line_dash="dash", line_color="#111827", annotation_text=f"τ = {event.tau:.2f}")
-    fig.update_layout(title="Candidate confidence vs τ (green = accepted)", yaxis=dict(range=[0, 1.1]),
-                      template="plotly_white", height=300, margin=dict(l=50, r=20, t=50, b=40))
+    # two short title lines: one long line is cut off on a phone
+    fig.update_layout(title="Candidate confidence vs τ<br>(green = accepted)", yaxis=dict(range=[0, 1.1]),
+                      template="plotly_white", height=300, margin=dict(l=50, r=20, t=60, b=40))
     return fig

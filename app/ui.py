@@ -60,6 +60,14 @@ table.stats thead th {background: #f9fafb;}
                    border: 1px solid #d1d5db; text-align: center;}
 .learn-step .cell small {display: block; font-size: 10px; color: #6b7280;}
 .learn-step .committed {background: #f3f4f6;}
+/* on a phone each output of the step is a block of lines, so its verdict is on the screen, not in a fifth column */
+@media (max-width: 480px) {
+  .learn-step table, .learn-step tbody, .learn-step tr, .learn-step td {display: block; width: auto;}
+  .learn-step thead {display: none;}
+  .learn-step tr {border-bottom: 1px solid #e5e7eb; padding: 4px 0;}
+  .learn-step td {border: none; padding: 1px 8px;}
+  .learn-step td[data-label]::before {content: attr(data-label); color: #6b7280;}
+}
 .learn-step .maskcell {background: #fef3c7; border-color: #f59e0b;}
 .learn-step .accepted {background: #dcfce7; border-color: #22c55e;}
 .race-text .verified {text-decoration: underline 2px #7c3aed; text-underline-offset: 3px;}

@@ -468,3 +468,22 @@ def test_empty_fields_are_named_not_shown_as_none(tmp_path):
     assert "τ is empty" in messages[0] and "max new tokens is empty" in messages[1]
     assert "no confidence criterion is chosen" in messages[2] and "slow motion is empty" in messages[4]
     assert "no base model is chosen" in messages[5]
+
+
+def test_learn_step_says_the_answer_ended_not_that_a_token_was_rejected(tiny_mars):
+    """A pass whose second token is end-of-turn: the masks after it were not used because the answer ended; none was
+    rejected, so no row may say so, whatever their confidences."""
+    from types import SimpleNamespace
+
+    from mars_core.decode.events import RowStep
+    eos = tiny_mars.tokenizer.eos_token_id
+    row = RowStep(accepted_ids=[5, eos], candidates=[5, eos, 7, 8], confidences=[0.9, 0.99, 0.98, 0.2], n_accepted=2,
+                  done=True, active=False, finish_reason="eos")
+    html = learn.step_html(tiny_mars, "x", SimpleNamespace(rows=[row], tau=0.9))
+    assert html.count("not used — the answer ended (end of turn) before it") == 2
+    assert "rejected" not in html and html.count("accepted —") == 2
+    # the answer going on and t2 below τ: t2 is rejected and t3 dropped behind it
+    row.finish_reason, row.done, row.candidates[1], row.confidences[2] = None, False, 6, 0.5
+    html = learn.step_html(tiny_mars, "x", SimpleNamespace(rows=[row], tau=0.9))
+    assert "rejected — c = 0.500 &lt; τ = 0.90; stops the pass" in html
+    assert "dropped — t2 was rejected before it" in html and "not used" not in html

@@ -222,6 +222,10 @@ def test_learn_steps_through_every_forward_pass_of_the_decode(browser, app_serve
         last = page.inner_text("#learn-step")
         so_far = [re.search(r"answer so far: (.*)", t).group(1) for t in (first, last)]
         assert len(so_far[1]) > len(so_far[0]) and so_far[1].startswith(so_far[0].strip()), so_far
+        # every cell of the step's table, the verdicts included, is on the screen without scrolling sideways
+        rights = page.evaluate("() => Array.from(document.querySelectorAll('#learn-step td'))"
+                               ".map(td => td.getBoundingClientRect().right)")
+        assert rights and max(rights) <= size[0], rights
         page.screenshot(path=str(ARTIFACTS / f"learn-every-step-{size[0]}.png"), full_page=True)
     finally:
         page.context.close()
