@@ -93,6 +93,19 @@ def default_tau(name: str) -> float:
     return DEFAULT_TAUS.get(name, DEFAULT_TAU)
 
 
+# The block size the race starts each model at. smollm2-mars: B = 2 (one mask). On 23 development prompts at τ 0.97
+# (w8a8, one thread, thread clock) its lossy lane ran 1.17× AR with one mask against 1.11× with three and 1.13× with
+# two: its first mask carries most of its gain, and a forward with one mask costs 1.04× AR's where one with three
+# costs 1.16× (docs/experiments/training-smollm2.md, "The page's block size"). B stays a slider.
+DEFAULT_BLOCK_SIZES: dict[str, int] = {"smollm2-mars": 2}
+DEFAULT_BLOCK_SIZE = 4
+
+
+def default_block_size(name: str) -> int:
+    """The block size B the race starts at for `name` (DEFAULT_BLOCK_SIZES, else 4)."""
+    return DEFAULT_BLOCK_SIZES.get(name, DEFAULT_BLOCK_SIZE)
+
+
 _cache: dict[str, object] = {}
 _lock = threading.Lock()                    # guards _name_locks
 _name_locks: dict[str, threading.Lock] = {}  # one per model: loading one never blocks another

@@ -104,6 +104,17 @@ PREDICT = ("**Predict before you click:** which words will arrive together, in o
            "answers after the race.")
 
 
+def _block_note(name: str) -> str:
+    """', with one mask per forward (B = 2) …' where the page starts a model below B = 4: why, and where to change
+    it."""
+    b = models.default_block_size(name)
+    if b >= models.DEFAULT_BLOCK_SIZE:
+        return ""
+    masks = "one mask" if b == 2 else f"{b - 1} masks"
+    return (f", with {masks} per forward (B = {b}): its first mask carries most of its gain, and a forward with one "
+            "mask costs little more than one of AR (block size in Advanced settings shows more masks)")
+
+
 def teaching_note(name: str) -> str:
     """'What you are seeing' for a real-language MARS model, and the question to ask before the race for every MARS
     model ('' for the others, whose notices say enough)."""
@@ -114,8 +125,8 @@ def teaching_note(name: str) -> str:
     # folded: on a projector the explanation must not push the lanes below the first screen
     return (PREDICT + f"\n\n<details><summary><b>What you are seeing</b> on {_short(name)} (open)</summary>"
             f"{_short(name)} starts at τ {models.default_tau(name):g}, where its lossy answers to the examples are "
-            "AR's. Lists, counting and arithmetic arrive several tokens per forward more often; on ordinary "
-            "sentences most chunks are one token, and one forward of MARS costs more than "
-            "one of AR, so there the MARS lane can be slower than AR. The lossless lane checks each draft against "
+            f"AR's{_block_note(name)}. Lists, counting and arithmetic arrive in multi-token chunks more often; on "
+            "ordinary sentences most chunks are one token, and one forward of MARS costs more than one of AR, so "
+            "there the MARS lane can be slower than AR. The lossless lane checks each draft against "
             "AR's own next token, so its text is AR's exactly; it gains wherever drafts are confirmed. For the "
             "clearest multi-token picture, use tiny-mars.</details>")

@@ -288,7 +288,8 @@ def _generate_tab(start_model: str) -> SimpleNamespace:
         with gr.Accordion("Advanced settings: block size, tokens, sampling, confidence, lossless drafts, timing",
                           open=False, elem_id="advanced"):
             with gr.Row(equal_height=True):
-                gen.block_size = generate.lenient(gr.Slider(2, 8, value=4, step=1, label="block size B", scale=2))
+                gen.block_size = generate.lenient(gr.Slider(2, 8, value=models.default_block_size(start_model), step=1,
+                                                            label="block size B", scale=2))
                 gen.max_new = generate.lenient(gr.Slider(8, generate.MAX_NEW_TOKENS, value=112, step=8,
                                                          label="max new tokens", scale=2, elem_id="max-new"))
                 gen.temperature = generate.lenient(gr.Slider(0.0, 2.0, value=0.0, step=0.05,
@@ -465,10 +466,12 @@ def _wire_model_bar(demo, bar, gen, resolver: models.Resolver) -> None:
     # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
     bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
-    # τ starts at the model's measured default (models.DEFAULT_TAUS) whenever the model changes
+    # τ and B start at the model's measured defaults (models.DEFAULT_TAUS, DEFAULT_BLOCK_SIZES) whenever it changes
     for event in (bar.model.change, bar.free.submit):
         event(lambda choice, free: gr.update(value=models.default_tau(resolver.resolve_or_typed(choice, free))),
               model_inputs, gen.tau, **QUICK)
+        event(lambda choice, free: gr.update(value=models.default_block_size(resolver.resolve_or_typed(choice, free))),
+              model_inputs, gen.block_size, **QUICK)
     for event in (bar.model.change, bar.free.submit):
         event(partial(generate.examples_and_prompt, resolver=resolver), model_inputs + [gen.prompt],
               [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(

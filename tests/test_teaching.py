@@ -46,7 +46,8 @@ def test_the_lossy_lane_at_the_default_tau_keeps_ars_answer_on_the_teaching_prom
     prompts = list(models.TEACHING_FACTS)
     same = 0
     for p in prompts:
-        lossy = generate(smollm2_mars, [p], DecodeConfig(mode="mars", tau=tau, block_size=4,
+        lossy = generate(smollm2_mars, [p], DecodeConfig(mode="mars", tau=tau,
+                                                        block_size=models.default_block_size("smollm2-mars"),
                                                         max_new_tokens=PAGE_MAX_NEW))[0]
         same += lossy.token_ids == _ar(smollm2_mars, p).token_ids
     assert same >= 0.8 * len(prompts), f"{same} of {len(prompts)} lossy answers are AR's at τ {tau}"
@@ -63,3 +64,12 @@ def test_the_teaching_note_names_the_tau_the_page_starts_smollm2_mars_at():
 
     tau = models.default_tau("smollm2-mars")
     assert f"starts at τ {tau:g}," in notices.teaching_note("smollm2-mars")
+
+
+def test_the_teaching_note_names_the_block_size_the_page_starts_smollm2_mars_at():
+    from app import notices
+
+    b = models.default_block_size("smollm2-mars")
+    note = notices.teaching_note("smollm2-mars")
+    assert b == 2 and "with one mask per forward (B = 2)" in note
+    assert "(B = " not in notices.teaching_note("tiny-mars")
