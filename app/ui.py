@@ -60,6 +60,13 @@ table.stats thead th {background: #f9fafb;}
                    border: 1px solid #d1d5db; text-align: center;}
 .learn-step .cell small {display: block; font-size: 10px; color: #6b7280;}
 .learn-step .committed {background: #f3f4f6;}
+/* on a phone a ledger row wraps its cells onto a second line, so its verdict is on the screen, not in a fifth column */
+@media (max-width: 480px) {
+  .ledger table, .ledger tbody {display: block; width: auto;}
+  .ledger thead {display: none;}
+  .ledger tr {display: flex; flex-wrap: wrap; gap: 0 10px; border-bottom: 1px solid #e5e7eb; padding: 3px 0;}
+  .ledger td {border: none; padding: 1px 4px;}
+}
 /* on a phone each output of the step is a block of lines, so its verdict is on the screen, not in a fifth column */
 @media (max-width: 480px) {
   .learn-step table, .learn-step tbody, .learn-step tr, .learn-step td {display: block; width: auto;}

@@ -67,6 +67,10 @@ def test_on_a_phone_the_lanes_stack_in_order(browser, app_server):
         widths = page.evaluate("""() => { const t = document.querySelector('#stats table.stats');
             return [t.getBoundingClientRect().right, t.scrollWidth, t.parentElement.clientWidth]; }""")
         assert widths[0] <= 390 and widths[1] <= widths[2], widths
+        # and the ledger of a step (step 0 after a race): every cell on the screen
+        rights = page.evaluate("() => Array.from(document.querySelectorAll('#ledger td'))"
+                               ".map(td => td.getBoundingClientRect().right)")
+        assert rights and max(rights) <= 390, rights
         page.screenshot(path=str(ARTIFACTS / "classroom-390.png"), full_page=True)
     finally:
         page.context.close()
