@@ -93,11 +93,11 @@ def default_tau(name: str) -> float:
     return DEFAULT_TAUS.get(name, DEFAULT_TAU)
 
 
-# The block size the race starts each model at. smollm2-mars: B = 2 (one mask). On 23 development prompts at τ 0.97
-# (w8a8, one thread, thread clock) its lossy lane ran 1.17× AR with one mask against 1.11× with three and 1.13× with
-# two: its first mask carries most of its gain, and a forward with one mask costs 1.04× AR's where one with three
-# costs 1.16× (docs/experiments/training-smollm2.md, "The page's block size"). B stays a slider.
-DEFAULT_BLOCK_SIZES: dict[str, int] = {"smollm2-mars": 2}
+# The block size the race starts each model at. smollm2-mars: B = 3 (two masks). On 23 development prompts at τ 0.97
+# (w8a8, one thread, thread clock) its lossy lane ran 1.31× AR with two masks against 1.26× with three and 1.21× with
+# one: a forward with two masks cost 1.08× AR's, one with three 1.16×, and the third mask adds few tokens
+# (docs/experiments/training-smollm2.md, "The page's block size"). B stays a slider.
+DEFAULT_BLOCK_SIZES: dict[str, int] = {"smollm2-mars": 3}
 DEFAULT_BLOCK_SIZE = 4
 
 

@@ -105,14 +105,15 @@ PREDICT = ("**Predict before you click:** which words will arrive together, in o
 
 
 def _block_note(name: str) -> str:
-    """', with one mask per forward (B = 2) …' where the page starts a model below B = 4: why, and where to change
+    """', with 2 masks per forward (B = 3) …' where the page starts a model below B = 4: why, and where to change
     it."""
     b = models.default_block_size(name)
     if b >= models.DEFAULT_BLOCK_SIZE:
         return ""
     masks = "one mask" if b == 2 else f"{b - 1} masks"
-    return (f", with {masks} per forward (B = {b}): its first mask carries most of its gain, and a forward with one "
-            "mask costs little more than one of AR (block size in Advanced settings shows more masks)")
+    return (f", with {masks} per forward (B = {b}): on development prompts that ran faster than "
+            f"{models.DEFAULT_BLOCK_SIZE - 1} masks, whose forwards cost more (block size in Advanced settings "
+            "changes it)")
 
 
 def teaching_note(name: str) -> str:

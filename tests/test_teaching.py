@@ -71,5 +71,5 @@ def test_the_teaching_note_names_the_block_size_the_page_starts_smollm2_mars_at(
 
     b = models.default_block_size("smollm2-mars")
     note = notices.teaching_note("smollm2-mars")
-    assert b == 2 and "with one mask per forward (B = 2)" in note
+    assert b == 3 and "with 2 masks per forward (B = 3)" in note
     assert "(B = " not in notices.teaching_note("tiny-mars")
