@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from finetune.evals.checkable import CheckItem, check, checkable_set
-from finetune.evals.natural import CATEGORIES, main, natural_prompts, prompt_table, split_of
+from finetune.evals.natural import CATEGORIES, SPLITS, main, natural_prompts, prompt_table, split_of
 
 
 def test_the_two_splits_share_no_prompt_and_no_subject():
@@ -42,45 +42,24 @@ def test_the_more2_split_is_new_prompts_on_train_subjects_only():
     assert len(prompt_table("more")) == 3220
 
 
-def test_the_more3_split_is_new_prompts_on_train_subjects_only_and_leaves_more2_as_it_was():
-    """'more3' (after v3.1 used 'more2') repeats no prompt of the four other splits and asks about no held-out
-    subject; 'more2', which v3.1 was trained on, keeps its size and order."""
+# each later split after the round that used the one before it; that one's size and order are pinned, because a
+# shipped model's data came from it
+@pytest.mark.parametrize("split, before, pinned", [("more3", "more2", (2731, "2941e05ca185")),
+                                                   ("more4", "more3", (2691, "1a0ed6b2dd98")),
+                                                   ("more5", "more4", (2697, "e1e3666f84f5"))])
+def test_a_later_more_split_is_new_prompts_on_train_subjects_only_and_leaves_the_one_before_as_it_was(
+        split, before, pinned):
+    """The split repeats no prompt of any earlier split and asks about no held-out subject; every category has
+    some; the split before it keeps its size and order."""
     import hashlib
-    earlier = {p for split in ("train", "heldout", "more", "more2") for *_, p in prompt_table(split)}
-    more3 = prompt_table("more3")
-    assert len(more3) >= 2500 and len({p for *_, p in more3}) == len(more3)
-    assert not {p for *_, p in more3} & earlier
-    assert not {(c, s) for c, s, _ in more3} & {(c, s) for c, s, _ in prompt_table("heldout")}
-    assert {c for c, _, _ in more3} == set(CATEGORIES)
-    digest = hashlib.sha256("\n".join(natural_prompts("more2")).encode()).hexdigest()[:12]
-    assert (len(prompt_table("more2")), digest) == (2731, "2941e05ca185")
-
-def test_the_more4_split_is_new_prompts_on_train_subjects_only_and_leaves_more3_as_it_was():
-    """'more4' (after v3.5 used 'more3') repeats no prompt of the five other splits and asks about no held-out
-    subject; 'more3', which v3.5 was trained on, keeps its size and order."""
-    import hashlib
-    earlier = {p for split in ("train", "heldout", "more", "more2", "more3") for *_, p in prompt_table(split)}
-    more4 = prompt_table("more4")
-    assert len(more4) >= 2500 and len({p for *_, p in more4}) == len(more4)
-    assert not {p for *_, p in more4} & earlier
-    assert not {(c, s) for c, s, _ in more4} & {(c, s) for c, s, _ in prompt_table("heldout")}
-    assert {c for c, _, _ in more4} == set(CATEGORIES)
-    digest = hashlib.sha256("\n".join(natural_prompts("more3")).encode()).hexdigest()[:12]
-    assert (len(prompt_table("more3")), digest) == (2691, "1a0ed6b2dd98")
-
-
-def test_the_more5_split_is_new_prompts_on_train_subjects_only_and_leaves_more4_as_it_was():
-    """'more5' (the round after 'more4') repeats no prompt of the six other splits and asks about no held-out subject;
-    'more4', the data of the round after v3.5, keeps its size and order."""
-    import hashlib
-    earlier = {p for split in ("train", "heldout", "more", "more2", "more3", "more4") for *_, p in prompt_table(split)}
-    more5 = prompt_table("more5")
-    assert len(more5) >= 2500 and len({p for *_, p in more5}) == len(more5)
-    assert not {p for *_, p in more5} & earlier
-    assert not {(c, s) for c, s, _ in more5} & {(c, s) for c, s, _ in prompt_table("heldout")}
-    assert {c for c, _, _ in more5} == set(CATEGORIES)
-    digest = hashlib.sha256("\n".join(natural_prompts("more4")).encode()).hexdigest()[:12]
-    assert (len(prompt_table("more4")), digest) == (2697, "e1e3666f84f5")
+    earlier = {p for e in SPLITS[:SPLITS.index(split)] for *_, p in prompt_table(e)}
+    rows = prompt_table(split)
+    assert len(rows) >= 2500 and len({p for *_, p in rows}) == len(rows)
+    assert not {p for *_, p in rows} & earlier
+    assert not {(c, s) for c, s, _ in rows} & {(c, s) for c, s, _ in prompt_table("heldout")}
+    assert {c for c, _, _ in rows} == set(CATEGORIES)
+    digest = hashlib.sha256("\n".join(natural_prompts(before)).encode()).hexdigest()[:12]
+    assert (len(prompt_table(before)), digest) == pinned
 
 
 def test_the_train_and_heldout_splits_are_unchanged_by_the_more_split():
