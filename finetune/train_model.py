@@ -128,6 +128,9 @@ class WarmStart:
             raise ValueError(f"--init-adapter {path!r} is not a folder: pass an adapter folder such as "
                              "assets/smollm2-mars (adapter.safetensors + adapter_config.json)")
         config, modules, mask_row = read_adapter(Path(path).expanduser())
+        if config.get("ranks"):   # peft's LoRA of one --lora-r cannot hold matrices of different ranks
+            raise ValueError(f"--init-adapter {path!r} has a rank per matrix (a full fine-tune's export): continue it "
+                             f"as a full fine-tune from the merged model (--base-model {path}, without --lora)")
         if is_gated(config) != cfg.gated_lora:   # a delta trained at masks only must stay there, and vice versa
             theirs, fix = (("gated", "pass --gated-lora") if is_gated(config)
                            else ("plain (merged)", "drop --gated-lora"))

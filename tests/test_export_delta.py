@@ -3,6 +3,7 @@ merges."""
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -166,3 +167,96 @@ def test_an_exported_delta_and_a_checkpoint_get_the_users_umask_not_private_mode
         want = {name: (0o777 if (folder / name).is_dir() or name == folder.name else 0o666) & ~umask
                 for name in got}
         assert got == want, folder
+
+
+def test_allocate_ranks_takes_the_most_energy_per_byte_and_stays_within_the_budget():
+    from finetune.recipes.export_delta import allocate_ranks
+
+    spectra = {"big": torch.tensor([10.0, 6.0, 1.0]), "small": torch.tensor([3.0, 2.0, 0.5]),
+               "zero": torch.zeros(3)}
+    costs = {"big": 20, "small": 10, "zero": 10}
+    # values per byte (absolute): big 5.0, 1.8, 0.05; small 0.9, 0.4, 0.025 -> big, big, small, small
+    assert allocate_ranks(spectra, costs, 60) == {"big": 2, "small": 2}
+    assert allocate_ranks(spectra, costs, 59) == {"big": 2, "small": 1}
+    assert allocate_ranks(spectra, costs, 19) == {}   # not even the first component fits
+    # relative: each matrix's share per byte: big 100/137/20 = 0.036..., small 9/13.25/10 = 0.068 -> small first
+    assert allocate_ranks(spectra, costs, 10, "relative") == {"small": 1}
+    assert allocate_ranks(spectra, costs, 10, "absolute") == {}
+    big = allocate_ranks(spectra, costs, 1000)
+    assert big == {"big": 3, "small": 3}   # everything that carries energy; the zero matrix never
+    with pytest.raises(ValueError, match="allocate='best'"):
+        allocate_ranks(spectra, costs, 60, "best")
+
+
+@pytest.mark.parametrize("allocate", ["absolute", "relative"])
+def test_a_delta_with_a_rank_per_matrix_fits_its_size_and_loads_through_the_adapter_path(tiny, full_ft, tmp_path,
+                                                                                       monkeypatch, allocate):
+    """--max-mb: the weights file stays within the size, the config names each matrix's rank, the loader merges it
+    (equal to merging the same factors by hand), and τ = 1 and lossless decode as its AR."""
+    from safetensors.torch import load_file
+
+    from mars_core import DecodeConfig, generate, load_model
+    from mars_core.models.adapter import read_adapter
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, _dtype = tiny
+    uniform = tmp_path / "uniform"
+    assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--rank", "4", "--out", str(uniform),
+                 "--dtype", "int8"]) == 0
+    budget = (uniform / "adapter.safetensors").stat().st_size / 1e6   # the rank-4 file's size, spent per matrix
+    out = tmp_path / allocate
+    assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", f"{budget}", "--allocate",
+                 allocate, "--out", str(out), "--dtype", "int8"]) == 0
+    assert (out / "adapter.safetensors").stat().st_size <= budget * 1e6
+    cfg, modules, _row = read_adapter(out)
+    ranks = cfg["ranks"]
+    assert cfg["r"] == cfg["alpha"] == max(ranks.values()) and cfg["allocate"] == allocate
+    assert set(ranks) == set(modules) and len(set(ranks.values())) > 1   # the ranks differ between matrices
+    for m, (a, b) in modules.items():
+        assert a.shape[0] == b.shape[1] == ranks[m]
+    tensors = load_file(str(out / "adapter.safetensors"))
+    assert all(tensors[f"{m}.lora_A_scale"].shape == (ranks[m],) for m in ranks)
+    merged = load_model(str(out), device="cpu", dtype="float32", cpu_layout=False)
+    base = load_model(str(model_dir), device="cpu", dtype="float32", cpu_layout=False)
+    named = dict(merged.model.named_modules())
+    for m, (a, b) in modules.items():   # W_base + B @ A, scale alpha / r = 1
+        torch.testing.assert_close(named[m].weight, base.model.get_submodule(m).weight + b @ a, atol=1e-5, rtol=0)
+    prompt = "What is 12 + 7?"
+    ar = generate(merged, [prompt], DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=16))[0]
+    for cfg_ in (DecodeConfig(mode="mars", tau=1.0, max_new_tokens=16),
+                 DecodeConfig(mode="verify", tau=0.5, max_new_tokens=16)):
+        assert generate(merged, [prompt], cfg_)[0].token_ids == ar.token_ids
+
+
+def test_a_rank_per_matrix_that_does_not_match_the_file_is_refused_by_name(tiny, full_ft, tmp_path):
+    from mars_core.models.adapter import read_adapter
+
+    model_dir, _ = tiny
+    out = tmp_path / "d"
+    assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", "0.2", "--out", str(out),
+                 "--dtype", "int8"]) == 0
+    path = out / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    module = sorted(cfg["ranks"])[0]
+
+    def refused(change, match):
+        bad = dict(cfg, ranks=dict(cfg["ranks"]))
+        change(bad["ranks"])
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            read_adapter(out)
+
+    def one_less(ranks):
+        ranks[module] = ranks[module] - 1 if ranks[module] > 1 else 2
+    refused(one_less, re.escape(module) + r" lora_A .* do not have the config's rank ranks\[\.\.\.\]=")
+    refused(lambda ranks: ranks.pop(module), r"ranks and the file's modules differ .*only in the file: \['"
+            + re.escape(module))
+    refused(lambda ranks: ranks.update({"model.layers.9.mlp.up_proj": 1}), "only in the config")
+    refused(lambda ranks: ranks.update({module: cfg["r"] + 1}), "ranks=.* must map each adapted module path to its "
+            "rank, 1 to r=")
+    with pytest.raises(ValueError, match="--max-mb 0.0001: the mask row, norms and header alone take"):
+        main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", "0.0001", "--out",
+              str(tmp_path / "e"), "--dtype", "int8"])
+    with pytest.raises(ValueError, match="--max-mb -1"):
+        main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", "-1", "--out",
+              str(tmp_path / "e")])

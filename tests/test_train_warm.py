@@ -217,3 +217,23 @@ def test_the_recipes_manifest_stage_lists_every_distilled_prompt(tmp_path):
                  for p in ("Explain rain.", "Write a haiku about tea.", "Explain snow.")]
     new, n_seen = leave_out_seen(distilled, seen)
     assert n_seen == 2 and new == distilled[2:]
+
+
+def test_an_adapter_with_a_rank_per_matrix_does_not_warm_start_a_lora_run_but_a_full_fine_tune(tiny, adapter,
+                                                                                               tmp_path):
+    """A full fine-tune's export (export_delta --max-mb) has a rank per matrix, which peft's one --lora-r cannot hold:
+    refused before training, naming the way that works; that way (the folder as --base-model) trains."""
+    from mars_core.models.adapter import read_adapter
+
+    adapter_dir, _, _ = adapter
+    modules = read_adapter(adapter_dir)[1]
+    ranked = copy_adapter(adapter_dir, tmp_path / "ranked", ranks={m: 4 for m in modules})
+    assert read_adapter(ranked)[0]["ranks"]   # a valid folder: every matrix at rank 4
+    with pytest.raises(ValueError, match=f"has a rank per matrix .*--base-model {ranked}, without --lora"):
+        main(train_flags(tiny, tmp_path / "run", *LORA, "--init-adapter", str(ranked), "--max-steps", "1"))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    flags = train_flags(tiny, tmp_path / "full", "--stage", "mars", "--train-mask-row", "--freeze-embeddings",
+                        "--max-steps", "1")
+    flags[flags.index("--base-model") + 1] = str(ranked)
+    main(flags)
+    assert (tmp_path / "full" / "checkpoint-1").is_dir()

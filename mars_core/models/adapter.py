@@ -16,12 +16,14 @@ A folder holds
                         in float32: the new weight of a normalisation layer (a full fine-tune changes those 1-D
                         weights, which no low-rank delta can hold; finetune.recipes.export_delta writes them)
   adapter_config.json   {"format": "mars-lora-v1" or "mars-gated-lora-v1", "base", "r", "alpha", "mask_id",
-                         "mask_token", "block_size", "dtype", ...extra}
+                         "mask_token", "block_size", "dtype", ...extra}; optionally "ranks": {module path: rank},
+                         one entry per adapted module, each 1..r: a rank per matrix (export_delta --max-mb spends
+                         a file size where the change has its energy); without it every module has rank r
   README.md             (optional) how it was made
 
-Merging (mars-lora-v1 only) is W += (alpha / r) * B @ A for each module, then embedding row mask_id := mask_row. With
-tied embeddings that also sets the LM head's row, which is intended. Nothing here needs peft: peft is only
-used to train (`save_adapter` takes its `get_peft_model_state_dict`).
+Merging (mars-lora-v1 only) is W += (alpha / r) * B @ A for each module (the config's r, also with "ranks"),
+then embedding row mask_id := mask_row. With tied embeddings that also sets the LM head's row, which is intended.
+Nothing here needs peft: peft is only used to train (`save_adapter` takes its `get_peft_model_state_dict`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ CONFIG_FILE = "adapter_config.json"
 MASK_ROW_KEY = "mask_row"
 NORM_SUFFIX = "norm_weight"   # "<module>.norm_weight": a normalisation layer's new weight, replacing the base's
 REQUIRED_KEYS = ("format", "base", "r", "alpha", "mask_id", "mask_token", "block_size", "dtype")
+RANKS_KEY = "ranks"   # optional {module path: rank}: a rank per matrix; the scale stays alpha / r for every module
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT8 = "int8"   # a stored dtype only (read_adapter dequantizes): factors int8, one float32 scale per rank component
 SCALE_SUFFIX = "_scale"
@@ -216,6 +219,11 @@ def _check_config(cfg, path: Path, fix: str = RECIPE_HINT) -> None:
         bad("block_size", "must be a positive integer (B, the block size it was trained with)")
     if cfg["dtype"] not in (*DTYPES, INT8):
         bad("dtype", f"must be one of {sorted(DTYPES) + [INT8]}")
+    ranks = cfg.get(RANKS_KEY)
+    if ranks is not None and (not isinstance(ranks, dict) or not ranks or not all(
+            isinstance(m, str) and _MODULE_PATH.fullmatch(m) and isinstance(k, int) and not isinstance(k, bool)
+            and 1 <= k <= cfg["r"] for m, k in ranks.items())):
+        bad(RANKS_KEY, f"must map each adapted module path to its rank, 1 to r={cfg['r']}")
 
 
 def read_adapter_config(adapter_dir) -> dict:
@@ -279,10 +287,7 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
         if part == NORM_SUFFIX and _MODULE_PATH.fullmatch(module):
             continue
         if int8 and part in ("lora_A" + SCALE_SUFFIX, "lora_B" + SCALE_SUFFIX) and _MODULE_PATH.fullmatch(module):
-            if tensor.ndim != 1 or tensor.dtype != torch.float32 or tensor.shape[0] != r:
-                raise ValueError(f"{path}: {key} is {tensor.dtype} {tuple(tensor.shape)}, not float32 [{r}] (one "
-                                 f"scale per rank component): {_restore_hint(path)}")
-            parts.setdefault(module, {})[part] = tensor
+            parts.setdefault(module, {})[part] = tensor   # its shape is checked below, against the module's rank
             continue
         if part not in ("lora_A", "lora_B") or not _MODULE_PATH.fullmatch(module):
             raise ValueError(f"{path}: unknown tensor {key!r} (want '<module>.lora_A', '<module>.lora_B' or "
@@ -291,15 +296,27 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, tuple[torch.Tensor, torch
             raise ValueError(f"{path}: {key} is {tensor.dtype} {tuple(tensor.shape)}, the config says 2-D "
                              f"{cfg['dtype']}: {_restore_hint(path)}")
         parts.setdefault(module, {})[part] = tensor
+    ranks = cfg.get(RANKS_KEY)
+    if ranks is not None and set(ranks) != set(parts):   # a rank per matrix names every matrix the file holds
+        only_cfg, only_file = sorted(set(ranks) - set(parts)), sorted(set(parts) - set(ranks))
+        raise ValueError(f"{path}: the config's ranks and the file's modules differ (only in the config: "
+                         f"{only_cfg[:2]}, only in the file: {only_file[:2]}): {_restore_hint(path)}")
     modules = {}
     want = {"lora_A", "lora_B"} | ({"lora_A" + SCALE_SUFFIX, "lora_B" + SCALE_SUFFIX} if int8 else set())
     for module, p in sorted(parts.items()):
         if set(p) != want:
             raise ValueError(f"{path}: {module} has only {sorted(p)}, not {sorted(want)}: {_restore_hint(path)}")
         a, b = p["lora_A"], p["lora_B"]
-        if a.shape[0] != r or b.shape[1] != r:
+        rank = r if ranks is None else ranks[module]
+        if a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(f"{path}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have "
-                             f"the config's rank r={r}: {_restore_hint(path)}")
+                             f"the config's rank {'r' if ranks is None else 'ranks[...]'}={rank}: "
+                             f"{_restore_hint(path)}")
+        for part in ("lora_A" + SCALE_SUFFIX, "lora_B" + SCALE_SUFFIX) if int8 else ():
+            t = p[part]
+            if t.ndim != 1 or t.dtype != torch.float32 or t.shape[0] != rank:
+                raise ValueError(f"{path}: {module}.{part} is {t.dtype} {tuple(t.shape)}, not float32 [{rank}] (one "
+                                 f"scale per rank component): {_restore_hint(path)}")
         if int8:
             a = a.float() * p["lora_A" + SCALE_SUFFIX][:, None]
             b = b.float() * p["lora_B" + SCALE_SUFFIX][None, :]
