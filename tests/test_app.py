@@ -609,7 +609,7 @@ def test_picker_lists_smollm2_mars_only_when_its_adapter_exists(tmp_path, monkey
 
     (folder / "adapter.safetensors").write_text("{}")
     choices = models.model_choices()
-    assert choices[0] == ("smollm2-mars — SmolLM2-135M + MARS (B=4, real language)", "smollm2-mars")
+    assert choices[0] == ("smollm2-mars — SmolLM2-135M + MARS (real language)", "smollm2-mars")
     assert _values(choices)[1:] == _values(models.BUILTIN_MODELS)   # the others keep their order
     assert models.resolve("smollm2-mars") == "smollm2-mars"
     demo = build_ui("tiny-mars", runs_dir=tmp_path / "runs2")

