@@ -112,7 +112,7 @@ def _outputs(status, sides, final=False, measured=None, measuring="", tau_line=N
         last = max(0, mars.forwards - 1)
         vals += [plots.tokens_per_forward_figure(mars, sides.get("verify")),
                  plots.acceptance_figure(mars, sides.get("verify")),
-                 plots.diff_figure(mars.token_strings, ar.token_strings),
+                 plots.diff_html(mars.token_strings, ar.token_strings),
                  gr.update(minimum=0, maximum=max(1, last), value=0, interactive=mars.forwards > 1),
                  render_ledger(mars, 0), dict(sides)]
     else:   # the race state again at the end (plots and ledger stay as the user left them)

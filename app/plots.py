@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import html
 
 import plotly.graph_objects as go
 
@@ -10,12 +11,13 @@ from app.render import chunk_colour
 
 _LAYOUT = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40), height=300,
                font=dict(size=12))
+_LEGEND_BELOW = dict(orientation="h", y=-0.25, x=0, yanchor="top")   # beside the title it covers it on a phone
 
 
 def tokens_per_forward_figure(mars: SideRecord, verify: SideRecord | None = None) -> go.Figure:
     """Bars: tokens committed by each MARS forward pass, coloured like the chunks; the lossless lane's beside them."""
     fig = go.Figure()
-    lanes = [(mars, "MARS", None)]
+    lanes, means = [(mars, "MARS", None)], []
     if verify is not None and verify.steps:
         lanes.append((verify, "MARS lossless", "#7c3aed"))
     for side, name, line in lanes:
@@ -27,13 +29,14 @@ def tokens_per_forward_figure(mars: SideRecord, verify: SideRecord | None = None
                              hoverinfo="text"))
         if ns:
             mean = sum(ns) / len(ns)
-            fig.add_hline(y=mean, line_dash="dash", line_color=line or "#2563eb",
-                          annotation_text=f"{name}: mean {mean:.2f} tokens/forward",
-                          annotation_position="top left" if line is None else "top right")
-    fig.update_layout(title="Tokens committed per forward pass", xaxis_title="forward pass (step)",
+            fig.add_hline(y=mean, line_dash="dash", line_color=line or "#2563eb")
+            means.append(f"{name} {mean:.2f}")
+    # The means go in the title's second line, not on the lines: labels there collide on a phone's width.
+    title = "Tokens committed per forward pass" + (f"<br><sup>dashed: the mean — {', '.join(means)}</sup>"
+                                                   if means else "")
+    fig.update_layout(title=title, xaxis_title="forward pass (step)",
                       yaxis_title="tokens committed", yaxis=dict(dtick=1, rangemode="tozero"), barmode="group",
-                      showlegend=len(lanes) > 1, legend=dict(orientation="h", y=1.12, x=1, xanchor="right"),
-                      **_LAYOUT)
+                      showlegend=len(lanes) > 1, legend=_LEGEND_BELOW, **_LAYOUT)
     return fig
 
 
@@ -77,7 +80,7 @@ def acceptance_figure(mars: SideRecord, verify: SideRecord | None = None) -> go.
                              textposition="outside"))
     fig.update_layout(title="Acceptance per slot", yaxis_title="share",
                       yaxis=dict(range=[0, 1.2], tickformat=".0%"), barmode="group", showlegend=bool(conf),
-                      legend=dict(orientation="h", y=1.12, x=1, xanchor="right"), **_LAYOUT)
+                      legend=_LEGEND_BELOW, **_LAYOUT)
     return fig
 
 
@@ -95,41 +98,32 @@ def token_diff(mars_tokens: list[str], ar_tokens: list[str]) -> list[tuple[str, 
     return out
 
 
-_DIFF_Z = {"equal": 0, "replace": 1, "only MARS": 2, "only AR": 3}
-_DIFF_COLOURS = [[0.0, "#f3f4f6"], [0.25, "#f3f4f6"], [0.25, "#fca5a5"], [0.5, "#fca5a5"],
-                 [0.5, "#93c5fd"], [0.75, "#93c5fd"], [0.75, "#fcd34d"], [1.0, "#fcd34d"]]
+_DIFF_CLASS = {"equal": "same", "replace": "changed", "only MARS": "only-mars", "only AR": "only-ar"}
 
 
-def diff_figure(mars_tokens: list[str], ar_tokens: list[str], width: int = 16) -> go.Figure:
-    """Token-level diff of the MARS output against the AR output, wrapped `width` tokens per line."""
+def diff_html(mars_tokens: list[str], ar_tokens: list[str]) -> str:
+    """Token-level diff of the MARS output against the AR output as HTML: one cell per aligned pair (MARS's token
+    over AR's), cells wrapping like words, so it reads at a projector's width and at a phone's."""
     aligned = token_diff(mars_tokens, ar_tokens)
     same = sum(1 for k, _, _ in aligned if k == "equal")
-    lines = max(1, -(-len(aligned) // width))
-    z, text, hover, ylabels = [], [], [], []
-    for li in range(lines):
-        seg = aligned[li * width:(li + 1) * width]
-        pad = width - len(seg)
-        for who, idx in (("MARS", 1), ("AR", 2)):
-            z.append([_DIFF_Z[k] for k, _, _ in seg] + [None] * pad)
-            text.append([_short(t[idx]) for t in seg] + [""] * pad)
-            hover.append([f"{t[0]}: MARS {t[1]!r} · AR {t[2]!r}" for t in seg] + [""] * pad)
-            ylabels.append(f"{who} {li * width}")
-    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
-                               colorscale=_DIFF_COLOURS, zmin=0, zmax=3, showscale=False, xgap=2, ygap=2,
-                               y=list(range(len(z)))))
-    title = (f"Token diff, MARS vs AR: {same} of {len(aligned)} aligned tokens equal "
-             f"(grey = same, red = different, blue = only in MARS, yellow = only in AR)")
-    fig.update_layout(title=dict(text=title, font=dict(size=12)), template="plotly_white",
-                      height=max(160, 44 * len(z) + 70), margin=dict(l=80, r=10, t=50, b=10),
-                      xaxis=dict(visible=False),
-                      yaxis=dict(autorange="reversed", tickmode="array", tickvals=list(range(len(z))),
-                                 ticktext=ylabels))
-    return fig
+    cells = "".join(
+        f'<span class="dt {_DIFF_CLASS[k]}" title="{html.escape(f"{k}: MARS {a!r} · AR {b!r}", quote=True)}">'
+        f'<i>{_cell(a)}</i><i>{_cell(b)}</i></span>' for k, a, b in aligned)
+    return (f'<div class="token-diff"><p class="diff-title"><b>Token diff, MARS vs AR: {same} of {len(aligned)} '
+            f'aligned tokens equal</b><br><span class="dt-key"><span class="dt same">same</span> '
+            f'<span class="dt changed">different</span> <span class="dt only-mars">only in MARS</span> '
+            f'<span class="dt only-ar">only in AR</span> · each cell: MARS above, AR below</span></p>'
+            f'<div class="diff-cells">{cells}</div></div>')
 
 
-def _short(tok: str, n: int = 8) -> str:
-    tok = tok.replace("\n", "⏎")
-    return tok if len(tok) <= n else tok[: n - 1] + "…"
+def diff_placeholder(message: str = "the token diff appears after a run") -> str:
+    return f'<div class="token-diff"><p class="diff-empty">{html.escape(message)}</p></div>'
+
+
+def _cell(tok: str) -> str:
+    """A token as a cell shows it: whitespace made visible (⏎ a newline, · a space), never empty."""
+    shown = tok.replace("\n", "⏎").replace(" ", "·")
+    return html.escape(shown) if tok else "&nbsp;"
 
 
 def empty_figure(message: str) -> go.Figure:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from app import explorer, finetune_ui, generate, learn, models, notices
-from app.plots import empty_figure
+from app.plots import diff_placeholder, empty_figure
 from app.race import LANE_LABELS, LANES, SideRecord
 from app.render import STAT_DEFINITIONS, glossary_html, legend_html, render_chunks, render_ledger, render_stats
 from app.runs import JobManager
@@ -43,6 +43,17 @@ table.stats thead th {background: #f9fafb;}
 .ledger table, .learn-step table {border-collapse: collapse; width: 100%; font-size: 13.5px;}
 .ledger th, .ledger td, .learn-step th, .learn-step td {border-bottom: 1px solid #e5e7eb; padding: 4px 8px;
                                                        text-align: left;}
+/* the token diff: one cell per aligned pair, MARS's token over AR's, wrapping like words at any width */
+.token-diff .diff-title {margin: 4px 0 8px 0; font-size: 14px;}
+.token-diff .diff-empty {color: #6b7280;}
+.token-diff .diff-cells {display: flex; flex-wrap: wrap; gap: 3px;}
+.token-diff .dt {display: inline-flex; flex-direction: column; border-radius: 4px; padding: 1px 4px;
+                 font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.35; text-align: center;}
+.token-diff .dt i {font-style: normal; white-space: pre;}
+.token-diff .dt i + i {border-top: 1px solid rgba(0, 0, 0, 0.12);}
+.token-diff .dt-key .dt {display: inline-block; font-family: inherit; font-size: 12px;}
+.dt.same {background: #f3f4f6;} .dt.changed {background: #fca5a5;} .dt.only-mars {background: #93c5fd;}
+.dt.only-ar {background: #fcd34d;}
 .ledger tr.acc, .learn-step tr.acc {background: #f0fdf4;}
 .ledger tr.stop, .learn-step tr.stop {background: #fef2f2;}
 .ledger tr.skip, .learn-step tr.skip {color: #9ca3af;}
@@ -352,7 +363,7 @@ def _race_view(gen: SimpleNamespace) -> None:
     with gr.Row():
         gen.tpf_plot = gr.Plot(empty_figure("tokens per forward appear after a run"), label="tokens per forward")
         gen.acc_plot = gr.Plot(empty_figure("acceptance per slot appears after a run"), label="acceptance per slot")
-    gen.diff_plot = gr.Plot(empty_figure("the token diff appears after a run"), label="token diff")
+    gen.diff_view = gr.HTML(diff_placeholder(), elem_id="token-diff")
     with gr.Accordion("Step ledger: the candidates (or the checked drafts) of any forward pass", open=True):
         with gr.Row():
             gen.ledger_side = gr.Radio(list(generate.LEDGER_LANES), value="MARS", label="lane", scale=1)
@@ -522,7 +533,7 @@ def _wire_race(bar, gen, resolver: models.Resolver) -> None:
                        **QUICK)
     gen.temperature.change(generate.show_seed, gen.temperature, gen.seed, **QUICK)
     outputs = [gen.race_status, gen.tau_status, *(gen.panes[n] for n in LANES), gen.stats,
-               gen.tpf_plot, gen.acc_plot, gen.diff_plot, gen.ledger_step, gen.ledger, gen.race_state]
+               gen.tpf_plot, gen.acc_plot, gen.diff_view, gen.ledger_step, gen.ledger, gen.race_state]
     assert len(outputs) == generate.N_OUTPUTS
 
     def race_fn(choice, free_text, ar_choice, prompt, tau, tau_off, block_size, max_new_tokens, temperature,

@@ -122,8 +122,40 @@ def test_stats_show_every_lane():
 def test_token_diff_aligns_insertions_and_replacements():
     aligned = plots.token_diff(["a", "b", "c", "d"], ["a", "x", "c", "d", "e"])
     assert [k for k, _, _ in aligned] == ["equal", "replace", "equal", "equal", "only AR"]
-    fig = plots.diff_figure(["a", "b"], ["a", "b"])
-    assert "2 of 2 aligned tokens equal" in fig.layout.title.text
+    assert "2 of 2 aligned tokens equal" in plots.diff_html(["a", "b"], ["a", "b"])
+
+
+def test_the_token_diff_counts_what_it_shows_one_cell_per_aligned_pair():
+    """The title's "k of n" is recomputed from the cells it draws; tokens are escaped and whitespace shown."""
+    import re
+
+    mars, ar = ["Hi", " <b>", "\n", "x", "&"], ["Hi", " <i>", "\n", "&", "y"]
+    out = plots.diff_html(mars, ar)
+    cells = re.findall(r'<span class="dt (\w[\w-]*)" title="[^"]*"><i>(.*?)</i><i>(.*?)</i></span>', out)
+    kinds = [k for k, _, _ in cells]
+    assert len(cells) == len(plots.token_diff(mars, ar))
+    assert f"{kinds.count('same')} of {len(cells)} aligned tokens equal" in out
+    assert kinds.count("same") == 3 and set(kinds) - {"same"}   # Hi, ⏎ and & match; the rest differs
+    assert ("changed", "·&lt;b&gt;", "·&lt;i&gt;") in cells and ("same", "⏎", "⏎") in cells
+    assert "<b>" not in out.replace("<b>Token diff", "").replace("</b>", "")   # no token's markup reaches the page
+    only = [c for c in cells if c[0] in ("only-mars", "only-ar")]
+    assert all("&nbsp;" in (a, b) for _, a, b in only)   # the side without a token shows an empty cell
+
+
+def test_the_tokens_per_forward_plot_states_each_lanes_mean_of_its_bars():
+    """The dashed lines' values are in the title (labels on the lines collide on a phone); each is the mean of the
+    bars drawn, which is tokens committed ÷ forwards of the lane's steps."""
+    mars = _record(fake_stream([0.1] * 4, [], "mars", n_tokens=3))
+    mars.steps[1].n_accepted = 1
+    verify = _record(fake_stream([0.1] * 3, [], "verify", n_tokens=2), mode="verify")
+    fig = plots.tokens_per_forward_figure(mars, verify)
+    bars = {t.name: list(t.y) for t in fig.data}
+    assert bars == {"MARS": [3, 1, 3, 3], "MARS lossless": [2, 2, 2]}
+    assert fig.layout.title.text.endswith("dashed: the mean — MARS 2.50, MARS lossless 2.00</sup>")
+    assert [round(shape.y0, 2) for shape in fig.layout.shapes] == [2.5, 2.0]
+    assert not fig.layout.annotations
+    alone = plots.tokens_per_forward_figure(mars)
+    assert "MARS 2.50</sup>" in alone.layout.title.text and "lossless" not in alone.layout.title.text
 
 
 def test_acceptance_rate_per_slot():

@@ -71,6 +71,16 @@ def test_on_a_phone_the_lanes_stack_in_order(browser, app_server):
         rights = page.evaluate("() => Array.from(document.querySelectorAll('#ledger td'))"
                                ".map(td => td.getBoundingClientRect().right)")
         assert rights and max(rights) <= 390, rights
+        # the token diff wraps: each cell (MARS's token over AR's) and its title on the screen, the cells legible
+        cells = page.evaluate("""() => Array.from(document.querySelectorAll('#token-diff .diff-cells .dt'))
+            .map(c => { const r = c.getBoundingClientRect();
+                        return [r.right, parseFloat(getComputedStyle(c).fontSize)]; })""")
+        assert cells and max(r for r, _ in cells) <= 390 and min(f for _, f in cells) >= 12, cells[:3]
+        assert _box(page, "#token-diff .diff-title")["x"] + _box(page, "#token-diff .diff-title")["width"] <= 390
+        # the plots' titles are inside their panels (the means are a second title line, not labels on the lines)
+        titles = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot .gtitle'))"
+                               ".map(t => t.getBoundingClientRect().right)")
+        assert titles and max(titles) <= 390, titles
         page.screenshot(path=str(ARTIFACTS / "classroom-390.png"), full_page=True)
     finally:
         page.context.close()
