@@ -260,3 +260,49 @@ def test_a_rank_per_matrix_that_does_not_match_the_file_is_refused_by_name(tiny,
     with pytest.raises(ValueError, match="--max-mb -1"):
         main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", "-1", "--out",
               str(tmp_path / "e")])
+
+
+def test_a_cut_in_output_space_moves_the_calibration_outputs_less_than_the_plain_cut():
+    """With inputs of very different scales per feature, the whitened rank-r cut of D has a smaller output error
+    ‖(D − B A) X‖ on those inputs than the plain SVD's (which is best in weight space only); at full rank both are D."""
+    from finetune.recipes.export_delta import _factors, _svd, whitener
+
+    g = torch.Generator().manual_seed(3)
+    d = torch.randn(20, 12, generator=g, dtype=torch.float64).float()
+    x = (torch.randn(400, 12, generator=g, dtype=torch.float64) * torch.logspace(-2, 1, 12, dtype=torch.float64))
+    moment = x.T @ x / x.shape[0]
+    low = whitener(moment)
+    torch.testing.assert_close(low @ low.T, moment, rtol=1e-5, atol=2e-6 * float(moment.diagonal().mean()))  # ridge
+    out_err = {}
+    for name, m in (("plain", None), ("white", moment)):
+        a, b, _ = _factors(_svd(d, m), 4, pad=False)
+        out_err[name] = float(((d.double() - (b @ a).double()) @ x.T).norm())
+        full_a, full_b, kept = _factors(_svd(d, m), 12, pad=False)
+        torch.testing.assert_close(full_b @ full_a, d, rtol=1e-4, atol=1e-4)
+        assert kept == pytest.approx(1.0)
+    assert out_err["white"] < 0.8 * out_err["plain"], out_err
+
+
+def test_a_calibrated_delta_records_its_inputs_and_decodes_like_its_ar(tiny, full_ft, tmp_path, monkeypatch):
+    from mars_core import DecodeConfig, generate, load_model
+
+    monkeypatch.setenv("MARS_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, data = tiny
+    out = tmp_path / "white"
+    assert main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--max-mb", "0.2", "--calibration",
+                 str(data), "--n-calibration", "8", "--out", str(out), "--dtype", "int8"]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["calibration"] == f"{data.name}, first 8 conversations (output energy)" and cfg["ranks"]
+    assert (out / "adapter.safetensors").stat().st_size <= 0.2e6
+    lm = load_model(str(out), device="cpu", dtype="float32", cpu_layout=False)
+    prompt = "What is 12 + 7?"
+    ar = generate(lm, [prompt], DecodeConfig(mode="mars", tau=1.0, block_size=1, max_new_tokens=16))[0]
+    assert generate(lm, [prompt], DecodeConfig(mode="mars", tau=1.0, max_new_tokens=16))[0].token_ids == ar.token_ids
+    with pytest.raises(ValueError, match="--calibration 'nope.jsonl' is not a file"):
+        main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--calibration", "nope.jsonl", "--out",
+              str(tmp_path / "x")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2 is not a chat row"):
+        main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--calibration", str(bad), "--out",
+              str(tmp_path / "x")])

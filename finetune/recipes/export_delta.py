@@ -16,6 +16,10 @@ taken greedily, most energy per byte first, until adapter.safetensors would pass
 ranks a component by its squared singular value (the largest share of the whole change's squared norm kept),
 `relative` by its share of its own matrix (no matrix left far behind). The config then records "ranks".
 
+`--calibration FILE` (chat JSONL) measures each matrix's inputs on the fine-tune (C = E[x xᵀ]) and cuts the change
+where its output moves least instead: the SVD of D·L with C = L Lᵀ keeps the directions of largest E‖D x‖², and
+the energy figures are output energy.
+
 The report gives the share of the change's energy (squared Frobenius norm) the adapter keeps.
 """
 
@@ -31,11 +35,15 @@ import torch
 from mars_core.models.adapter import AdapterSpec
 
 
+def linear_weights_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """{module path: module} of the decoder's nn.Linear layers (the LM head, tied to the embedding, left out)."""
+    head = model.get_output_embeddings()
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
 def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{module path: weight} of the decoder's nn.Linear layers (the LM head, tied to the embedding, left out)."""
-    head = model.get_output_embeddings()
-    return {name: m.weight for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head}
+    return {name: m.weight for name, m in linear_weights_modules(model).items()}
 
 
 def norm_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -117,10 +125,56 @@ def _factors(svd: tuple, rank: int, pad: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: int | dict[str, int]) -> dict:
+def input_moments(model: torch.nn.Module, tokenizer, chats: list[list[dict]], max_length: int = 256
+                  ) -> dict[str, torch.Tensor]:
+    """{module path: E[x xᵀ]} (float64) of each decoder nn.Linear's inputs over every token of `chats`."""
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    hooks = []
+    for name, module in linear_weights_modules(model).items():
+        def hook(_m, args, name=name):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.T @ x
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        for messages in chats:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
+            model(torch.tensor([ids]))
+            count += len(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not count:
+        raise ValueError("--calibration holds no conversations: pass a chat JSONL file ({'messages': [...]} rows)")
+    return {name: total / count for name, total in sums.items()}
+
+
+def whitener(moment: torch.Tensor) -> torch.Tensor:
+    """L (lower triangular, float64) with L Lᵀ = C + a small ridge (1e-6 of C's mean diagonal): ‖D L‖ is the root
+    mean square of D x over the calibration inputs."""
+    ridge = 1e-6 * float(moment.diagonal().mean()) or 1e-12
+    return torch.linalg.cholesky(moment + ridge * torch.eye(moment.shape[0], dtype=moment.dtype))
+
+
+def _svd(delta: torch.Tensor, moment: torch.Tensor | None) -> tuple:
+    """(u, s, vh) of `delta`, or with `moment`: of D·L, vh carried back to input space (vh L⁻¹), so that B @ A
+    at rank r is D's best rank-r approximation in output error over the calibration inputs."""
+    if moment is None:
+        return torch.linalg.svd(delta, full_matrices=False)
+    low = whitener(moment)
+    u, s, vh = torch.linalg.svd(delta.double() @ low, full_matrices=False)
+    back = torch.linalg.solve_triangular(low, vh, upper=False, left=False)   # vh L⁻¹
+    return u.float(), s.float(), back.float()
+
+
+@torch.no_grad()
+def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: int | dict[str, int],
+            moments: dict[str, torch.Tensor] | None = None) -> dict:
     """The adapter's tensors and a report: {"modules": {path: (A, B)}, "mask_row", "norms", "kept": {path: share}}.
 
-    `rank` is one rank for every matrix, or {path: rank} (a matrix not in it is left out: kept share 0)."""
+    `rank` is one rank for every matrix, or {path: rank} (a matrix not in it is left out: kept share 0). With
+    `moments` (input_moments) each matrix is cut in output space and its kept share is of output energy."""
     emb_t, emb_b = tuned.get_input_embeddings().weight, base.get_input_embeddings().weight
     if emb_t.shape != emb_b.shape:
         raise ValueError(f"the fine-tune's embedding is {tuple(emb_t.shape)} but the base's {tuple(emb_b.shape)}: "
@@ -136,7 +190,7 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
         if isinstance(rank, dict) and not rank.get(name):
             kept[name] = 0.0
             continue
-        svd = torch.linalg.svd(delta, full_matrices=False)
+        svd = _svd(delta, None if moments is None else moments[name])
         a, b, share = _factors(svd, rank[name] if isinstance(rank, dict) else rank, pad=not isinstance(rank, dict))
         modules[name], kept[name] = (a, b), share
     norms = {name: w.detach().float().clone() for name, w in norm_weights(tuned).items()
@@ -146,7 +200,7 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
 
 @torch.no_grad()
 def fit_ranks(tuned: torch.nn.Module, base: torch.nn.Module, max_bytes: int, dtype: str,
-              allocate: str = "absolute") -> dict[str, int]:
+              allocate: str = "absolute", moments: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """{matrix: rank} whose adapter.safetensors (factors, mask row, changed norms, header) fits `max_bytes`."""
     deltas = changes(tuned, base)
     norms = [n for n, w in norm_weights(tuned).items() if not torch.equal(w.float(), norm_weights(base)[n].float())]
@@ -158,9 +212,27 @@ def fit_ranks(tuned: torch.nn.Module, base: torch.nn.Module, max_bytes: int, dty
     if max_bytes <= fixed:
         raise ValueError(f"--max-mb {max_bytes / 1e6:g}: the mask row, norms and header alone take "
                          f"{fixed / 1e6:.3f} MB; give more")
-    spectra = {n: torch.linalg.svdvals(d) for n, d in deltas.items()}
+    spectra = {n: torch.linalg.svdvals(d if moments is None else d.double() @ whitener(moments[n]))
+               for n, d in deltas.items()}
     costs = {n: component_bytes(tuple(d.shape), dtype) for n, d in deltas.items()}
     return allocate_ranks(spectra, costs, max_bytes - fixed, allocate)
+
+
+def read_chats(path, n: int) -> list[list[dict]]:
+    """The first `n` conversations ("messages" lists) of a chat JSONL file."""
+    chats = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if len(chats) >= n:
+                break
+            if not line.strip():
+                continue
+            try:
+                chats.append(json.loads(line)["messages"])
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"--calibration {str(path)!r} line {number} is not a chat row ({exc}): want "
+                                 "{'messages': [{'role': ..., 'content': ...}, ...]}") from None
+    return chats
 
 
 def save(out: Path, parts: dict, spec: AdapterSpec) -> None:
@@ -211,7 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the adapter folder to write (replaced by rename if it exists)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"],
                     help="how the factors are stored (int8: half of bfloat16's bytes, a float32 scale per component)")
+    ap.add_argument("--calibration", default="",
+                    help="a chat JSONL file: cut each change where it moves the outputs least on these inputs")
+    ap.add_argument("--n-calibration", type=int, default=256, help="how many of its conversations (default: 256)")
     args = ap.parse_args(argv)
+    if args.calibration and not Path(args.calibration).is_file():
+        raise ValueError(f"--calibration {args.calibration!r} is not a file: pass a chat JSONL file such as a "
+                         "distillation's data.jsonl")
+    if args.n_calibration < 1:
+        raise ValueError(f"--n-calibration {args.n_calibration}: use 1 or more")
     if args.rank < 1:
         raise ValueError(f"--rank {args.rank}: use 1 or more (64 ships SmolLM2's change in ~40 MB)")
     if args.max_mb is not None and not args.max_mb > 0:
@@ -231,10 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base(args.base)
     tuned = load_weights(ckpt).float().eval()
     base_model = base.model.float()
+    moments = None
+    if args.calibration:
+        chats = read_chats(args.calibration, args.n_calibration)
+        moments = input_moments(tuned, base.tokenizer, chats)
     rank: int | dict[str, int] = args.rank
     if args.max_mb is not None:
-        rank = fit_ranks(tuned, base_model, int(args.max_mb * 1e6), args.dtype, args.allocate)
-    parts = extract(tuned, base_model, base.mask_id, rank)
+        rank = fit_ranks(tuned, base_model, int(args.max_mb * 1e6), args.dtype, args.allocate, moments)
+    parts = extract(tuned, base_model, base.mask_id, rank, moments)
     r = max(rank.values()) if isinstance(rank, dict) else args.rank
     if isinstance(rank, dict):
         parts["ranks"] = rank
@@ -245,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
              "energy_kept_mean": round(sum(kept.values()) / len(kept), 4) if kept else 1.0}
     if isinstance(rank, dict):
         extra["allocate"] = args.allocate
+    if moments is not None:
+        extra["calibration"] = f"{Path(args.calibration).name}, first {len(chats)} conversations (output energy)"
     save(Path(args.out), parts, AdapterSpec(r=r, alpha=r, base=args.base, mask_id=base.mask_id,
                                             mask_token=mask_token, block_size=int(train_cfg.get("block_size", 4)),
                                             dtype=args.dtype, extra=extra))
