@@ -17,7 +17,8 @@ from app.plots import empty_figure
 
 MASK_TEXT = """
 **Training input** is `[noisy | clean]`: the clean half is the example; the noisy half is the same
-sequence with every response token replaced by `<|mask|>`. Positions are `0..n-1` in both halves and
+sequence with every response token replaced by the mask token (`<|mask|>` in tiny-mars, `<repo_name>` in
+smollm2-mars, shown as "(mask)" below). Positions are `0..n-1` in both halves and
 blocks are absolute, `block(i) = i // B`. The four regions of the mask (row = query, column = key):
 
 - **clean → clean**: plain causal (`k ≤ q`) — the ordinary AR-SFT loss is computed here.
@@ -86,7 +87,7 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
     ticks = [i for i in range(2 * n) if (i % n) % step == 0]
     short = [f"{'noisy' if i < n else 'clean'} {i % n}" for i in ticks]
     every = f" (every {step}{'nd' if step == 2 else 'th'} labelled)" if step > 1 else ""
-    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B} (blue = may attend; rows = queries)",
+    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B}<br><sup>blue = may attend; rows = queries</sup>",
                       template="plotly_white", height=600, margin=dict(l=90, r=20, t=50, b=90),
                       xaxis=dict(title="key position" + every, tickvals=ticks, ticktext=short, tickangle=-60,
                                  tickfont=dict(size=11)),

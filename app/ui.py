@@ -205,10 +205,10 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         bar = _model_bar(jobs, start_model, picked=default_model is not None)
         with gr.Tabs():
             gen = _generate_tab(start_model)
-            sweep = _explorer_tab()
+            sweep = _explorer_tab(start_model)
             lesson = _learn_tab()
             ft = _finetune_tab(jobs)
-        _wire_model_bar(demo, bar, gen, resolver)
+        _wire_model_bar(demo, bar, gen, sweep, resolver)
         _wire_notices(bar, gen, resolver)
         _wire_race(bar, gen, resolver)
         _wire_explorer(bar, sweep, resolver)
@@ -373,7 +373,7 @@ def _race_view(gen: SimpleNamespace) -> None:
     gen.race_state = gr.State(None)
 
 
-def _explorer_tab() -> SimpleNamespace:
+def _explorer_tab(start_model: str) -> SimpleNamespace:
     sweep = SimpleNamespace()
     with gr.Tab("τ explorer", id="explorer"):
         gr.Markdown("Sweep τ over a set of prompts with the model chosen above. Built-in tasks are scored "
@@ -390,7 +390,9 @@ def _explorer_tab() -> SimpleNamespace:
         sweep.free_prompts = gr.Textbox(label="my prompts (one per line, at most 20)", lines=3,
                                         elem_id="free-prompts")
         with gr.Row():
-            sweep.block_size = gr.Slider(2, 8, value=4, step=1, label="block size B")
+            # the race's B for the model, so a sweep's τ = 0.97 row is the race's τ = 0.97 (follows a model change)
+            sweep.block_size = gr.Slider(2, 8, value=models.default_block_size(start_model), step=1,
+                                         label="block size B")
             # 128: the suite's longest answers fit (at 64 every row, AR's included, scored lower on tiny-mars:
             # docs/experiments/app-timing.md, "The app's race and sweep at class speed")
             sweep.max_new = gr.Slider(8, 256, value=128, step=8, label="max new tokens")
@@ -478,18 +480,21 @@ def _finetune_tab(jobs) -> SimpleNamespace:
 
 
 # ---------------------------------------------------------------------------------------------------- wiring
-def _wire_model_bar(demo, bar, gen, resolver: models.Resolver) -> None:
+def _wire_model_bar(demo, bar, gen, sweep, resolver: models.Resolver) -> None:
     model_inputs = [bar.model, bar.free]
     load = partial(generate.load_model_ui, resolver=resolver)
     # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
     bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
-    # τ and B start at the model's measured defaults (models.DEFAULT_TAUS, DEFAULT_BLOCK_SIZES) whenever it changes
+    # τ and B (the race's and the sweep's) start at the model's measured defaults (models.DEFAULT_TAUS,
+    # DEFAULT_BLOCK_SIZES) whenever it changes
     for event in (bar.model.change, bar.free.submit):
         event(lambda choice, free: gr.update(value=models.default_tau(resolver.resolve_or_typed(choice, free))),
               model_inputs, gen.tau, **QUICK)
-        event(lambda choice, free: gr.update(value=models.default_block_size(resolver.resolve_or_typed(choice, free))),
-              model_inputs, gen.block_size, **QUICK)
+        for slider in (gen.block_size, sweep.block_size):
+            event(lambda choice, free: gr.update(value=models.default_block_size(resolver.resolve_or_typed(choice,
+                                                                                                          free))),
+                  model_inputs, slider, **QUICK)
     for event in (bar.model.change, bar.free.submit):
         event(partial(generate.examples_and_prompt, resolver=resolver), model_inputs + [gen.prompt],
               [gen.examples, gen.prompt], show_progress="hidden", **PRIVATE).then(

@@ -159,17 +159,18 @@ def test_a_client_gets_the_races_answers_before_its_timing(client):
     assert 'id="speedup-value" data-median' in job.outputs()[done][5]   # the timed number follows
 
 
-def test_the_race_starts_each_model_at_its_block_size_and_follows_a_model_change(tmp_path):
-    """smollm2-mars starts the race at B = 3 (app.models.DEFAULT_BLOCK_SIZES), the other sliders named B and every
-    other model at 4; changing the model (either field) moves the race's slider to the new model's B."""
+def test_the_race_and_the_sweep_start_each_model_at_its_block_size_and_follow_a_model_change(tmp_path):
+    """smollm2-mars starts the race and the τ sweep at B = 3 (app.models.DEFAULT_BLOCK_SIZES), Learn's training-mask
+    and Finetune's B sliders and every other model at 4; changing the model (either field) moves both sliders."""
     from app import models
     page = ui.build_ui("smollm2-mars", runs_dir=tmp_path)
     sliders = [b for b in page.blocks.values() if getattr(b, "label", None) == "block size B"]
-    race = [b for b in sliders if b.value == models.default_block_size("smollm2-mars") == 3]
-    assert len(race) == 1 and sorted(b.value for b in sliders) == [3, 4, 4, 4]
-    follow = [f.fn for f in page.fns.values() if any(o._id == race[0]._id for o in f.outputs)]
-    assert len(follow) == 2   # the model list's change and the free field's submit
-    for fn in follow:
-        assert fn("smollm2-mars", "")["value"] == 3 and fn("tiny-mars", "")["value"] == 4
+    followers = [b for b in sliders if b.value == models.default_block_size("smollm2-mars") == 3]
+    assert len(followers) == 2 and sorted(b.value for b in sliders) == [3, 3, 4, 4]
+    for slider in followers:
+        follow = [f.fn for f in page.fns.values() if any(o._id == slider._id for o in f.outputs)]
+        assert len(follow) == 2   # the model list's change and the free field's submit
+        for fn in follow:
+            assert fn("smollm2-mars", "")["value"] == 3 and fn("tiny-mars", "")["value"] == 4
     tiny = ui.build_ui("tiny-mars", runs_dir=tmp_path)
     assert [b.value for b in tiny.blocks.values() if getattr(b, "label", None) == "block size B"] == [4, 4, 4, 4]
