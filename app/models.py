@@ -70,10 +70,14 @@ GENERAL_PROMPTS = [
 # a list and a one-sentence definition, where they guess least: the lesson is where MARS pays and where it does not.
 # "Write a Python function that adds two numbers, and one example call." was dropped (in fp32 and w8a16 AR runs
 # past the limit) and so was "Give a one-sentence definition of inertia." (1.05 tokens per forward in w8a8 at τ 0.95;
-# the recycling definition, kept, 1.10–1.15 in the three formats). v3.5 answers all four rightly in the three formats
-# (`python -m finetune.evals.teaching --model assets/smollm2-mars`).
+# the recycling definition, kept, 1.10–1.15 in the three formats). The sequence was "Write the multiples of 10 from 0
+# to 100." until 2026-12-07: v3.5's own full fine-tune answers it wrongly, and only the rank-128 cut's error tipped
+# that near tie to the right answer (every closer cut answered as the fine-tune). Its replacement, the one
+# development enumeration whose AR answer is right and the same in the fine-tune, two cuts and the three formats, is
+# the list below (docs/experiments/training-smollm2.md, "A sequence prompt that holds"). Check a candidate with
+# `python -m finetune.evals.teaching --model DIR`.
 TEACHING_FACTS: dict[str, tuple[str, ...]] = {
-    "Write the multiples of 10 from 0 to 100.": ("10, 20, 30", "80, 90, 100"),
+    "List the numbers from 10 to 30, separated by commas.": ("10, 11, 12", "28, 29, 30"),
     "Write a Python function that adds two numbers.": ("def ", "return", "+"),
     "Give three facts about sleep as a numbered list.": ("1.", "2.", "3.", "health"),
     "Define recycling in one sentence.": ("recycling", "materials"),
@@ -81,9 +85,9 @@ TEACHING_FACTS: dict[str, tuple[str, ...]] = {
 TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
-# smollm2-mars (v3.5): 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 (at 0.95
-# the Python one differs) and, on the development prompts, 86% of its answers are AR's and 1 of 88 loops, at 1.33 tokens
-# per forward (docs/experiments/training-smollm2.md, "The same run with its clean stream held to v3.1").
+# smollm2-mars (v3.5): 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 and, on
+# the development prompts, 92% of its answers are AR's and 1 of 88 loops, at 1.35 tokens per forward (the folder's
+# output-space cut; at rank 128 it was 86% at 1.33: docs/experiments/training-smollm2.md, "v3.5 under 30 MB").
 DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}
 DEFAULT_TAU = 0.9
 

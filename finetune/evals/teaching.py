@@ -4,7 +4,8 @@
 For each served format and each teaching prompt (``app.models.TEACHING_FACTS``): does AR's answer end within the
 page's token limit, not loop and hold the facts the page's test checks for (tests/test_teaching.py), and at each τ is
 the lossy answer AR's, at how many tokens per forward. A training round can move AR's answer to a prompt it never
-trained on (v3.3 and the own-answers run did, on the multiples of 10), which the development scores do not show.
+trained on (v3.3 and the own-answers run did, on the page's former "multiples of 10"), which the development
+scores do not show.
 Exit status 1 when any AR answer fails, so a round's script stops before it ships.
 """
 
