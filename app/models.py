@@ -98,9 +98,10 @@ def default_tau(name: str) -> float:
 
 
 # The block size the race starts each model at. smollm2-mars: B = 3 (two masks). On 23 development prompts at τ 0.97
-# (w8a8, one thread, thread clock) its lossy lane ran 1.31× AR with two masks against 1.26× with three and 1.21× with
-# one: a forward with two masks cost 1.08× AR's, one with three 1.16×, and the third mask adds few tokens
-# (docs/experiments/training-smollm2.md, "The page's block size"). B stays a slider.
+# (w8a8, one thread, thread clock) its lossy lane ran 1.25× AR with two masks against 1.23× with three and 1.25× with
+# one (the folder now; the rank-128 cut before it: 1.31×, 1.26×, 1.21×): a forward with two masks cost 1.11× AR's, one
+# with three 1.17×, and the third mask adds few tokens (docs/experiments/training-smollm2.md, "The page's block
+# size"). B stays a slider.
 DEFAULT_BLOCK_SIZES: dict[str, int] = {"smollm2-mars": 3}
 DEFAULT_BLOCK_SIZE = 4
 
