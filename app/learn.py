@@ -87,7 +87,8 @@ def mask_figure(n: int, block_size: int) -> go.Figure:
     ticks = [i for i in range(2 * n) if (i % n) % step == 0]
     short = [f"{'noisy' if i < n else 'clean'} {i % n}" for i in ticks]
     every = f" (every {step}{'nd' if step == 2 else 'th'} labelled)" if step > 1 else ""
-    fig.update_layout(title=f"Training attention mask, n = {n}, B = {B}<br><sup>blue = may attend; rows = queries</sup>",
+    title = f"Training attention mask, n = {n}, B = {B}<br><sup>blue = may attend; rows = queries</sup>"
+    fig.update_layout(title=title,
                       template="plotly_white", height=600, margin=dict(l=90, r=20, t=50, b=90),
                       xaxis=dict(title="key position" + every, tickvals=ticks, ticktext=short, tickangle=-60,
                                  tickfont=dict(size=11)),
