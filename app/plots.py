@@ -76,11 +76,12 @@ def acceptance_figure(mars: SideRecord, verify: SideRecord | None = None) -> go.
     if conf:
         fig.add_trace(go.Bar(x=[f"t{j} (mask {j})" for j, _, _ in conf], y=[r or 0 for _, r, _ in conf],
                              name="lossless: drafts confirmed (share of drafts)", marker_color="#a78bfa",
-                             text=[("—" if r is None else f"{r:.0%} of {d}") for _, r, d in conf],
+                             text=[("—" if r is None else f"{r:.0%}<br>of {d}") for _, r, d in conf],
                              textposition="outside"))
     fig.update_layout(title="Acceptance per slot", yaxis_title="share",
-                      yaxis=dict(range=[0, 1.2], tickformat=".0%"), barmode="group", showlegend=bool(conf),
-                      legend=_LEGEND_BELOW, **_LAYOUT)
+                      yaxis=dict(range=[0, 1.4], tickformat=".0%"), barmode="group", showlegend=bool(conf),
+                      legend=_LEGEND_BELOW, uniformtext=dict(minsize=10, mode="show"),   # narrow bars shrank them
+                      **_LAYOUT)
     return fig
 
 
