@@ -302,7 +302,8 @@ def test_a_calibrated_delta_records_its_inputs_and_decodes_like_its_ar(tiny, ful
         main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--calibration", "nope.jsonl", "--out",
               str(tmp_path / "x")])
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
-    with pytest.raises(ValueError, match="line 2 is not a chat row"):
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'
+    bad.write_text(good + "\nnot json\n")   # read as training data is (finetune.data): the line is named
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
         main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--calibration", str(bad), "--out",
               str(tmp_path / "x")])

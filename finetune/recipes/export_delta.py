@@ -16,8 +16,8 @@ taken greedily, most energy per byte first, until adapter.safetensors would pass
 ranks a component by its squared singular value (the largest share of the whole change's squared norm kept),
 `relative` by its share of its own matrix (no matrix left far behind). The config then records "ranks".
 
-`--calibration FILE` (chat JSONL) measures each matrix's inputs on the fine-tune (C = E[x xᵀ]) and cuts the change
-where its output moves least instead: the SVD of D·L with C = L Lᵀ keeps the directions of largest E‖D x‖², and
+`--calibration FILE` (chat JSONL) measures each matrix's inputs on the fine-tune (C = E[x xᵀ]) and keeps the
+directions along which the change moves the outputs most: the SVD of D·L with C = L Lᵀ ranks them by E‖D x‖², and
 the energy figures are output energy.
 
 The report gives the share of the change's energy (squared Frobenius norm) the adapter keeps.
@@ -218,23 +218,6 @@ def fit_ranks(tuned: torch.nn.Module, base: torch.nn.Module, max_bytes: int, dty
     return allocate_ranks(spectra, costs, max_bytes - fixed, allocate)
 
 
-def read_chats(path, n: int) -> list[list[dict]]:
-    """The first `n` conversations ("messages" lists) of a chat JSONL file."""
-    chats = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if len(chats) >= n:
-                break
-            if not line.strip():
-                continue
-            try:
-                chats.append(json.loads(line)["messages"])
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"--calibration {str(path)!r} line {number} is not a chat row ({exc}): want "
-                                 "{'messages': [{'role': ..., 'content': ...}, ...]}") from None
-    return chats
-
-
 def save(out: Path, parts: dict, spec: AdapterSpec) -> None:
     """Write the folder beside `out` and swap it in (mars_core.models.storage.replace_folder): never half a folder.
 
@@ -313,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     base_model = base.model.float()
     moments = None
     if args.calibration:
-        chats = read_chats(args.calibration, args.n_calibration)
+        from finetune.data import read_chat_jsonl
+
+        chats = read_chat_jsonl(args.calibration)[:args.n_calibration]
         moments = input_moments(tuned, base.tokenizer, chats)
     rank: int | dict[str, int] = args.rank
     if args.max_mb is not None:
