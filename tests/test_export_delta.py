@@ -274,7 +274,7 @@ def test_a_cut_in_output_space_moves_the_calibration_outputs_less_than_the_plain
     low = whitener(moment)
     torch.testing.assert_close(low @ low.T, moment, rtol=1e-5, atol=2e-6 * float(moment.diagonal().mean()))  # ridge
     out_err = {}
-    for name, m in (("plain", None), ("white", moment)):
+    for name, m in (("plain", None), ("white", low)):
         a, b, _ = _factors(_svd(d, m), 4, pad=False)
         out_err[name] = float(((d.double() - (b @ a).double()) @ x.T).norm())
         full_a, full_b, kept = _factors(_svd(d, m), 12, pad=False)
@@ -307,3 +307,30 @@ def test_a_calibrated_delta_records_its_inputs_and_decodes_like_its_ar(tiny, ful
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         main(["--checkpoint", str(full_ft), "--base", str(model_dir), "--calibration", str(bad), "--out",
               str(tmp_path / "x")])
+
+
+def test_input_moments_equal_each_matrixs_own_inputs_second_moment(tiny):
+    """Projections that share an input (q/k/v, gate/up) share one product; every module's moment is still E[x xᵀ] of
+    exactly the inputs that module saw."""
+    from finetune.data import read_chat_jsonl
+    from finetune.recipes.export_delta import input_moments, linear_weights_modules
+    from finetune.train_model import load_base
+
+    model_dir, data = tiny
+    base = load_base(str(model_dir))
+    model, tok = base.model.float().eval(), base.tokenizer
+    chats = read_chat_jsonl(data)[:3]
+    got = input_moments(model, tok, chats)
+    seen: dict[str, list] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: seen.setdefault(n, []).append(
+        args[0].reshape(-1, args[0].shape[-1]).double().clone())) for n, m in linear_weights_modules(model).items()]
+    with torch.no_grad():
+        for messages in chats:
+            ids = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"][:256]
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    assert set(got) == set(seen) and len(got) > 3
+    for name, xs in seen.items():
+        x = torch.cat(xs)
+        torch.testing.assert_close(got[name], x.T @ x / x.shape[0], rtol=1e-9, atol=1e-12)

@@ -131,16 +131,24 @@ def input_moments(model: torch.nn.Module, tokenizer, chats: list[list[dict]], ma
     sums: dict[str, torch.Tensor] = {}
     count = 0
     hooks = []
+    # one forward's xᵀx per input tensor: q/k/v (and gate/up) share theirs. The tensor is held with it, so its id
+    # cannot pass to a later temporary of the same forward.
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     for name, module in linear_weights_modules(model).items():
         def hook(_m, args, name=name):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + x.T @ x
+            x = args[0]
+            if id(x) not in seen:
+                flat = x.reshape(-1, x.shape[-1]).double()
+                seen[id(x)] = (x, flat.T @ flat)
+            sums[name] = sums.get(name, 0) + seen[id(x)][1]
         hooks.append(module.register_forward_pre_hook(hook))
     try:
         for messages in chats:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
             model(torch.tensor([ids]))
+            seen.clear()   # the next forward's tensors may reuse these ids
             count += len(ids)
     finally:
         for h in hooks:
@@ -157,12 +165,11 @@ def whitener(moment: torch.Tensor) -> torch.Tensor:
     return torch.linalg.cholesky(moment + ridge * torch.eye(moment.shape[0], dtype=moment.dtype))
 
 
-def _svd(delta: torch.Tensor, moment: torch.Tensor | None) -> tuple:
-    """(u, s, vh) of `delta`, or with `moment`: of D·L, vh carried back to input space (vh L⁻¹), so that B @ A
-    at rank r is D's best rank-r approximation in output error over the calibration inputs."""
-    if moment is None:
+def _svd(delta: torch.Tensor, low: torch.Tensor | None) -> tuple:
+    """(u, s, vh) of `delta`, or with a whitener `low` (L of its inputs): of D·L, vh carried back to input space
+    (vh L⁻¹), so that B @ A at rank r is D's best rank-r approximation in output error over those inputs."""
+    if low is None:
         return torch.linalg.svd(delta, full_matrices=False)
-    low = whitener(moment)
     u, s, vh = torch.linalg.svd(delta.double() @ low, full_matrices=False)
     back = torch.linalg.solve_triangular(low, vh, upper=False, left=False)   # vh L⁻¹
     return u.float(), s.float(), back.float()
@@ -170,11 +177,11 @@ def _svd(delta: torch.Tensor, moment: torch.Tensor | None) -> tuple:
 
 @torch.no_grad()
 def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: int | dict[str, int],
-            moments: dict[str, torch.Tensor] | None = None) -> dict:
+            lows: dict[str, torch.Tensor] | None = None) -> dict:
     """The adapter's tensors and a report: {"modules": {path: (A, B)}, "mask_row", "norms", "kept": {path: share}}.
 
     `rank` is one rank for every matrix, or {path: rank} (a matrix not in it is left out: kept share 0). With
-    `moments` (input_moments) each matrix is cut in output space and its kept share is of output energy."""
+    `lows` ({path: whitener(its input moment)}) each matrix is cut in output space, its kept share of output energy."""
     emb_t, emb_b = tuned.get_input_embeddings().weight, base.get_input_embeddings().weight
     if emb_t.shape != emb_b.shape:
         raise ValueError(f"the fine-tune's embedding is {tuple(emb_t.shape)} but the base's {tuple(emb_b.shape)}: "
@@ -190,7 +197,7 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
         if isinstance(rank, dict) and not rank.get(name):
             kept[name] = 0.0
             continue
-        svd = _svd(delta, None if moments is None else moments[name])
+        svd = _svd(delta, None if lows is None else lows[name])
         a, b, share = _factors(svd, rank[name] if isinstance(rank, dict) else rank, pad=not isinstance(rank, dict))
         modules[name], kept[name] = (a, b), share
     norms = {name: w.detach().float().clone() for name, w in norm_weights(tuned).items()
@@ -200,7 +207,7 @@ def extract(tuned: torch.nn.Module, base: torch.nn.Module, mask_id: int, rank: i
 
 @torch.no_grad()
 def fit_ranks(tuned: torch.nn.Module, base: torch.nn.Module, max_bytes: int, dtype: str,
-              allocate: str = "absolute", moments: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+              allocate: str = "absolute", lows: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """{matrix: rank} whose adapter.safetensors (factors, mask row, changed norms, header) fits `max_bytes`."""
     deltas = changes(tuned, base)
     norms = [n for n, w in norm_weights(tuned).items() if not torch.equal(w.float(), norm_weights(base)[n].float())]
@@ -212,7 +219,7 @@ def fit_ranks(tuned: torch.nn.Module, base: torch.nn.Module, max_bytes: int, dty
     if max_bytes <= fixed:
         raise ValueError(f"--max-mb {max_bytes / 1e6:g}: the mask row, norms and header alone take "
                          f"{fixed / 1e6:.3f} MB; give more")
-    spectra = {n: torch.linalg.svdvals(d if moments is None else d.double() @ whitener(moments[n]))
+    spectra = {n: torch.linalg.svdvals(d if lows is None else d.double() @ lows[n])
                for n, d in deltas.items()}
     costs = {n: component_bytes(tuple(d.shape), dtype) for n, d in deltas.items()}
     return allocate_ranks(spectra, costs, max_bytes - fixed, allocate)
@@ -294,16 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base(args.base)
     tuned = load_weights(ckpt).float().eval()
     base_model = base.model.float()
-    moments = None
+    lows = None
     if args.calibration:
         from finetune.data import read_chat_jsonl
 
         chats = read_chat_jsonl(args.calibration)[:args.n_calibration]
-        moments = input_moments(tuned, base.tokenizer, chats)
+        lows = {n: whitener(c) for n, c in input_moments(tuned, base.tokenizer, chats).items()}
     rank: int | dict[str, int] = args.rank
     if args.max_mb is not None:
-        rank = fit_ranks(tuned, base_model, int(args.max_mb * 1e6), args.dtype, args.allocate, moments)
-    parts = extract(tuned, base_model, base.mask_id, rank, moments)
+        rank = fit_ranks(tuned, base_model, int(args.max_mb * 1e6), args.dtype, args.allocate, lows)
+    parts = extract(tuned, base_model, base.mask_id, rank, lows)
     r = max(rank.values()) if isinstance(rank, dict) else args.rank
     if isinstance(rank, dict):
         parts["ranks"] = rank
@@ -314,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
              "energy_kept_mean": round(sum(kept.values()) / len(kept), 4) if kept else 1.0}
     if isinstance(rank, dict):
         extra["allocate"] = args.allocate
-    if moments is not None:
+    if lows is not None:
         extra["calibration"] = f"{Path(args.calibration).name}, first {len(chats)} conversations (output energy)"
     save(Path(args.out), parts, AdapterSpec(r=r, alpha=r, base=args.base, mask_id=base.mask_id,
                                             mask_token=mask_token, block_size=int(train_cfg.get("block_size", 4)),
