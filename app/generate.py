@@ -304,17 +304,25 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
     PAGES.steer(session, controls)
     try:
         words = {n: (token_texts(lane.lm), _decoder(lane.lm)) for n, lane in lanes.items()}
+        slow = settings.slow_motion
+        pace = None
+        if slow > 1:
+            yield page.show(f"◔ Timing each lane's forward without pauses, to pace slow motion ×{slow} …")
+            pace = warm_costs(settings.prompt, lanes)
+            for n in lanes:
+                page.sides[n].slowed = slow
         racing = race(lanes={n: mars_core.generate_stream(lane.lm, [settings.prompt], lane.cfg,
                                                           tau_control=lane.control)
-                             for n, lane in lanes.items()})
+                             for n, lane in lanes.items()},
+                      cost=None if pace is None else (lambda n, event: pace[n].of(event)))
         yield page.show("▶ Racing …")
         last = 0.0
         for n, event in racing:
             if superseded():
                 raise _Superseded
             page.sides[n].add(event, *words[n])
-            if settings.slow_motion > 1:
-                time.sleep((settings.slow_motion - 1) * event.step_time)
+            if pace is not None:
+                time.sleep(max(0.0, slow * pace[n].of(event) - event.step_time))
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:
                 last = now
@@ -323,6 +331,40 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
             page.sides[n].finished = True
     finally:
         PAGES.release(session, controls)
+
+
+@dataclass
+class WarmCost:
+    """A lane's forward time on a warm CPU: its prompt pass and (median) one later pass, in seconds."""
+    prompt_s: float
+    step_s: float
+
+    def of(self, event) -> float:
+        return self.prompt_s if event.step == 0 else self.step_s
+
+
+def warm_costs(prompt: str, lanes: dict[str, _Lane], forwards: int = 6) -> dict[str, WarmCost]:
+    """Each lane's warm forward time, for live slow motion to pace by.
+
+    A forward that runs after a pause runs on a cold CPU (caches, idle cores): on a 2-core Xeon, after ×50
+    pauses, smollm2-mars's forwards took 2-4× their time, unevenly between the lanes (AR ÷ MARS time 1.36
+    where it is 1.94 without pauses), tiny-mars's up to 70×, and a pause proportional to the time it followed
+    fed back on itself. Pacing by these cold times would race the lanes at a ratio that is not the machine's.
+    So each lane decodes its first `forwards` forward passes back to back, twice (the first round warms up),
+    at the race's starting τ, and the second round's times are its pace: slow motion ×f shows every forward
+    for f × its warm time."""
+    costs = {}
+    for timed in (False, True):
+        for n, lane in lanes.items():
+            times = []
+            for event in mars_core.generate_stream(lane.lm, [prompt], lane.cfg):
+                times.append(event.step_time)
+                if len(times) >= forwards or all(not r.active or r.done for r in event.rows):
+                    break
+            if timed:
+                later = sorted(times[1:]) or times
+                costs[n] = WarmCost(times[0], later[len(later) // 2])
+    return costs
 
 
 def biggest_chunk(side: SideRecord) -> tuple[str, int, int] | None:

@@ -25,9 +25,11 @@ def race(*streams, **named) -> Iterator[tuple[str, object]]:
     `race(mars_events, ar_events)` races two lanes named "mars" and "ar"; `race(lanes={name: events})`
     races any number, ties going to the earlier name. Pulling from a generator is what runs its forward
     pass, so this scheduler is the whole fairness argument: compute spent is the sum of each lane's
-    `step_time`. When a lane ends the others run on.
+    `step_time`, or of `cost(lane, event)` where one is given (live slow motion: each lane's warm cost, since
+    forwards that run after a pause are slowed unevenly). When a lane ends the others run on.
     """
     lanes = named.pop("lanes", None)
+    cost = named.pop("cost", None)
     if named:
         raise TypeError(f"race() got unexpected arguments {sorted(named)}")
     if lanes is None:
@@ -44,7 +46,7 @@ def race(*streams, **named) -> Iterator[tuple[str, object]]:
         except StopIteration:
             live.remove(name)
             continue
-        spent[name] += float(event.step_time)
+        spent[name] += float(event.step_time if cost is None else cost(name, event))
         yield name, event
         if all(not r.active or r.done for r in event.rows):
             live.remove(name)
@@ -94,6 +96,8 @@ class SideRecord:
     finished: bool = False
     note: str = ""             # why the lane did not run (e.g. verify mode is greedy only)
     layout: str = "linear"     # verify: the draft layout (mars_core.decode.drafts)
+    slowed: int = 1            # live slow motion's factor: >1 = its forwards ran after pauses, cold, so their
+                               # times are not this machine's speed and the page does not quote them
 
     def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]

@@ -177,7 +177,7 @@ def render_chunks(side: SideRecord, placeholder: str = "") -> str:
                'text (prompt lookup), confirmed by the next forward</div>')
     finished = "1" if side.finished or (side.note and not side.steps) else "0"
     return (f'{lane_score_html(side)}<div class="race-text" data-side="{side.mode}" data-finished="{finished}" '
-            f'data-forwards="{side.forwards}">{body}{cursor}</div>{key}')
+            f'data-forwards="{side.forwards}" data-slowed="{side.slowed}">{body}{cursor}</div>{key}')
 
 
 def lane_score_html(side: SideRecord) -> str:
@@ -185,11 +185,16 @@ def lane_score_html(side: SideRecord) -> str:
     stats table) and tokens per second of the lane's own compute (tokens ÷ the sum of its forward times). The
     replay (app/replay.js) recomputes both from the chunks it shows, by the same definitions."""
     tpf = f"{side.tokens_per_forward:.2f}" if side.steps else "–"
-    tps = f"{side.tokens_per_s:.0f}" if side.steps and side.compute_time > 0 else "–"
+    tps = f"{side.tokens_per_s:.0f}" if side.steps and side.compute_time > 0 and side.slowed == 1 else "–"
+    tip = (SLOWED_TIMES if side.slowed > 1 else
+           "tokens per second of this lane\'s own compute: its tokens ÷ the sum of its forward-pass times")
     return (f'<div class="lane-score" data-side="{side.mode}"><span class="score"><b class="score-tpf">{tpf}</b> '
-            f'<small>tokens/forward</small></span><span class="score" title="tokens per second of this lane\'s own '
-            f'compute: its tokens ÷ the sum of its forward-pass times"><b class="score-tps">{tps}</b> '
+            f'<small>tokens/forward</small></span><span class="score" title="{tip}"><b class="score-tps">{tps}</b> '
             f'<small>tokens/s</small></span></div>')
+
+
+SLOWED_TIMES = ("slow motion: each forward ran after a pause, on a cold CPU, so this race's times are not this "
+                "machine's speed and are not shown")
 
 
 # ----------------------------------------------------------------------------- stats
@@ -219,6 +224,8 @@ def render_stats(sides: dict, measured: dict | None = None, ar_label: str = "AR"
             return f"{side.n_tokens}"
         if key == "tpf":
             return f"{side.tokens_per_forward:.2f}"
+        if key in ("tps", "time") and side.slowed > 1:
+            return f"<span title=\"{SLOWED_TIMES}\">slowed</span>"
         if key == "tps":
             return f"{side.tokens_per_s:.1f}"
         if key == "time":
@@ -264,7 +271,10 @@ def speedup_html(lane: str, side: SideRecord, ar: SideRecord, m=None, measuring:
     if m is not None:
         return _measured_html(lane, vid, label, word, cmp, m, (ar.forwards - 1, side.forwards - 1))
     race_ratio = ""
-    if done and side.compute_time > 0:
+    if side.slowed > 1:
+        race_ratio = (f"slow motion ×{side.slowed}: each forward ran after a pause, on a cold CPU, so this race's "
+                      f"times are not this machine's speed")
+    elif done and side.compute_time > 0:
         race_ratio = (f"this race, one run: {ar.compute_time / side.compute_time:.2f}× "
                       f"(AR time ÷ {label} time; noisy)")
     wait = measuring or ("the measured speedup follows the race" if not done else

@@ -27,7 +27,9 @@
     let n = 0, ms = 0;
     for (const c of shown) { n += Number(c.dataset.n || 0); ms += Number(c.dataset.ms || 0); }
     box.querySelector(".score-tpf").textContent = (n / shown.length).toFixed(2);
-    box.querySelector(".score-tps").textContent = ms > 0 ? (n / (ms / 1000)).toFixed(0) : "–";
+    // a slow-motion race's forwards ran after pauses, cold: the page quotes no tokens/s for them (render.py)
+    const slowed = Number(text.dataset.slowed || 1) > 1;
+    box.querySelector(".score-tps").textContent = ms > 0 && !slowed ? (n / (ms / 1000)).toFixed(0) : "–";
   }
 
   function apply() {

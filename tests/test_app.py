@@ -69,6 +69,15 @@ def test_race_ties_go_to_mars_and_the_survivor_runs_alone():
     assert order == ["mars", "ar", "ar", "ar"]
 
 
+def test_race_orders_by_the_given_cost_not_the_measured_time():
+    # slow motion's forwards run cold, so their measured times are uneven; the race then orders by each lane's
+    # warm cost: here MARS forwards measured 1 s but cost 3, AR's measured 5 s but cost 1: the order of the
+    # first test, not the measured one
+    lanes = {"mars": fake_stream([1, 1, 1], [], "mars"), "ar": fake_stream([5] * 7, [], "ar")}
+    order = [s for s, _ in race(lanes=lanes, cost=lambda lane, event: 3.0 if lane == "mars" else 1.0)]
+    assert order == ["mars", "ar", "ar", "ar", "mars", "ar", "ar", "ar", "mars", "ar"]
+
+
 def _record(events, mode="mars"):
     rec = SideRecord(mode.upper(), mode)
     for ev in events:

@@ -449,6 +449,55 @@ def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_m
     assert again.token_ids == state["mars"].token_ids
 
 
+def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny_mars, monkeypatch):
+    # Forwards that follow a pause run cold and unevenly (tiny-mars's up to 70× their time after ×50 pauses, and
+    # a pause proportional to that time fed back on itself), so slow motion pauses by each lane's warm time.
+    paces = {}
+    real_warm = generate.warm_costs
+
+    def warm(prompt, lanes, forwards=6):
+        paces.update(real_warm(prompt, lanes, forwards))
+        return paces
+    slept, ran, real_race = [], [], generate.race
+
+    def race(**kw):
+        for n, event in real_race(**kw):
+            ran.append((n, event.step, event.step_time))
+            yield n, event
+    monkeypatch.setattr(generate, "warm_costs", warm)
+    monkeypatch.setattr(generate, "race", race)
+    monkeypatch.setattr(generate.time, "sleep", slept.append)
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                           max_new_tokens=24, slow_motion="50", measure_after=False))
+    state, stats = last[-1], last[5]
+    assert set(paces) == {"ar", "verify", "mars"}
+    for n, pace in paces.items():   # timed back to back: each a small fraction of a second
+        assert 0 < pace.prompt_s < 1 and 0 < pace.step_s < 1, (n, pace)
+    # every forward is followed by its pause: 50 × its lane's warm cost, less the time the forward itself took
+    cost = {n: [paces[n].prompt_s if step == 0 else paces[n].step_s for m, step, _ in ran if m == n] for n in paces}
+    want = [max(0.0, 50 * (paces[n].prompt_s if step == 0 else paces[n].step_s) - took) for n, step, took in ran]
+    assert slept == pytest.approx(want) and len(slept) == sum(state[n].forwards for n in paces)
+    # and the lanes ran in the order of their warm costs (the lane with the least so far next; ties by lane order)
+    spent, order = {n: 0.0 for n in generate.LANES}, []
+    left = {n: list(c) for n, c in cost.items()}
+    while any(left.values()):
+        n = min((m for m in generate.LANES if left[m]), key=lambda m: (spent[m], generate.LANES.index(m)))
+        spent[n] += left[n].pop(0)
+        order.append(n)
+    assert order == [n for n, _, _ in ran]
+    # the lanes' times are cold, so the page shows no tokens/s, time or one-run ratio for them, and says why
+    for n in ("ar", "verify", "mars"):
+        assert state[n].slowed == 50
+        assert f"<td class='stat-tps-{n}'><span title" in stats and f"<td class='stat-time-{n}'><span title" in stats
+        assert 'class="score-tps">–<' in last[{"ar": 2, "verify": 3, "mars": 4}[n]]
+        assert 'data-slowed="50"' in last[{"ar": 2, "verify": 3, "mars": 4}[n]]
+    assert "this race, one run" not in stats and "slow motion ×50: each forward ran after a pause" in stats
+    # and a real-time race quotes them as before
+    outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                           max_new_tokens=24, measure_after=False))
+    assert "this race, one run" in last[5] and "slowed" not in last[5] and 'data-slowed="1"' in last[4]
+
+
 def test_empty_fields_are_named_not_shown_as_none(tmp_path):
     messages = []
     for args in ((SORT_PROMPT, None, False, 4, 32, 0.0), (SORT_PROMPT, 0.9, False, 4, None, 0.0)):
