@@ -36,7 +36,9 @@ def tokens_per_forward_figure(mars: SideRecord, verify: SideRecord | None = None
                                                    if means else "")
     fig.update_layout(title=title, xaxis_title="forward pass (step)",
                       yaxis_title="tokens committed", yaxis=dict(dtick=1, rangemode="tozero"), barmode="group",
-                      showlegend=len(lanes) > 1, legend=_LEGEND_BELOW, **_LAYOUT)
+                      # lower than the other plots' legends: this one has an axis title to clear (on a phone the
+                      # legend sat on it)
+                      showlegend=len(lanes) > 1, legend=dict(_LEGEND_BELOW, y=-0.36), **_LAYOUT)
     return fig
 
 
