@@ -83,6 +83,22 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
     return tagged(natural[:n_natural], structured[:n_structured])
 
 
+def categories_of(prompts: list[str], seed: int) -> list[str | None]:
+    """Each prompt's category in a sample dev_prompts drew with `seed` (the report's with REPORT_SEED): its natural
+    prompts are a prefix of the seed's natural order, the rest structured. For a devscore line written before the
+    line kept its categories; None where a prompt is in neither catalogue."""
+    from finetune.evals.natural import natural_prompts
+    from finetune.evals.natural import prompt_table as natural_table
+    from finetune.evals.structured import category_of
+
+    natural = natural_prompts("heldout", None, seed=seed) if seed == REPORT_SEED else development_natural(seed)
+    k = 0
+    while k < min(len(prompts), len(natural)) and prompts[k] == natural[k]:
+        k += 1
+    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
+    return [natural_cats[p] for p in prompts[:k]] + [cats.get(p) for p in prompts[k:]]
+
+
 def group_of(category: str) -> str:
     """'structured' for the five structured categories, else 'natural'."""
     from finetune.evals.structured import CATEGORIES
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"model": name, "dtype": args.dtype, "taus": taus,
                                     "seed": REPORT_SEED if args.report else args.seed,
-                                    "prompts": [p for _, p in items], **res}) + "\n")
+                                    "prompts": [p for _, p in items], "categories": [c for c, _ in items],
+                                    **res}) + "\n")
     return 0
 
 
