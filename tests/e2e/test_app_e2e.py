@@ -117,6 +117,14 @@ def test_moving_tau_mid_race_marks_the_change(page):
     marks = page.query_selector_all("#mars-pane .tau-mark")
     assert len(marks) == 1 and "0.60" in marks[0].inner_text()
     page.screenshot(path=str(ARTIFACTS / "tau-moved.png"), full_page=True)
+    # a slowed race's forwards ran after pauses, cold: no tokens/s or time of its own, live or replayed (the
+    # speedup timed again after it has no pauses)
+    assert page.inner_text("#mars-pane .score-tps") == "–"
+    assert page.inner_text(".stat-tps-mars") == page.inner_text(".stat-time-ar") == "slowed"
+    page.click("#replay-start")
+    page.click("#replay-step")
+    page.click("#replay-step")
+    assert page.inner_text("#mars-pane .score-tps") == "–" and page.inner_text("#mars-pane .score-tpf") != "–"
 
 
 @pytest.mark.slow
