@@ -106,7 +106,8 @@ def compare(base: dict, cand: dict, resamples: int = RESAMPLES, seed: int = 0) -
 
 def format_rows(base: str, cand: str, rows: list[dict]) -> str:
     lines = [f"candidate {cand} against {base}: difference (95% paired bootstrap interval)", "",
-             "| setting | group | n | tokens/forward | difference | equal to AR | difference |", "|---|---|---|---|---|---|---|"]
+             "| setting | group | n | tokens/forward | difference | equal to AR | difference |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         same = "—" if r["setting"] == "tree" else (f"{r['same_base']:.0%} → {r['same_cand']:.0%}")
         same_d = "—" if r["setting"] == "tree" else (f"{100 * r['same_diff']:+.1f} pts ({100 * r['same_lo']:+.1f} .. "
