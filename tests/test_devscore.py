@@ -88,3 +88,26 @@ def test_each_prompt_is_grouped_by_the_list_it_was_drawn_from(report):
     items = dev_prompts(48, 40, seed=1 if report else 77, report=report)
     groups = [group_of(c) for c, _ in items]
     assert groups == ["natural"] * 48 + ["structured"] * 40
+
+
+def test_a_fresh_draw_leaves_out_the_prompts_of_earlier_lines(tmp_path):
+    import json
+
+    from finetune.evals.devscore import excluded_prompts
+
+    seen = dev_prompts(10, 8, seed=77)
+    path = tmp_path / "seen.jsonl"
+    path.write_text(json.dumps({"model": "m", "prompts": [p for _, p in seen]}) + "\n\n")
+    fresh = dev_prompts(10, 8, seed=77, exclude=excluded_prompts([str(path)]))
+    assert not {p for _, p in fresh} & {p for _, p in seen}
+    # the next prompts of the same order, each group the size asked for
+    longer = dev_prompts(20, 16, seed=77)
+    assert fresh == longer[10:20] + longer[28:36]
+    with pytest.raises(ValueError, match="with --report"):
+        dev_prompts(4, 4, seed=1, report=True, exclude=frozenset(["x"]))
+    with pytest.raises(ValueError, match=r"--exclude .*:1: not a devscore --out line"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"model": "m"}\n')
+        excluded_prompts([str(bad)])
+    with pytest.raises(ValueError, match="no such file"):
+        excluded_prompts([str(tmp_path / "none.jsonl")])

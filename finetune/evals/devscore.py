@@ -49,9 +49,11 @@ def development_natural(seed: int) -> list[str]:
     return [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
 
 
-def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False) -> list[tuple[str, str]]:
+def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False,
+                exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(category, prompt) pairs: natural then structured held-out prompts of a development seed, none of them a
-    report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen)."""
+    report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen).
+    `exclude`: prompts left out as well (a fresh draw, disjoint from prompts already scored)."""
     from finetune.evals.natural import natural_prompts
     from finetune.evals.natural import prompt_table as natural_table
     from finetune.evals.structured import category_of, structured_prompts
@@ -64,6 +66,9 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
         return [(natural_cats[p], p) for p in natural] + [(cats[p], p) for p in structured]
 
     if report:
+        if exclude:
+            raise ValueError("--exclude with --report: the report sample is fixed (the report seed's first prompts); "
+                             "leave --exclude out")
         if max(n_natural, n_structured) > REPORT_RESERVE:
             raise ValueError(f"--report with --natural {n_natural} --structured {n_structured}: the report sample is "
                              f"at most {REPORT_RESERVE} of each (the prompts development samples leave out); ask for "
@@ -74,12 +79,13 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
                          "(77), or pass --report for the final report once every setting is chosen")
     reserve = report_reserve()
-    natural = development_natural(seed)
-    structured = [p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve]
+    natural = [p for p in development_natural(seed) if p not in exclude]
+    structured = [p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve and p not in exclude]
     for flag, n, pool in (("--natural", n_natural, natural), ("--structured", n_structured, structured)):
         if n > len(pool):
             raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "
-                             "report's are left out); ask for at most that many")
+                             f"report's{' and the excluded' if exclude else ''} are left out); ask for at most that "
+                             "many")
     return tagged(natural[:n_natural], structured[:n_structured])
 
 
@@ -154,6 +160,24 @@ def format_table(name: str, summary: dict, taus: list[float]) -> str:
     return "\n".join(lines)
 
 
+def excluded_prompts(paths: list[str]) -> frozenset[str]:
+    """Every prompt of the devscore --out files `paths` (all their lines)."""
+    prompts: set[str] = set()
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--exclude {path}: no such file; give a file written by devscore --out")
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.update(json.loads(line)["prompts"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--exclude {path}:{n}: not a devscore --out line (no prompts); give a file written "
+                                 "by devscore --out") from None
+    return frozenset(prompts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m finetune.evals.devscore", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", required=True, help="model name or folder (repeatable)")
@@ -168,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="", help="JSONL file to append one line per model to")
+    ap.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                    help="a devscore --out file whose prompts this draw leaves out (repeatable): a fresh draw")
     args = ap.parse_args(argv)
     taus = [float(t) for t in args.taus.split(",")]
-    items = dev_prompts(args.natural, args.structured, args.seed, args.report)
+    items = dev_prompts(args.natural, args.structured, args.seed, args.report, excluded_prompts(args.exclude))
     import torch
 
     from mars_core import load_model
@@ -187,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps({"model": name, "dtype": args.dtype, "taus": taus,
                                     "seed": REPORT_SEED if args.report else args.seed,
                                     "prompts": [p for _, p in items], "categories": [c for c, _ in items],
+                                    "excluded": args.exclude,
                                     **res}) + "\n")
     return 0
 
