@@ -322,6 +322,7 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
                 raise _Superseded
             page.sides[n].add(event, *words[n])
             if pace is not None:
+                page.sides[n].warm_time += pace[n].of(event)
                 time.sleep(max(0.0, slow * pace[n].of(event) - event.step_time))
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:

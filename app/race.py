@@ -98,6 +98,7 @@ class SideRecord:
     layout: str = "linear"     # verify: the draft layout (mars_core.decode.drafts)
     slowed: int = 1            # live slow motion's factor: >1 = its forwards ran after pauses, cold, so their
                                # times are not this machine's speed and the page does not quote them
+    warm_time: float = 0.0     # a slowed lane: the sum of its forwards' warm costs (app.generate.warm_costs)
 
     def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]
@@ -138,6 +139,11 @@ class SideRecord:
     @property
     def compute_time(self) -> float:
         return sum(s.step_time for s in self.steps)
+
+    @property
+    def round_time(self) -> float:
+        """What decoding this answer once takes on a warm CPU: its compute, or for a slowed lane its warm costs."""
+        return self.warm_time if self.slowed > 1 else self.compute_time
 
     @property
     def tokens_per_forward(self) -> float:

@@ -145,7 +145,8 @@ def measure_iter(lanes: dict, runs: dict[str, Callable[[], object]], ar_lm, lane
     and the time of one round); `runs` maps lane -> a function decoding the prompt once ("ar" among them).
     The repeats fit in about `budget_s`; `stop()`, asked after each repeat, ends them early (a new job is
     waiting): the measurements then have the repeats done and no bound."""
-    round_s = sum(lanes[n].compute_time for n in runs)
+    # a slowed race's own times are cold (app.generate.warm_costs): its warm costs size the repeats instead
+    round_s = sum(lanes[n].round_time for n in runs)
     repeats = repeats_within(round_s, budget_s, target_s, min_repeats)
     times, results = {n: [] for n in runs}, {}
     clock, clock_name = clock_for(lane_lm)
