@@ -21,7 +21,7 @@ from app import models, notices, plots, timing
 from app.machine import MACHINE, Machine, Turn, stop_at_forward, take_turn
 from app.inputs import (MAX_NEW_TOKENS, MAX_PROMPT_CHARS, SLOW_MOTION, TAU_MAX, TAU_MIN, check_criterion,  # noqa: F401
                         check_flag, check_inputs, check_seed, check_slow_motion, effective_tau, lenient)
-from app.race import LANE_LABELS, LANES, SideRecord, race
+from app.race import LANE_LABELS, LANES, SideRecord, WarmCost, race
 from app.race_settings import (FASTEST, LAYOUT_CHOICES, ONE_MASK, RaceInputs, RaceSettings,  # noqa: F401
                                fastest_lossless, lossless_candidates)
 from app.session import PAGES
@@ -310,7 +310,7 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
             yield page.show(f"◔ Timing each lane's forward without pauses, to pace slow motion ×{slow} …")
             pace = warm_costs(settings.prompt, lanes)
             for n in lanes:
-                page.sides[n].slowed = slow
+                page.sides[n].slowed, page.sides[n].pace = slow, pace[n]
         racing = race(lanes={n: mars_core.generate_stream(lane.lm, [settings.prompt], lane.cfg,
                                                           tau_control=lane.control)
                              for n, lane in lanes.items()},
@@ -322,7 +322,6 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
                 raise _Superseded
             page.sides[n].add(event, *words[n])
             if pace is not None:
-                page.sides[n].warm_time += pace[n].of(event)
                 time.sleep(max(0.0, slow * pace[n].of(event) - event.step_time))
             now = time.perf_counter()
             if now - last >= YIELD_EVERY_S:
@@ -332,16 +331,6 @@ def _stream_lanes(page: _Page, settings: RaceSettings, lanes: dict[str, _Lane], 
             page.sides[n].finished = True
     finally:
         PAGES.release(session, controls)
-
-
-@dataclass
-class WarmCost:
-    """A lane's forward time on a warm CPU: its prompt pass and (median) one later pass, in seconds."""
-    prompt_s: float
-    step_s: float
-
-    def of(self, event) -> float:
-        return self.prompt_s if event.step == 0 else self.step_s
 
 
 def warm_costs(prompt: str, lanes: dict[str, _Lane], forwards: int = 6) -> dict[str, WarmCost]:

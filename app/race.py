@@ -53,6 +53,17 @@ def race(*streams, **named) -> Iterator[tuple[str, object]]:
 
 
 @dataclass
+class WarmCost:
+    """A lane's forward time on a warm CPU: its prompt pass and (median) one later pass, in seconds."""
+    prompt_s: float
+    step_s: float
+
+    def of(self, step) -> float:
+        """The warm cost of a forward (a StepEvent or StepRecord: anything with its `step`)."""
+        return self.prompt_s if step.step == 0 else self.step_s
+
+
+@dataclass
 class StepRecord:
     """One forward pass of one lane, as the page shows it."""
     step: int
@@ -98,7 +109,7 @@ class SideRecord:
     layout: str = "linear"     # verify: the draft layout (mars_core.decode.drafts)
     slowed: int = 1            # live slow motion's factor: >1 = its forwards ran after pauses, cold, so their
                                # times are not this machine's speed and the page does not quote them
-    warm_time: float = 0.0     # a slowed lane: the sum of its forwards' warm costs (app.generate.warm_costs)
+    pace: WarmCost | None = None   # a slowed lane's warm forward costs (app.generate.warm_costs)
 
     def add(self, event, token_text: Callable[[int], str], decode: Callable[[list[int]], str] | None = None) -> None:
         row = event.rows[0]
@@ -143,7 +154,7 @@ class SideRecord:
     @property
     def round_time(self) -> float:
         """What decoding this answer once takes on a warm CPU: its compute, or for a slowed lane its warm costs."""
-        return self.warm_time if self.slowed > 1 else self.compute_time
+        return self.compute_time if self.pace is None else sum(self.pace.of(s) for s in self.steps)
 
     @property
     def tokens_per_forward(self) -> float:

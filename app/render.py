@@ -180,6 +180,10 @@ def render_chunks(side: SideRecord, placeholder: str = "") -> str:
             f'data-forwards="{side.forwards}" data-slowed="{side.slowed}">{body}{cursor}</div>{key}')
 
 
+SLOWED_TIMES = ("slow motion: each forward ran after a pause, on a cold CPU, so this race's times are not this "
+                "machine's speed and are not shown")
+
+
 def lane_score_html(side: SideRecord) -> str:
     """One lane's two big numbers: tokens per forward (tokens ÷ forwards, the prompt pass included, as in the
     stats table) and tokens per second of the lane's own compute (tokens ÷ the sum of its forward times). The
@@ -191,10 +195,6 @@ def lane_score_html(side: SideRecord) -> str:
     return (f'<div class="lane-score" data-side="{side.mode}"><span class="score"><b class="score-tpf">{tpf}</b> '
             f'<small>tokens/forward</small></span><span class="score" title="{tip}"><b class="score-tps">{tps}</b> '
             f'<small>tokens/s</small></span></div>')
-
-
-SLOWED_TIMES = ("slow motion: each forward ran after a pause, on a cold CPU, so this race's times are not this "
-                "machine's speed and are not shown")
 
 
 # ----------------------------------------------------------------------------- stats

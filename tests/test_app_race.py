@@ -478,7 +478,7 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
     want = [max(0.0, 50 * (paces[n].prompt_s if step == 0 else paces[n].step_s) - took) for n, step, took in ran]
     assert slept == pytest.approx(want) and len(slept) == sum(state[n].forwards for n in paces)
     for n in paces:   # what one decode of the lane takes warm: the repeats after a slowed race are sized by it
-        assert state[n].round_time == pytest.approx(sum(cost[n])) == pytest.approx(state[n].warm_time)
+        assert state[n].pace == paces[n] and state[n].round_time == pytest.approx(sum(cost[n]))
     # and the lanes ran in the order of their warm costs (the lane with the least so far next; ties by lane order)
     spent, order = {n: 0.0 for n in generate.LANES}, []
     left = {n: list(c) for n, c in cost.items()}
@@ -501,8 +501,8 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
     outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
                                            max_new_tokens=24, slow_motion="50"))
     state = last[-1]
-    warm = sum(state[n].warm_time for n in ("ar", "verify", "mars"))
-    assert warm == pytest.approx(sum(0.5 + 0.2 * (state[n].forwards - 1) for n in ("ar", "verify", "mars")))
+    warm = sum(0.5 + 0.2 * (state[n].forwards - 1) for n in ("ar", "verify", "mars"))
+    assert sum(state[n].round_time for n in ("ar", "verify", "mars")) == pytest.approx(warm)
     repeats = timing.repeats_within(warm)
     line = next(o[0] for o in outs if isinstance(o[0], str) and "timing again: repeat" in o[0])
     assert f"of {repeats} (the decoders alternating; about {warm * repeats:.0f} s in all)" in line, line

@@ -105,7 +105,7 @@ def test_a_fresh_draw_leaves_out_the_prompts_of_earlier_lines(tmp_path):
     assert fresh == longer[10:20] + longer[28:36]
     with pytest.raises(ValueError, match="with --report"):
         dev_prompts(4, 4, seed=1, report=True, exclude=frozenset(["x"]))
-    with pytest.raises(ValueError, match=r"--exclude .*:1: not a devscore --out line"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a devscore --out line \(no prompts\)"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"model": "m"}\n')
         excluded_prompts([str(bad)])

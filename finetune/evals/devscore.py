@@ -55,15 +55,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
     report prompt, or with `report` of the report seed (for the final report only, once the settings are chosen).
     `exclude`: prompts left out as well (a fresh draw, disjoint from prompts already scored)."""
     from finetune.evals.natural import natural_prompts
-    from finetune.evals.natural import prompt_table as natural_table
-    from finetune.evals.structured import category_of, structured_prompts
-
-    # A prompt text in both catalogues gets the category of the list it was drawn from: category_of() gives it the
-    # structured one, which filed a natural prompt under `code` and split the groups 47 / 41 for 48 / 40.
-    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
-
-    def tagged(natural: list[str], structured: list[str]) -> list[tuple[str, str]]:
-        return [(natural_cats[p], p) for p in natural] + [(cats[p], p) for p in structured]
+    from finetune.evals.structured import structured_prompts
 
     if report:
         if exclude:
@@ -73,7 +65,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
             raise ValueError(f"--report with --natural {n_natural} --structured {n_structured}: the report sample is "
                              f"at most {REPORT_RESERVE} of each (the prompts development samples leave out); ask for "
                              "fewer")
-        return tagged(natural_prompts("heldout", n_natural, seed=REPORT_SEED),
+        return _tagged(natural_prompts("heldout", n_natural, seed=REPORT_SEED),
                       structured_prompts("heldout", n_structured, seed=REPORT_SEED))
     if seed == REPORT_SEED:
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
@@ -86,7 +78,18 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
             raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "
                              f"report's{' and the excluded' if exclude else ''} are left out); ask for at most that "
                              "many")
-    return tagged(natural[:n_natural], structured[:n_structured])
+    return _tagged(natural[:n_natural], structured[:n_structured])
+
+
+def _tagged(natural: list[str], structured: list[str]) -> list[tuple[str | None, str]]:
+    """(category, prompt) pairs; None for a prompt its catalogue does not hold."""
+    from finetune.evals.natural import prompt_table as natural_table
+    from finetune.evals.structured import category_of
+
+    # A prompt text in both catalogues gets the category of the list it was drawn from: category_of() gives it the
+    # structured one, which filed a natural prompt under `code` and split the groups 47 / 41 for 48 / 40.
+    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
+    return [(natural_cats.get(p), p) for p in natural] + [(cats.get(p), p) for p in structured]
 
 
 def categories_of(prompts: list[str], seed: int) -> list[str | None]:
@@ -94,15 +97,12 @@ def categories_of(prompts: list[str], seed: int) -> list[str | None]:
     prompts are a prefix of the seed's natural order, the rest structured. For a devscore line written before the
     line kept its categories; None where a prompt is in neither catalogue."""
     from finetune.evals.natural import natural_prompts
-    from finetune.evals.natural import prompt_table as natural_table
-    from finetune.evals.structured import category_of
 
     natural = natural_prompts("heldout", None, seed=seed) if seed == REPORT_SEED else development_natural(seed)
     k = 0
     while k < min(len(prompts), len(natural)) and prompts[k] == natural[k]:
         k += 1
-    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
-    return [natural_cats[p] for p in prompts[:k]] + [cats.get(p) for p in prompts[k:]]
+    return [c for c, _ in _tagged(prompts[:k], prompts[k:])]
 
 
 def group_of(category: str) -> str:
@@ -160,22 +160,35 @@ def format_table(name: str, summary: dict, taus: list[float]) -> str:
     return "\n".join(lines)
 
 
+OUT_KEYS = ("model", "prompts", "answers", "tokens", "forwards")
+
+
+def read_out(path: str, keys: tuple[str, ...] = OUT_KEYS) -> list[dict]:
+    """The lines of a devscore --out file, each checked to hold `keys`; a bad one is named FILE:LINE."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file; give a file written by `python -m finetune.evals.devscore --out`")
+    lines = []
+    for n, text in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            rec = None
+        missing = [k for k in keys if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise ValueError(f"{path}:{n}: not a devscore --out line (no {', '.join(missing)}); give a file written "
+                             "by `python -m finetune.evals.devscore --out`")
+        lines.append(rec)
+    if not lines:
+        raise ValueError(f"{path}: empty; give a file written by `python -m finetune.evals.devscore --out`")
+    return lines
+
+
 def excluded_prompts(paths: list[str]) -> frozenset[str]:
     """Every prompt of the devscore --out files `paths` (all their lines)."""
-    prompts: set[str] = set()
-    for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--exclude {path}: no such file; give a file written by devscore --out")
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.update(json.loads(line)["prompts"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"--exclude {path}:{n}: not a devscore --out line (no prompts); give a file written "
-                                 "by devscore --out") from None
-    return frozenset(prompts)
+    return frozenset(p for path in paths for rec in read_out(path, ("prompts",)) for p in rec["prompts"])
 
 
 def main(argv: list[str] | None = None) -> int:

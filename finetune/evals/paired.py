@@ -14,9 +14,7 @@ its forwards; "equal to AR" is the share of answers identical to the same model'
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from pathlib import Path
 
 RESAMPLES = 2000
 GROUPS = ("all", "natural", "structured")
@@ -24,23 +22,16 @@ GROUPS = ("all", "natural", "structured")
 
 def read_scores(path: str, model: str | None = None) -> dict:
     """The devscore line for `model` in `path` (the only or, without `model`, the last line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file; give a file written by `python -m finetune.evals.devscore --out`")
-    lines = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for rec in lines:
-        missing = {"model", "prompts", "answers", "tokens", "forwards"} - set(rec)
-        if missing:
-            raise ValueError(f"{path}: a line without {', '.join(sorted(missing))}: not a devscore --out file")
-    if model is not None:
-        mine = [rec for rec in lines if rec["model"] == model]
-        if not mine:
-            raise ValueError(f"{path}: no line for model {model!r}; its models are "
-                             f"{', '.join(repr(rec['model']) for rec in lines)}")
-        lines = mine
-    if not lines:
-        raise ValueError(f"{path}: empty; give a file written by `python -m finetune.evals.devscore --out`")
-    return lines[-1]
+    from finetune.evals.devscore import read_out
+
+    lines = read_out(path)
+    if model is None:
+        return lines[-1]
+    mine = [rec for rec in lines if rec["model"] == model]
+    if not mine:
+        raise ValueError(f"{path}: no line for model {model!r}; its models are "
+                         f"{', '.join(repr(rec['model']) for rec in lines)}")
+    return mine[-1]
 
 
 def groups_of(rec: dict) -> dict[str, list[int]]:
