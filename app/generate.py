@@ -6,6 +6,8 @@ become a checked `RaceSettings`, then the models load, the lanes stream, and the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import time
 from dataclasses import dataclass
@@ -342,18 +344,26 @@ def warm_costs(prompt: str, lanes: dict[str, _Lane], forwards: int = 6) -> dict[
     fed back on itself. Pacing by these cold times would race the lanes at a ratio that is not the machine's.
     So each lane decodes its first `forwards` forward passes back to back, twice (the first round warms up),
     at the race's starting τ, and the second round's times are its pace: slow motion ×f shows every forward
-    for f × its warm time."""
+    for f × its warm time. A lane whose τ the slider moves is also timed at τ 1: ticking 'τ off' mid-race makes
+    its forwards one-position ones, AR's cost, and pacing those by the masked time would slow it unfairly."""
+    def timed(lm, cfg) -> tuple[float, float]:
+        times = []
+        for event in mars_core.generate_stream(lm, [prompt], cfg):
+            times.append(event.step_time)
+            if len(times) >= forwards or all(not r.active or r.done for r in event.rows):
+                break
+        later = sorted(times[1:]) or times
+        return times[0], later[len(later) // 2]
+
     costs = {}
-    for timed in (False, True):
+    for final in (False, True):
         for n, lane in lanes.items():
-            times = []
-            for event in mars_core.generate_stream(lane.lm, [prompt], lane.cfg):
-                times.append(event.step_time)
-                if len(times) >= forwards or all(not r.active or r.done for r in event.rows):
-                    break
-            if timed:
-                later = sorted(times[1:]) or times
-                costs[n] = WarmCost(times[0], later[len(later) // 2])
+            prompt_s, step_s = timed(lane.lm, lane.cfg)
+            one_s = None
+            if lane.control is not None and lane.cfg.tau < 1.0:
+                one_s = timed(lane.lm, dataclasses.replace(lane.cfg, tau=1.0))[1]
+            if final:
+                costs[n] = WarmCost(prompt_s, step_s, one_s)
     return costs
 
 

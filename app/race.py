@@ -54,13 +54,19 @@ def race(*streams, **named) -> Iterator[tuple[str, object]]:
 
 @dataclass
 class WarmCost:
-    """A lane's forward time on a warm CPU: its prompt pass and (median) one later pass, in seconds."""
+    """A lane's forward time on a warm CPU: its prompt pass and (median) one later pass, in seconds; for a lane
+    whose τ the slider moves, also a one-position pass (`one_s`: τ off appends no masks, so it costs AR's)."""
     prompt_s: float
     step_s: float
+    one_s: float | None = None
 
     def of(self, step) -> float:
-        """The warm cost of a forward (a StepEvent or StepRecord: anything with its `step`)."""
-        return self.prompt_s if step.step == 0 else self.step_s
+        """The warm cost of a forward (a StepEvent or StepRecord: anything with its `step` and `positions`)."""
+        if step.step == 0:
+            return self.prompt_s
+        if self.one_s is not None and getattr(step, "positions", 0) == 1:
+            return self.one_s
+        return self.step_s
 
 
 @dataclass

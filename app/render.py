@@ -415,6 +415,16 @@ def _proposals_html(side: SideRecord, s: StepRecord) -> str:
     return props_html
 
 
+def _step_time(side: SideRecord, s) -> str:
+    """A ledger step's time: what its forward took, or in a slowed race the warm time it was shown for (after a
+    pause the forward ran on a cold CPU, so its own time is not this machine's speed)."""
+    if side.slowed <= 1:
+        return f"{s.step_time * 1000:.1f} ms"
+    if side.pace is None:
+        return f"shown ×{side.slowed} slower"
+    return f"{side.pace.of(s) * 1000:.1f} ms warm, shown ×{side.slowed} slower"
+
+
 def _verify_ledger(side: SideRecord, k: int) -> str:
     s = side.steps[k]
     prev = side.steps[k - 1] if k > 0 else None
@@ -430,7 +440,7 @@ def _verify_ledger(side: SideRecord, k: int) -> str:
         why += f" The run ends here: {_FINISH.get(s.finish_reason, s.finish_reason)}."
     return (f"<div class='ledger'><div class='ledger-head'>{_esc(side.label)} · step {s.step} of "
             f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · confirmed {chain} of {len(checked)} drafts{alt} · "
-            f"committed {s.n_accepted} · {s.step_time * 1000:.1f} ms</div>{checked_html}{bonus}"
+            f"committed {s.n_accepted} · {_step_time(side, s)}</div>{checked_html}{bonus}"
             f"<div class='ledger-sub'>New mask proposals → drafts for step {s.step + 1}</div>{props_html}"
             f"<div class='why'>Why: {_esc(why)}</div></div>")
 
@@ -459,7 +469,7 @@ def render_ledger(side: SideRecord, step: int) -> str:
             f"<td>{_confbar(conf, s.tau)}</td><td>{verdict}</td></tr>")
     return (f"<div class='ledger'><div class='ledger-head'>{_esc(side.label)} · step {s.step} of "
             f"{len(side.steps) - 1} · τ = {_tau_text(s.tau)} · accepted {s.n_accepted} of {len(s.candidates)} · "
-            f"{s.step_time * 1000:.1f} ms</div>"
+            f"{_step_time(side, s)}</div>"
             f"<table><thead><tr><th>slot</th><th>predicted by the output at</th><th>candidate</th>"
             f"<th>confidence (| = τ)</th><th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             f"<div class='why'>Why: {_esc(stop_reason(s))}</div></div>")

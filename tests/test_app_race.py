@@ -449,6 +449,13 @@ def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_m
     assert again.token_ids == state["mars"].token_ids
 
 
+def _warm(pace, step: int, fed: int) -> float:
+    """A forward's warm cost by hand: the prompt pass, a one-position pass (τ off: no masks), or a later pass."""
+    if step == 0:
+        return pace.prompt_s
+    return pace.one_s if fed == 1 and pace.one_s is not None else pace.step_s
+
+
 def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny_mars, monkeypatch):
     # Forwards that follow a pause run cold and unevenly (tiny-mars's up to 70× their time after ×50 pauses, and
     # a pause proportional to that time fed back on itself), so slow motion pauses by each lane's warm time.
@@ -462,7 +469,7 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
 
     def race(**kw):
         for n, event in real_race(**kw):
-            ran.append((n, event.step, event.step_time))
+            ran.append((n, event.step, event.positions, event.step_time))
             yield n, event
     monkeypatch.setattr(generate, "warm_costs", warm)
     monkeypatch.setattr(generate, "race", race)
@@ -474,8 +481,8 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
     for n, pace in paces.items():   # timed back to back: each a small fraction of a second
         assert 0 < pace.prompt_s < 1 and 0 < pace.step_s < 1, (n, pace)
     # every forward is followed by its pause: 50 × its lane's warm cost, less the time the forward itself took
-    cost = {n: [paces[n].prompt_s if step == 0 else paces[n].step_s for m, step, _ in ran if m == n] for n in paces}
-    want = [max(0.0, 50 * (paces[n].prompt_s if step == 0 else paces[n].step_s) - took) for n, step, took in ran]
+    cost = {n: [_warm(paces[n], step, fed) for m, step, fed, _ in ran if m == n] for n in paces}
+    want = [max(0.0, 50 * _warm(paces[n], step, fed) - took) for n, step, fed, took in ran]
     assert slept == pytest.approx(want) and len(slept) == sum(state[n].forwards for n in paces)
     for n in paces:   # what one decode of the lane takes warm: the repeats after a slowed race are sized by it
         assert state[n].pace == paces[n] and state[n].round_time == pytest.approx(sum(cost[n]))
@@ -486,7 +493,7 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
         n = min((m for m in generate.LANES if left[m]), key=lambda m: (spent[m], generate.LANES.index(m)))
         spent[n] += left[n].pop(0)
         order.append(n)
-    assert order == [n for n, _, _ in ran]
+    assert order == [n for n, *_ in ran]
     # the lanes' times are cold, so the page shows no tokens/s, time or one-run ratio for them, and says why
     for n in ("ar", "verify", "mars"):
         assert state[n].slowed == 50
@@ -510,6 +517,52 @@ def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny
     outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
                                            max_new_tokens=24, measure_after=False))
     assert "this race, one run" in last[5] and "slowed" not in last[5] and 'data-slowed="1"' in last[4]
+
+
+def test_tau_off_in_a_slowed_race_paces_the_mars_lanes_by_a_one_position_forward(tiny_mars, monkeypatch):
+    # τ off mid-race: the MARS lanes append no masks, so their forwards cost AR's one-position forward. Paced by
+    # the masked cost they would crawl beside AR while doing AR's work, and the race would schedule them so.
+    monkeypatch.setattr(generate, "YIELD_EVERY_S", 0.0)
+    paces, slept, ran = {}, [], []
+    real_warm, real_race = generate.warm_costs, generate.race
+
+    def warm(prompt, lanes, forwards=6):
+        paces.update(real_warm(prompt, lanes, forwards))
+        return paces
+
+    def race(**kw):
+        for n, event in real_race(**kw):
+            ran.append((n, event.step, event.positions, event.step_time))
+            yield n, event
+    monkeypatch.setattr(generate, "warm_costs", warm)
+    monkeypatch.setattr(generate, "race", race)
+    monkeypatch.setattr(generate.time, "sleep", slept.append)
+
+    class Req:
+        session_hash = "tau-off-slowed"
+    gen = generate.run_race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
+                                                max_new_tokens=64, slow_motion="50", measure_after=False),
+                            request=Req())
+    while len(ran) < 9:   # a few forwards of each lane at τ 0.9
+        next(gen)
+    generate.set_tau(0.9, True, Req())
+    last = list(gen)[-1]
+    state = last[-1]
+    assert paces["ar"].one_s is None and paces["mars"].one_s is not None and paces["verify"].one_s is not None
+    assert 0 < paces["mars"].one_s < 1
+    off = [(step, fed) for n, step, fed, _ in ran if n == "mars" and fed == 1 and step > 0]
+    assert 1.0 in state["mars"].taus and 0.9 in state["mars"].taus and len(off) >= 3, (state["mars"].taus, off)
+    # every pause by hand: a τ-off forward of a MARS lane by its one-position warm cost
+    assert slept == pytest.approx([max(0.0, 50 * _warm(paces[n], step, fed) - took) for n, step, fed, took in ran])
+    assert state["mars"].round_time == pytest.approx(sum(_warm(paces["mars"], s.step, s.positions)
+                                                         for s in state["mars"].steps))
+    # the ledger of such a step gives the warm time it was shown for, not the cold time the forward took
+    k = next(k for k, s in enumerate(state["mars"].steps) if s.positions == 1 and s.step > 0)
+    head = render_ledger(state["mars"], k)
+    assert f"{paces['mars'].one_s * 1000:.1f} ms warm, shown ×50 slower" in head
+    assert f"{state['mars'].steps[k].step_time * 1000:.1f} ms<" not in head
+    head = render_ledger(state["mars"], 1)
+    assert f"{paces['mars'].step_s * 1000:.1f} ms warm, shown ×50 slower" in head
 
 
 def test_empty_fields_are_named_not_shown_as_none(tmp_path):
