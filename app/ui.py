@@ -206,9 +206,9 @@ def build_ui(default_model: str | None = None, runs_dir: str | Path = RUNS_DIR,
         with gr.Tabs():
             gen = _generate_tab(start_model)
             sweep = _explorer_tab(start_model)
-            lesson = _learn_tab()
+            lesson = _learn_tab(start_model)
             ft = _finetune_tab(jobs)
-        _wire_model_bar(demo, bar, gen, sweep, resolver)
+        _wire_model_bar(demo, bar, gen, sweep, lesson, resolver)
         _wire_notices(bar, gen, resolver)
         _wire_race(bar, gen, resolver)
         _wire_explorer(bar, sweep, resolver)
@@ -408,14 +408,16 @@ def _explorer_tab(start_model: str) -> SimpleNamespace:
     return sweep
 
 
-def _learn_tab() -> SimpleNamespace:
+def _learn_tab(start_model: str) -> SimpleNamespace:
     lesson = SimpleNamespace()
     with gr.Tab("Learn", id="learn"):
         with gr.Row():
             with gr.Column(scale=3):
                 with gr.Row():
                     lesson.mask_n = gr.Slider(2, 32, value=12, step=1, label="sequence length n")
-                    lesson.mask_b = gr.Slider(1, 8, value=4, step=1, label="block size B")
+                    # the model's B, as the race starts with: Learn's steps then match the race's
+                    lesson.mask_b = gr.Slider(1, 8, value=models.default_block_size(start_model), step=1,
+                                              label="block size B")
                 lesson.mask_plot = gr.Plot(label="training attention mask", elem_id="learn-mask")
             with gr.Column(scale=2):
                 gr.Markdown(learn.MASK_TEXT)
@@ -480,18 +482,18 @@ def _finetune_tab(jobs) -> SimpleNamespace:
 
 
 # ---------------------------------------------------------------------------------------------------- wiring
-def _wire_model_bar(demo, bar, gen, sweep, resolver: models.Resolver) -> None:
+def _wire_model_bar(demo, bar, gen, sweep, lesson, resolver: models.Resolver) -> None:
     model_inputs = [bar.model, bar.free]
     load = partial(generate.load_model_ui, resolver=resolver)
     # the handler's own "Loading …" line stands in for Gradio's timer text (show_progress hidden)
     bar.load_btn.click(load, model_inputs, bar.model_status, show_progress="hidden", api_name="load_model")
     # the examples (and the prompt, while it is an example of another model) follow the model
-    # τ and B (the race's and the sweep's) start at the model's measured defaults (models.DEFAULT_TAUS,
+    # τ and B (the race's, the sweep's and Learn's) start at the model's measured defaults (models.DEFAULT_TAUS,
     # DEFAULT_BLOCK_SIZES) whenever it changes
     for event in (bar.model.change, bar.free.submit):
         event(lambda choice, free: gr.update(value=models.default_tau(resolver.resolve_or_typed(choice, free))),
               model_inputs, gen.tau, **QUICK)
-        for slider in (gen.block_size, sweep.block_size):
+        for slider in (gen.block_size, sweep.block_size, lesson.mask_b):
             event(lambda choice, free: gr.update(value=models.default_block_size(resolver.resolve_or_typed(choice,
                                                                                                           free))),
                   model_inputs, slider, **QUICK)

@@ -160,13 +160,17 @@ def test_a_client_gets_the_races_answers_before_its_timing(client):
 
 
 def test_the_race_and_the_sweep_start_each_model_at_its_block_size_and_follow_a_model_change(tmp_path):
-    """smollm2-mars starts the race and the τ sweep at B = 3 (app.models.DEFAULT_BLOCK_SIZES), Learn's training-mask
-    and Finetune's B sliders and every other model at 4; changing the model (either field) moves both sliders."""
+    """smollm2-mars starts the race, the τ sweep and Learn (its mask and its steps) at B = 3
+    (app.models.DEFAULT_BLOCK_SIZES), Finetune's B (what a new run trains) and every other model at 4; changing the
+    model (either field) moves the three sliders, so Learn steps through what the race ran."""
     from app import models
     page = ui.build_ui("smollm2-mars", runs_dir=tmp_path)
     sliders = [b for b in page.blocks.values() if getattr(b, "label", None) == "block size B"]
     followers = [b for b in sliders if b.value == models.default_block_size("smollm2-mars") == 3]
-    assert len(followers) == 2 and sorted(b.value for b in sliders) == [3, 3, 4, 4]
+    assert len(followers) == 3 and sorted(b.value for b in sliders) == [3, 3, 3, 4]
+    learn_b = next(f.inputs[5] for f in page.fns.values()
+                   if getattr(getattr(f.fn, "func", f.fn), "__name__", "") == "one_step")   # its B input
+    assert learn_b in followers
     for slider in followers:
         follow = [f.fn for f in page.fns.values() if any(o._id == slider._id for o in f.outputs)]
         assert len(follow) == 2   # the model list's change and the free field's submit
