@@ -125,6 +125,8 @@ def test_moving_tau_mid_race_marks_the_change(page):
     page.click("#replay-step")
     page.click("#replay-step")
     assert page.inner_text("#mars-pane .score-tps") == "–" and page.inner_text("#mars-pane .score-tpf") != "–"
+    # and the step ledger gives the warm time each pass was shown for, not the cold time it took
+    assert "ms warm, shown ×50 slower" in page.inner_text("#ledger")
 
 
 @pytest.mark.slow
@@ -151,7 +153,10 @@ def test_learn_tab_lays_out_one_step(page):
     page.wait_for_selector("#learn-mask .js-plotly-plot")
     page.click("#learn-step-btn")
     page.wait_for_selector("#learn-step table")
-    assert len(page.query_selector_all("#learn-step tbody tr")) == 4   # B = 4 candidates
+    from app import models
+    from tests.e2e.conftest import MODEL
+    b = models.default_block_size(MODEL)   # Learn starts at the race's B for the model
+    assert len(page.query_selector_all("#learn-step tbody tr")) == b   # B candidates
     page.screenshot(path=str(ARTIFACTS / "learn.png"), full_page=True)
 
 
