@@ -224,6 +224,11 @@ def test_natural_sweep_rows(tiny_lm, problems):
         code = _direct(tiny_lm, he_ids, tau, 10)
         hits = [check(i, r.text) for i, r in zip(items, chk)]
         assert row["checkable_accuracy"] == sum(hits) / len(hits)
+        # each question and problem with its verdict, in the draw's order (what a paired comparison reads)
+        assert row["checkable_questions"] == [i.prompt for i in items]
+        assert row["checkable_correct"] == [int(h) for h in hits]
+        assert row["humaneval_tasks"] == [p["task_id"] for p in he]
+        assert row["humaneval_passed"] == [int(p["task_id"] == "HumanEval/0") for p in he]
         assert row["per_kind"] == {f"kind{j}": sum(hits[j::2]) / 3 for j in (0, 1)}
         assert row["tokens_per_forward_natural"] == pytest.approx(sum(r.tokens_per_forward for r in nat) / 4)
         assert row["natural_mean_new_tokens"] == sum(len(r.token_ids) for r in nat) / 4

@@ -97,3 +97,62 @@ def test_it_reads_what_devscore_writes():
         for setting in ("tau0.6", "tree"):
             assert rows[(setting, g)]["tpf_base"] == pytest.approx(res["summary"][g][f"{setting}_tpf"])
         assert rows[("tau0.6", g)]["same_base"] == pytest.approx(res["summary"][g]["tau0.6_same"])
+
+
+# ----------------------------------------------------------------------------- one-token quality (--quality)
+
+def quality_row(model, tau, correct, passed, questions=("q0", "q1", "q2", "q3"), tasks=("HumanEval/0", "HumanEval/1")):
+    return {"model": model, "tau": tau, "mode": "mars", "suite": "natural", "checkable_questions": list(questions),
+            "checkable_correct": list(correct), "checkable_accuracy": sum(correct) / len(correct),
+            "humaneval_tasks": list(tasks), "humaneval_passed": list(passed)}
+
+
+def test_quality_differences_are_the_candidates_accuracy_less_the_bases_question_by_question():
+    base = [quality_row("A", 1.0, [1, 0, 1, 1], [1, 0]), quality_row("A", 0.97, [1, 0, 1, 0], [1, 0])]
+    cand = [quality_row("B", 1.0, [1, 1, 1, 0], [1, 1]), quality_row("B", 0.9, [0, 0, 0, 0], [0, 0])]
+    rows = {(r["tau"], r["measure"]): r for r in paired.compare_quality(base, cand)}
+    assert set(rows) == {(1.0, "checkable"), (1.0, "HumanEval")}   # only the τ both have
+    chk, he = rows[(1.0, "checkable")], rows[(1.0, "HumanEval")]
+    assert (chk["n"], chk["base"], chk["cand"], chk["diff"]) == (4, 0.75, 0.75, 0.0)
+    assert (he["n"], he["base"], he["cand"], he["diff"]) == (2, 0.5, 1.0, 0.5)
+    # per question: one gained and one lost, so resamples spread both ways around 0
+    assert chk["lo"] < 0 < chk["hi"] and he["lo"] <= he["diff"] <= he["hi"]
+    itself = paired.compare_quality(base, base)
+    assert all(r["diff"] == r["lo"] == r["hi"] == 0 for r in itself)
+    text = paired.format_quality("A", "B", paired.compare_quality(base, cand))
+    assert "| 1 | mars | HumanEval | 2 | 50.0% → 100.0% | +50.0 pts" in text
+
+
+def test_quality_of_different_questions_or_old_rows_is_a_one_line_error(tmp_path):
+    base = [quality_row("A", 1.0, [1, 0, 1, 1], [1, 0])]
+    other = [quality_row("B", 1.0, [1, 0, 1, 1], [1, 0], questions=("q0", "q1", "q2", "x"))]
+    with pytest.raises(ValueError, match="were asked different checkable questions"):
+        paired.compare_quality(base, other)
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    (tmp_path / "b.json").write_text(json.dumps({"partial": True, "rows": other}))
+    proc = subprocess.run([sys.executable, "-m", "finetune.evals.paired", "--quality", str(tmp_path / "a.json"),
+                           str(tmp_path / "b.json")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "different checkable questions" in proc.stderr
+    old = [{k: v for k, v in base[0].items() if k not in ("checkable_correct", "humaneval_passed")}]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="no per-question verdicts"):
+        paired.read_quality(str(tmp_path / "old.json"))
+    (tmp_path / "two.json").write_text(json.dumps(base + [quality_row("C", 1.0, [0] * 4, [0, 0])]))
+    with pytest.raises(ValueError, match="holds 2 models"):
+        paired.read_quality(str(tmp_path / "two.json"))
+    assert paired.read_quality(str(tmp_path / "two.json"), "C")[0]["model"] == "C"
+
+
+def test_quality_reads_what_evaluate_writes(tmp_path):
+    from finetune.evals import evaluate
+
+    out = tmp_path / "q.json"
+    evaluate.main(["--suite", "natural", "--models", "tiny-mars", "--n-natural", "2", "--n-checkable", "6",
+                   "--humaneval", "0", "--taus", "1", "0.5", "--seed", "3", "--max-new-tokens", "8",
+                   "--json", str(out)])
+    rows = paired.read_quality(str(out))
+    compared = {r["tau"]: r for r in paired.compare_quality(rows, rows)}
+    assert set(compared) == {1.0, 0.5}
+    for r in rows:   # evaluate's own accuracy, recomputed from the verdicts it recorded
+        assert compared[r["tau"]]["base"] == pytest.approx(r["checkable_accuracy"])
+        assert len(r["checkable_correct"]) == len(r["checkable_questions"]) == 6

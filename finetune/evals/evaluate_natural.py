@@ -159,7 +159,7 @@ def natural_sweep(lm, prompts: list[str], items: list, problems: list[dict], tau
         passes, test_s = _humaneval_passes(problems, results["humaneval"], runner)
         answers = [r.token_ids for r in results["natural"] + results["checkable"]]
         reference = answers if reference is None else reference   # order puts τ = 1 first
-        row = _natural_row(results, passes, answers, reference, items)
+        row = _natural_row(results, passes, answers, reference, items, problems)
         row.update(_natural_row_settings(s, mode), model=s.model_name or lm.name, tau=tau,
                    tau_added=added and tau == 1.0,
                    decode_s_natural=seconds["natural"], decode_s_checkable=seconds["checkable"],
@@ -180,10 +180,15 @@ def _natural_row_settings(s: NaturalSweepSettings, mode: str) -> dict:
                 checkable_max_new_tokens=s.checkable_max_new_tokens, batch_size=s.batch_size)
 
 
-def _natural_row(results: dict, passes: list[bool], answers, reference, items) -> dict:
-    """The measured part of a natural row, from one τ's decoded results."""
+def _natural_row(results: dict, passes: list[bool], answers, reference, items, problems) -> dict:
+    """The measured part of a natural row, from one τ's decoded results. Each checkable question and HumanEval
+    problem is recorded with its verdict, so two models' rows of one draw compare question by question
+    (finetune.evals.paired --quality): 120 questions alone resolve a difference of about ±9 points."""
+    from finetune.evals.checkable import check
+
     natural, humaneval = results["natural"], results["humaneval"]
-    accuracy, per_kind = score_checkable(items, [r.text for r in results["checkable"]])
+    texts = [r.text for r in results["checkable"]]
+    accuracy, per_kind = score_checkable(items, texts)
     exact, prefix = agreement(answers, reference)
     return {
         "n_natural": len(natural), "tokens_per_forward_natural": mean_tokens_per_forward(natural),
@@ -197,6 +202,9 @@ def _natural_row(results: dict, passes: list[bool], answers, reference, items) -
         "n_checkable": len(items), "checkable_accuracy": accuracy, "per_kind": per_kind,
         "tokens_per_forward_checkable": mean_tokens_per_forward(results["checkable"]),
         "n_agreement": len(answers), "agreement_exact": exact, "agreement_prefix": prefix,
+        "checkable_questions": [i.prompt for i in items],
+        "checkable_correct": [int(check(i, t)) for i, t in zip(items, texts)],
+        "humaneval_tasks": [p["task_id"] for p in problems], "humaneval_passed": [int(x) for x in passes],
     }
 
 
@@ -210,6 +218,7 @@ NATURAL_ROW_KEYS = (
     "n_agreement", "agreement_exact", "agreement_prefix",
     "max_new_tokens", "checkable_max_new_tokens", "batch_size",
     "decode_s_natural", "decode_s_checkable", "decode_s_humaneval", "humaneval_test_s", "time_s",
+    "checkable_questions", "checkable_correct", "humaneval_tasks", "humaneval_passed",
 )
 
 

@@ -9,6 +9,10 @@ group, both models' numbers, the candidate's difference, and the 95% interval of
 resampled with replacement (the same resample for both models: paired, since a prompt that is easy for one is easy
 for the other). The numbers are devscore's own: tokens per forward is the mean over prompts of each answer's tokens ÷
 its forwards; "equal to AR" is the share of answers identical to the same model's τ = 1 answer.
+
+``python -m finetune.evals.paired --quality BASE.json CANDIDATE.json`` does the same for one-token quality: two
+`finetune.evals.evaluate --suite natural --json` files of one draw (the same --seed, --n-checkable, --humaneval),
+checkable accuracy and HumanEval pass@1 at each τ both rows have, question by question.
 """
 
 from __future__ import annotations
@@ -110,10 +114,78 @@ def format_rows(base: str, cand: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+QUALITY = (("checkable", "checkable_questions", "checkable_correct"),
+           ("HumanEval", "humaneval_tasks", "humaneval_passed"))   # (measure, its question ids, its 0/1 verdicts)
+
+
+def read_quality(path: str, model: str | None = None) -> list[dict]:
+    """The natural-suite rows of `model` (the file's only model when None) in an evaluate --json file, each with its
+    per-question verdicts."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as an evaluate --json file ({e})") from None
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: holds no evaluate rows: pass an evaluate --suite natural --json file")
+    rows = [r for r in rows if r.get("suite") == "natural"]
+    if rows and not any("checkable_correct" in r for r in rows):
+        raise ValueError(f"{path}: its rows have no per-question verdicts (written before 2026-12-07): run "
+                         "finetune.evals.evaluate again to compare question by question")
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if model is None and len(models) > 1:
+        raise ValueError(f"{path}: holds {len(models)} models ({', '.join(map(repr, models))}): pick one with "
+                         "--base-model / --candidate-model")
+    mine = [r for r in rows if r["model"] == (model if model is not None else (models or [None])[0])]
+    if not mine:
+        raise ValueError(f"{path}: no natural-suite row for model {model!r}; its models are "
+                         f"{', '.join(map(repr, models)) or 'none'}")
+    return mine
+
+
+def compare_quality(base: list[dict], cand: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> list[dict]:
+    """One row per (τ, mode) both have and measure (checkable, HumanEval): n, both accuracies, the difference and
+    its 95% paired interval."""
+    out = []
+    cand_at = {(r["tau"], r["mode"]): r for r in cand}
+    for b in base:
+        c = cand_at.get((b["tau"], b["mode"]))
+        if c is None:
+            continue
+        for name, ids, verdicts in QUALITY:
+            if not b.get(verdicts) or not c.get(verdicts):
+                continue
+            if b[ids] != c[ids]:
+                raise ValueError(f"{b['model']} and {c['model']} were asked different {name} questions: evaluate both "
+                                 "with the same --seed, --n-checkable and --humaneval (and --development)")
+            x, y = [float(v) for v in b[verdicts]], [float(v) for v in c[verdicts]]
+            d, lo, hi = paired_interval(x, y, list(range(len(x))), resamples, seed)
+            out.append({"tau": b["tau"], "mode": b["mode"], "measure": name, "n": len(x), "base": sum(x) / len(x),
+                        "cand": sum(y) / len(y), "diff": d, "lo": lo, "hi": hi})
+    if not out:
+        raise ValueError(f"{base[0]['model']} and {cand[0]['model']} share no τ with per-question verdicts: evaluate "
+                         "both with the same --taus")
+    return out
+
+
+def format_quality(base: str, cand: str, rows: list[dict]) -> str:
+    lines = [f"candidate {cand} against {base}: one-token quality, difference (95% paired bootstrap interval)", "",
+             "| τ | mode | measure | n | accuracy | difference |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tau']:g} | {r['mode']} | {r['measure']} | {r['n']} | {r['base']:.1%} → "
+                     f"{r['cand']:.1%} | {100 * r['diff']:+.1f} pts ({100 * r['lo']:+.1f} .. {100 * r['hi']:+.1f}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m finetune.evals.paired", description=__doc__.split("\n\n")[0])
-    ap.add_argument("base", help="devscore --out file of the model to compare against")
+    ap.add_argument("base", help="devscore --out file of the model to compare against (--quality: evaluate --json)")
     ap.add_argument("candidate", help="devscore --out file of the candidate (may be the same file with --*-model)")
+    ap.add_argument("--quality", action="store_true",
+                    help="compare two evaluate --suite natural --json files: checkable and HumanEval per τ")
     ap.add_argument("--base-model", default=None, help="which line of BASE (its model); default: the last")
     ap.add_argument("--candidate-model", default=None, help="which line of CANDIDATE (its model); default: the last")
     ap.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples (default 2000)")
@@ -121,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.resamples < 100:
         raise ValueError(f"--resamples {args.resamples}: use at least 100 (2000 gives stable 95% intervals)")
+    if args.quality:
+        base_rows = read_quality(args.base, args.base_model)
+        cand_rows = read_quality(args.candidate, args.candidate_model)
+        print(format_quality(base_rows[0]["model"], cand_rows[0]["model"],
+                             compare_quality(base_rows, cand_rows, args.resamples, args.seed)))
+        return 0
     base = read_scores(args.base, args.base_model)
     cand = read_scores(args.candidate, args.candidate_model)
     print(format_rows(base["model"], cand["model"], compare(base, cand, args.resamples, args.seed)))
