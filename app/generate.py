@@ -7,7 +7,6 @@ become a checked `RaceSettings`, then the models load, the lanes stream, and the
 from __future__ import annotations
 
 import dataclasses
-
 import re
 import time
 from dataclasses import dataclass
