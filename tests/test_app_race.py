@@ -449,6 +449,26 @@ def test_a_race_whose_tau_moved_is_timed_again_with_the_same_tau_schedule(tiny_m
     assert again.token_ids == state["mars"].token_ids
 
 
+def _record_slow_motion(monkeypatch) -> tuple[dict, list, list]:
+    """(the lanes' warm costs as measured, every pause, every forward as (lane, step, positions, time)), filled in
+    as a race runs; the pauses are recorded, not slept."""
+    paces, slept, ran = {}, [], []
+    real_warm, real_race = generate.warm_costs, generate.race
+
+    def warm(prompt, lanes, forwards=6):
+        paces.update(real_warm(prompt, lanes, forwards))
+        return paces
+
+    def race(**kw):
+        for n, event in real_race(**kw):
+            ran.append((n, event.step, event.positions, event.step_time))
+            yield n, event
+    monkeypatch.setattr(generate, "warm_costs", warm)
+    monkeypatch.setattr(generate, "race", race)
+    monkeypatch.setattr(generate.time, "sleep", slept.append)
+    return paces, slept, ran
+
+
 def _warm(pace, step: int, fed: int) -> float:
     """A forward's warm cost by hand: the prompt pass, a one-position pass (τ off: no masks), or a later pass."""
     if step == 0:
@@ -459,21 +479,7 @@ def _warm(pace, step: int, fed: int) -> float:
 def test_slow_motion_paces_by_each_lanes_warm_cost_and_quotes_no_cold_times(tiny_mars, monkeypatch):
     # Forwards that follow a pause run cold and unevenly (tiny-mars's up to 70× their time after ×50 pauses, and
     # a pause proportional to that time fed back on itself), so slow motion pauses by each lane's warm time.
-    paces = {}
-    real_warm = generate.warm_costs
-
-    def warm(prompt, lanes, forwards=6):
-        paces.update(real_warm(prompt, lanes, forwards))
-        return paces
-    slept, ran, real_race = [], [], generate.race
-
-    def race(**kw):
-        for n, event in real_race(**kw):
-            ran.append((n, event.step, event.positions, event.step_time))
-            yield n, event
-    monkeypatch.setattr(generate, "warm_costs", warm)
-    monkeypatch.setattr(generate, "race", race)
-    monkeypatch.setattr(generate.time, "sleep", slept.append)
+    paces, slept, ran = _record_slow_motion(monkeypatch)
     outs, last = _race(generate.RaceInputs(model="tiny-mars", prompt=SORT_PROMPT, tau=0.9, block_size=4,
                                            max_new_tokens=24, slow_motion="50", measure_after=False))
     state, stats = last[-1], last[5]
@@ -523,20 +529,7 @@ def test_tau_off_in_a_slowed_race_paces_the_mars_lanes_by_a_one_position_forward
     # τ off mid-race: the MARS lanes append no masks, so their forwards cost AR's one-position forward. Paced by
     # the masked cost they would crawl beside AR while doing AR's work, and the race would schedule them so.
     monkeypatch.setattr(generate, "YIELD_EVERY_S", 0.0)
-    paces, slept, ran = {}, [], []
-    real_warm, real_race = generate.warm_costs, generate.race
-
-    def warm(prompt, lanes, forwards=6):
-        paces.update(real_warm(prompt, lanes, forwards))
-        return paces
-
-    def race(**kw):
-        for n, event in real_race(**kw):
-            ran.append((n, event.step, event.positions, event.step_time))
-            yield n, event
-    monkeypatch.setattr(generate, "warm_costs", warm)
-    monkeypatch.setattr(generate, "race", race)
-    monkeypatch.setattr(generate.time, "sleep", slept.append)
+    paces, slept, ran = _record_slow_motion(monkeypatch)
 
     class Req:
         session_hash = "tau-off-slowed"
