@@ -111,3 +111,18 @@ def test_a_fresh_draw_leaves_out_the_prompts_of_earlier_lines(tmp_path):
         excluded_prompts([str(bad)])
     with pytest.raises(ValueError, match="no such file"):
         excluded_prompts([str(tmp_path / "none.jsonl")])
+
+
+def test_development_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws_stay_as_they_were():
+    from finetune.evals.devscore import development_natural, report_reserve
+    from finetune.evals.natural import HELDOUT_MORE, natural_prompts, prompt_table
+
+    reserve = report_reserve()
+    first = [p for p in natural_prompts("heldout", None, seed=77) if p not in reserve]
+    order = development_natural(77)
+    assert order[:len(first)] == first   # every draw made before the new prompts: a prefix, unchanged
+    assert order[len(first):] == natural_prompts(HELDOUT_MORE, None, seed=77)
+    # a fresh draw past the held-out prompts reaches the new ones, each with its category
+    items = dev_prompts(12, 0, seed=77, exclude=frozenset(first))
+    more = {p: c for c, _, p in prompt_table(HELDOUT_MORE)}
+    assert [(more[p], p) for _, p in items] == items and len({c for c, _ in items}) > 6

@@ -134,3 +134,21 @@ def test_the_shipped_natural_heldout_file_is_what_the_cli_writes(tmp_path):
     assert main(["--split", "heldout", "--n", "16", "--out", str(out)]) == 0
     assert shipped.read_bytes() == out.read_bytes()
     assert read_prompts(str(shipped)) == natural_prompts("heldout", 16)
+
+
+def test_the_heldout_more_split_is_new_prompts_on_heldout_subjects_only():
+    # development draws go on here once "heldout" is used up: the MORE templates on held-out subjects, so none of
+    # its prompts is a training prompt or asks about a subject a training prompt of its category mentions
+    from finetune.evals.natural import HELDOUT_MORE
+
+    table = prompt_table(HELDOUT_MORE)
+    prompts = [p for _, _, p in table]
+    assert len(prompts) > 2000 and len(set(prompts)) == len(prompts)
+    assert all(split_of(c, s) == "heldout" for c, s, _ in table)
+    assert len({c for c, _, _ in table}) == len(CATEGORIES)
+    trained = {p for split in SPLITS if split != "heldout" for _, _, p in prompt_table(split)}
+    heldout = {p for _, _, p in prompt_table("heldout")}
+    assert not set(prompts) & trained and not set(prompts) & heldout
+    train_subjects = {(c, s) for split in SPLITS if split != "heldout" for c, s, _ in prompt_table(split)}
+    assert not {(c, s) for c, s, _ in table} & train_subjects
+    assert natural_prompts(HELDOUT_MORE, 5, seed=1) == natural_prompts(HELDOUT_MORE, None, seed=1)[:5]

@@ -42,11 +42,14 @@ def report_reserve() -> set[str]:
 
 
 def development_natural(seed: int) -> list[str]:
-    """A development seed's whole order of held-out natural prompts, without the report's (report_reserve)."""
-    from finetune.evals.natural import natural_prompts
+    """A development seed's whole order of held-out natural prompts, without the report's (report_reserve): the
+    "heldout" split's, then the "heldout-more" split's (drawn once the first are used up; appended, so every
+    earlier draw, a prefix, is unchanged)."""
+    from finetune.evals.natural import HELDOUT_MORE, natural_prompts
 
     reserve = report_reserve()
-    return [p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+    return ([p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
+            + natural_prompts(HELDOUT_MORE, None, seed=seed))
 
 
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False,
@@ -88,7 +91,10 @@ def _tagged(natural: list[str], structured: list[str]) -> list[tuple[str | None,
 
     # A prompt text in both catalogues gets the category of the list it was drawn from: category_of() gives it the
     # structured one, which filed a natural prompt under `code` and split the groups 47 / 41 for 48 / 40.
-    natural_cats, cats = {p: c for c, _, p in natural_table("heldout")}, category_of()
+    from finetune.evals.natural import HELDOUT_MORE
+
+    natural_cats = {p: c for split in ("heldout", HELDOUT_MORE) for c, _, p in natural_table(split)}
+    cats = category_of()
     return [(natural_cats.get(p), p) for p in natural] + [(cats.get(p), p) for p in structured]
 
 

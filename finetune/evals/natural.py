@@ -19,6 +19,11 @@ and changes neither of the other splits (their prompts, order and seeds are what
 and every earlier run stay comparable. "more2" is the same again with the MORE2 templates, after v3 used "more",
 "more3" with the MORE3 templates, after v3.1 used "more2", "more4" with the MORE4 templates, after v3.5 used
 "more3", and "more5" with the MORE5 templates, for the round after that.
+
+"heldout-more" is more held-out prompts, for development draws after "heldout" is used up (by 2026-12-07 four
+fresh draws had scored all but 7 of its development prompts): the MORE..MORE5 templates on the held-out subjects.
+No training split holds a held-out subject, so these too ask about subjects no training prompt of their category
+mentions; `finetune.evals.devscore` draws them after the "heldout" ones, so every earlier draw is what it was.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from finetune.evals.natural_more import MORE, MORE2, MORE3, MORE4, MORE5
 HELDOUT_PERCENT = 15
 SPLITS = ("train", "heldout", "more", "more2", "more3", "more4", "more5")
 MORE_SPLITS = SPLITS[2:]   # the extra training splits, in the order they were added
+HELDOUT_MORE = "heldout-more"   # development prompts after "heldout": the MORE templates on held-out subjects
 
 # ----------------------------------------------------------------------------- subjects
 
@@ -348,8 +354,10 @@ def split_of(category: str, subject: str) -> str:
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order ("more": the MORE templates
     on the train subjects)."""
+    if split == HELDOUT_MORE:
+        return [row for more in MORE_SPLITS for row in _catalogue(more=more) if split_of(row[0], row[1]) == "heldout"]
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use one of those")
+        raise ValueError(f"split={split!r} is not one of {SPLITS + (HELDOUT_MORE,)}; use one of those")
     if split in MORE_SPLITS:
         return [row for row in _catalogue(more=split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
@@ -389,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m finetune.evals.natural", description=main.__doc__)
-    ap.add_argument("--split", choices=SPLITS, default="train")
+    ap.add_argument("--split", choices=SPLITS + (HELDOUT_MORE,), default="train")
     ap.add_argument("--n", type=int, default=None, help="how many prompts (default: the whole split)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="text file to write")
