@@ -86,7 +86,7 @@ TEACHING_PROMPTS = list(TEACHING_FACTS)
 
 # The τ the page starts each model at. tiny-mars: 0.9, where its answers on the task suite stay AR's.
 # smollm2-mars (v3.6): 0.97, where its lossy answers to every teaching prompt are AR's in fp32, w8a8 and w8a16 and, on
-# 352 development prompts nobody had chosen on, 91% of its answers are AR's and one loops, at 1.36 tokens per forward
+# the 352 development prompts it was chosen on, 91% of its answers are AR's and one loops, at 1.36 tokens per forward
 # (v3.5's cut there: 91%, 2 loops, 1.34; docs/experiments/training-smollm2.md, "v3.6: halfway between v3.5 and its
 # second round").
 DEFAULT_TAUS: dict[str, float] = {"smollm2-mars": 0.97}

@@ -86,13 +86,12 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
 
 def _tagged(natural: list[str], structured: list[str]) -> list[tuple[str | None, str]]:
     """(category, prompt) pairs; None for a prompt its catalogue does not hold."""
+    from finetune.evals.natural import HELDOUT_MORE
     from finetune.evals.natural import prompt_table as natural_table
     from finetune.evals.structured import category_of
 
     # A prompt text in both catalogues gets the category of the list it was drawn from: category_of() gives it the
     # structured one, which filed a natural prompt under `code` and split the groups 47 / 41 for 48 / 40.
-    from finetune.evals.natural import HELDOUT_MORE
-
     natural_cats = {p: c for split in ("heldout", HELDOUT_MORE) for c, _, p in natural_table(split)}
     cats = category_of()
     return [(natural_cats.get(p), p) for p in natural] + [(cats.get(p), p) for p in structured]

@@ -88,6 +88,22 @@ def row_key(row: dict) -> tuple:
     return tuple(row.get(k) for k in ROW_KEYS)
 
 
+def read_rows(path: str | Path, label: str, fix: str) -> tuple[list[dict], bool]:
+    """(rows, partial) of an evaluate --json file: the finished list, or a stopped run's {"partial": true,
+    "rows": [...]}. A file that is neither is a ValueError naming `label` and saying `fix`."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{label} cannot be read as evaluate rows ({e}): {fix}") from None
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        return data["rows"], bool(data.get("partial"))
+    if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        return data, False
+    raise ValueError(f"{label} holds no evaluate rows: {fix}")
+
+
 class RowLog:
     """The rows of one evaluate run as they finish. With --json FILE every finished row is saved at once,
     atomically, as {"partial": true, "rows": [...]}, so a stop loses at most the row in progress; the finished
@@ -110,20 +126,9 @@ class RowLog:
 
     def _read(self) -> tuple[list[dict], bool] | None:
         """(rows, partial) of an existing FILE; None when there is none."""
-        import json
-
         if self.path is None or not self.path.is_file():
             return None
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"--json {str(self.path)!r} cannot be read as evaluate rows ({e}): remove it or pass "
-                             "another file") from None
-        if isinstance(data, dict) and isinstance(data.get("rows"), list):
-            return data["rows"], bool(data.get("partial"))
-        if isinstance(data, list) and all(isinstance(r, dict) for r in data):
-            return data, False
-        raise ValueError(f"--json {str(self.path)!r} holds no evaluate rows: remove it or pass another file")
+        return read_rows(self.path, f"--json {str(self.path)!r}", "remove it or pass another file")
 
     def check(self, **expected) -> None:
         """Refuse to resume rows measured with other settings (a row mixing them would mean nothing)."""

@@ -121,16 +121,9 @@ QUALITY = (("checkable", "checkable_questions", "checkable_correct"),
 def read_quality(path: str, model: str | None = None) -> list[dict]:
     """The natural-suite rows of `model` (the file's only model when None) in an evaluate --json file, each with its
     per-question verdicts."""
-    import json
-    from pathlib import Path
+    from finetune.evals.evaluate_common import read_rows
 
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read as an evaluate --json file ({e})") from None
-    rows = data.get("rows") if isinstance(data, dict) else data
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: holds no evaluate rows: pass an evaluate --suite natural --json file")
+    rows, _ = read_rows(path, path, "pass a file written by finetune.evals.evaluate --suite natural --json")
     rows = [r for r in rows if r.get("suite") == "natural"]
     if rows and not any("checkable_correct" in r for r in rows):
         raise ValueError(f"{path}: its rows have no per-question verdicts (written before 2026-12-07): run "
