@@ -505,7 +505,9 @@ def test_the_status_symbols_render_as_glyphs_not_boxes(page):
 
 
 # Asks for more than the answer cap, so a race's answer runs to max new tokens.
-LONG_PROMPT = "Write a long, detailed essay about the history of the printing press, with many examples."
+# smollm2-mars v3.6 ends its printing-press essay after 82 tokens (a repeat then took 3 s, too short beside a 1.2 s
+# start latency); AR's story fills all 400 (4.4 s alone in w8a8 on one thread; a repeat took 12.5 s here)
+LONG_PROMPT = "Write a story of at least 1000 words about a lighthouse keeper."
 # Natural prompts of a class demo (issue 32 found the lossless lane off AR's answer on such prompts in bf16).
 NATURAL_PROMPTS = ("Explain in two sentences what photosynthesis is.",
                    "What is the difference between a virus and a bacterium? Answer briefly.")
