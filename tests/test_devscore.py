@@ -126,3 +126,19 @@ def test_development_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws
     items = dev_prompts(12, 0, seed=77, exclude=frozenset(first))
     more = {p: c for c, _, p in prompt_table(HELDOUT_MORE)}
     assert [(more[p], p) for _, p in items] == items and len({c for c, _ in items}) > 6
+
+
+def test_structured_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws_stay_as_they_were():
+    from finetune.evals.devscore import development_structured, report_reserve
+    from finetune.evals.structured import HELDOUT_MORE, prompt_table, structured_prompts
+
+    reserve = report_reserve()
+    first = [p for p in structured_prompts("heldout", None, seed=77) if p not in reserve]
+    order = development_structured(77)
+    assert order[:len(first)] == first   # every draw made before the new prompts: a prefix, unchanged
+    assert order[len(first):] == structured_prompts(HELDOUT_MORE, None, seed=77)
+    assert [p for _, p in dev_prompts(0, 30, seed=77)] == first[:30]
+    # a fresh draw past the held-out prompts reaches the new ones, each with its category, all five in ten
+    items = dev_prompts(0, 10, seed=77, exclude=frozenset(first))
+    more = {p: c for c, _, p in prompt_table(HELDOUT_MORE)}
+    assert [(more[p], p) for _, p in items] == items and len({c for c, _ in items}) == 5

@@ -185,3 +185,31 @@ def test_the_checker_knows_the_answers_of_the_more_prompts():
     x, y = (int(v) for v in work[len("Work out "):-1].split(" - "))
     assert check_answer(work, f"{x} - {y} = {x - y}.") is None
     assert check_answer(work, f"{x} - {y} = {x - y + 2}.") == f"want {x - y}, wrote {x - y + 2}"
+
+
+def test_the_heldout_more_split_is_new_prompts_on_heldout_subjects_only():
+    # development draws go on here once "heldout" is used up: the later sets' templates on held-out subjects, so none
+    # of its prompts is a training prompt of either catalogue or asks about a subject a training prompt mentions
+    from finetune.evals.natural import SPLITS as NATURAL_SPLITS
+    from finetune.evals.natural import prompt_table as natural_table
+    from finetune.evals.natural import split_of
+    from finetune.evals.structured import HELDOUT_MORE, SPLITS, check_answer
+
+    table = prompt_table(HELDOUT_MORE)
+    prompts = [p for _, _, p in table]
+    assert len(prompts) > 1500 and len(set(prompts)) == len(prompts)
+    assert all(split_of(c, s) == "heldout" for c, s, _ in table)
+    assert {c for c, _, _ in table} == set(CATEGORIES)
+    trained = ({p for split in SPLITS if split != "heldout" for _, _, p in prompt_table(split)}
+               | {p for split in NATURAL_SPLITS if split != "heldout" for _, _, p in natural_table(split)})
+    heldout = {p for _, _, p in prompt_table("heldout")}
+    assert not set(prompts) & trained and not set(prompts) & heldout
+    train_subjects = {(c, s) for split in SPLITS if split != "heldout" for c, s, _ in prompt_table(split)}
+    assert not {(c, s) for c, s, _ in table} & train_subjects
+    assert structured_prompts(HELDOUT_MORE, 5, seed=1) == structured_prompts(HELDOUT_MORE, None, seed=1)[:5]
+    # every prompt is tagged with its category, and the checker knows the sums it asks for
+    tags = category_of()
+    assert all(tags[p] == c for c, _, p in table)
+    subject, add = next((s, p) for c, s, p in table if c == "arithmetic" and s.startswith("+"))
+    x, y = (int(v) for v in subject[1:].split(","))
+    assert check_answer(add, f"{x} + {y} = {x + y}") is None and check_answer(add, str(x + y + 1)) is not None

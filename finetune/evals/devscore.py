@@ -52,6 +52,15 @@ def development_natural(seed: int) -> list[str]:
             + natural_prompts(HELDOUT_MORE, None, seed=seed))
 
 
+def development_structured(seed: int) -> list[str]:
+    """The same for the structured prompts: the "heldout" split's without the report's, then "heldout-more"'s."""
+    from finetune.evals.structured import HELDOUT_MORE, structured_prompts
+
+    reserve = report_reserve()
+    return ([p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve]
+            + structured_prompts(HELDOUT_MORE, None, seed=seed))
+
+
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False,
                 exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(category, prompt) pairs: natural then structured held-out prompts of a development seed, none of them a
@@ -73,9 +82,8 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
     if seed == REPORT_SEED:
         raise ValueError(f"--seed {seed} is the report seed: development scores must not use it; pick another "
                          "(77), or pass --report for the final report once every setting is chosen")
-    reserve = report_reserve()
     natural = [p for p in development_natural(seed) if p not in exclude]
-    structured = [p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve and p not in exclude]
+    structured = [p for p in development_structured(seed) if p not in exclude]
     for flag, n, pool in (("--natural", n_natural, natural), ("--structured", n_structured, structured)):
         if n > len(pool):
             raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "

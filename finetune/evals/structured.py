@@ -13,6 +13,11 @@ catalogue (`finetune.evals.natural`) has few of them, so smollm2-mars v3 adds th
 Splits work as in `finetune.evals.natural`: a (category, subject) key whose stable hash falls in the lowest
 HELDOUT_PERCENT buckets is "heldout", so held-out prompts ask about subjects no training prompt of that category
 mentions. Development and report prompts come from "heldout" with different seeds.
+
+"heldout-more" is more held-out prompts, for development draws after "heldout" is used up (by 2026-12-07 five fresh
+draws had scored all but 16 of its development prompts): the "more".."more3" templates and numbers on held-out
+subjects. No training split holds a held-out subject, so these too ask about subjects no training prompt of their
+category mentions; `finetune.evals.devscore` draws them after the "heldout" ones, so every earlier draw is unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
 SPLITS = ("train", "heldout", "more", "more2", "more3")
+HELDOUT_MORE = "heldout-more"   # development prompts after "heldout": the later sets' templates on held-out subjects
 
 SEQUENCES = [
     "days of the week", "months of the year", "planets of the solar system", "colours of the rainbow",
@@ -238,8 +244,10 @@ def _catalogue(more: str = "") -> list[tuple[str, str, str]]:
 
 def prompt_table(split: str) -> list[tuple[str, str, str]]:
     """All (category, subject, prompt) of one split, in the catalogue's fixed order."""
+    if split == HELDOUT_MORE:
+        return [row for more in _SETS[1:] for row in _catalogue(more) if split_of(row[0], row[1]) == "heldout"]
     if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not one of {SPLITS}; use one of those")
+        raise ValueError(f"split={split!r} is not one of {SPLITS + (HELDOUT_MORE,)}; use one of those")
     if split in _SETS[1:]:
         return [row for row in _catalogue(split) if split_of(row[0], row[1]) == "train"]
     return [row for row in _catalogue() if split_of(row[0], row[1]) == split]
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m finetune.evals.structured", description=main.__doc__)
-    ap.add_argument("--split", choices=SPLITS, default="train")
+    ap.add_argument("--split", choices=SPLITS + (HELDOUT_MORE,), default="train")
     ap.add_argument("--n", type=int, default=None, help="how many prompts (default: the whole split)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="text file to write")
