@@ -113,32 +113,25 @@ def test_a_fresh_draw_leaves_out_the_prompts_of_earlier_lines(tmp_path):
         excluded_prompts([str(tmp_path / "none.jsonl")])
 
 
-def test_development_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws_stay_as_they_were():
-    from finetune.evals.devscore import development_natural, report_reserve
-    from finetune.evals.natural import HELDOUT_MORE, natural_prompts, prompt_table
+@pytest.mark.parametrize("kind", ["natural", "structured"])
+def test_development_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws_stay_as_they_were(kind):
+    import importlib
 
-    reserve = report_reserve()
-    first = [p for p in natural_prompts("heldout", None, seed=77) if p not in reserve]
-    order = development_natural(77)
+    from finetune.evals import devscore
+
+    catalogue = importlib.import_module(f"finetune.evals.{kind}")
+    draw = getattr(catalogue, f"{kind}_prompts")
+    reserve = devscore.report_reserve()
+    first = [p for p in draw("heldout", None, seed=77) if p not in reserve]
+    order = getattr(devscore, f"development_{kind}")(77)
     assert order[:len(first)] == first   # every draw made before the new prompts: a prefix, unchanged
-    assert order[len(first):] == natural_prompts(HELDOUT_MORE, None, seed=77)
-    # a fresh draw past the held-out prompts reaches the new ones, each with its category
-    items = dev_prompts(12, 0, seed=77, exclude=frozenset(first))
-    more = {p: c for c, _, p in prompt_table(HELDOUT_MORE)}
-    assert [(more[p], p) for _, p in items] == items and len({c for c, _ in items}) > 6
-
-
-def test_structured_draws_go_on_into_the_heldout_more_prompts_and_earlier_draws_stay_as_they_were():
-    from finetune.evals.devscore import development_structured, report_reserve
-    from finetune.evals.structured import HELDOUT_MORE, prompt_table, structured_prompts
-
-    reserve = report_reserve()
-    first = [p for p in structured_prompts("heldout", None, seed=77) if p not in reserve]
-    order = development_structured(77)
-    assert order[:len(first)] == first   # every draw made before the new prompts: a prefix, unchanged
-    assert order[len(first):] == structured_prompts(HELDOUT_MORE, None, seed=77)
-    assert [p for _, p in dev_prompts(0, 30, seed=77)] == first[:30]
-    # a fresh draw past the held-out prompts reaches the new ones, each with its category, all five in ten
-    items = dev_prompts(0, 10, seed=77, exclude=frozenset(first))
-    more = {p: c for c, _, p in prompt_table(HELDOUT_MORE)}
-    assert [(more[p], p) for _, p in items] == items and len({c for c, _ in items}) == 5
+    assert order[len(first):] == draw(catalogue.HELDOUT_MORE, None, seed=77)
+    sizes = (12, 0) if kind == "natural" else (0, 12)
+    assert [p for _, p in dev_prompts(*sizes, seed=77)] == first[:12]
+    # a fresh draw past the held-out prompts reaches the new ones, each with its category (more than five natural
+    # categories in twelve prompts; all five structured ones)
+    items = dev_prompts(*sizes, seed=77, exclude=frozenset(first))
+    more = {p: c for c, _, p in catalogue.prompt_table(catalogue.HELDOUT_MORE)}
+    assert [(more[p], p) for _, p in items] == items
+    categories = {c for c, _ in items}
+    assert (len(categories) > 6) if kind == "natural" else (len(categories) == 5)
