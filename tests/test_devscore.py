@@ -75,7 +75,7 @@ def test_the_report_sample_cannot_outgrow_the_prompts_development_leaves_out():
 
     with pytest.raises(ValueError, match=f"at most {REPORT_RESERVE} of each"):
         dev_prompts(REPORT_RESERVE + 1, 2, seed=0, report=True)
-    with pytest.raises(ValueError, match="--natural 10000: the held-out split has"):
+    with pytest.raises(ValueError, match="--natural 10000: the held-out splits have"):
         dev_prompts(10000, 2, seed=77)
 
 

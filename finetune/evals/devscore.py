@@ -41,24 +41,26 @@ def report_reserve() -> set[str]:
             | set(structured_prompts("heldout", REPORT_RESERVE, seed=REPORT_SEED)))
 
 
+def _development(draw, held_out_more: str, seed: int) -> list[str]:
+    """A development seed's whole order of one catalogue's held-out prompts (`draw`: natural_prompts or
+    structured_prompts): the "heldout" split's without the report's (report_reserve), then the `held_out_more`
+    split's (drawn once the first are used up; appended, so every earlier draw, a prefix, is unchanged)."""
+    reserve = report_reserve()
+    return [p for p in draw("heldout", None, seed=seed) if p not in reserve] + draw(held_out_more, None, seed=seed)
+
+
 def development_natural(seed: int) -> list[str]:
-    """A development seed's whole order of held-out natural prompts, without the report's (report_reserve): the
-    "heldout" split's, then the "heldout-more" split's (drawn once the first are used up; appended, so every
-    earlier draw, a prefix, is unchanged)."""
+    """A development seed's whole order of held-out natural prompts (_development)."""
     from finetune.evals.natural import HELDOUT_MORE, natural_prompts
 
-    reserve = report_reserve()
-    return ([p for p in natural_prompts("heldout", None, seed=seed) if p not in reserve]
-            + natural_prompts(HELDOUT_MORE, None, seed=seed))
+    return _development(natural_prompts, HELDOUT_MORE, seed)
 
 
 def development_structured(seed: int) -> list[str]:
-    """The same for the structured prompts: the "heldout" split's without the report's, then "heldout-more"'s."""
+    """The same for the structured prompts."""
     from finetune.evals.structured import HELDOUT_MORE, structured_prompts
 
-    reserve = report_reserve()
-    return ([p for p in structured_prompts("heldout", None, seed=seed) if p not in reserve]
-            + structured_prompts(HELDOUT_MORE, None, seed=seed))
+    return _development(structured_prompts, HELDOUT_MORE, seed)
 
 
 def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = False,
@@ -86,7 +88,7 @@ def dev_prompts(n_natural: int, n_structured: int, seed: int, report: bool = Fal
     structured = [p for p in development_structured(seed) if p not in exclude]
     for flag, n, pool in (("--natural", n_natural, natural), ("--structured", n_structured, structured)):
         if n > len(pool):
-            raise ValueError(f"{flag} {n}: the held-out split has {len(pool)} development prompts of that kind (the "
+            raise ValueError(f"{flag} {n}: the held-out splits have {len(pool)} development prompts of that kind (the "
                              f"report's{' and the excluded' if exclude else ''} are left out); ask for at most that "
                              "many")
     return _tagged(natural[:n_natural], structured[:n_structured])

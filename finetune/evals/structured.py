@@ -26,12 +26,11 @@ import random
 
 from finetune.evals.natural import CATEGORIES as NATURAL_CATEGORIES
 from finetune.evals.natural import SPLITS as NATURAL_SPLITS
-from finetune.evals.natural import PYTHON_TASKS, TOPICS, WORDS, split_of, write_prompt_file
+from finetune.evals.natural import HELDOUT_MORE, PYTHON_TASKS, TOPICS, WORDS, split_of, write_prompt_file
 from finetune.evals.natural import prompt_table as natural_table
 
 CATEGORIES = ("enumerate", "arithmetic", "code", "definition", "format")
 SPLITS = ("train", "heldout", "more", "more2", "more3")
-HELDOUT_MORE = "heldout-more"   # development prompts after "heldout": the later sets' templates on held-out subjects
 
 SEQUENCES = [
     "days of the week", "months of the year", "planets of the solar system", "colours of the rainbow",
